@@ -1,0 +1,93 @@
+// `scaletrain run`: the torchrun-compatible launcher (src/base/launch.cpp does the work).
+
+#include <sstream>
+
+#include "commands.h"
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
+
+namespace scaletrain::cli {
+namespace {
+
+std::vector<int> parse_rank_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      size_t used = 0;
+      out.push_back(std::stoi(item, &used));
+      if (used != item.size()) throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      throw UsageError("--ranks-filter '" + s + "': '" + item +
+                       "' is not a rank; give comma-separated ranks, e.g. 0,3");
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand(
+      "run", "Start the workers of a program on this node, torchrun-style: "
+             "scaletrain run [options] -- PROGRAM [ARGS...]");
+  struct Args {
+    LaunchOptions o;
+    std::string nproc = "1";
+    std::string ranks_filter;
+  };
+  auto args = std::make_shared<Args>();
+  auto& o = args->o;
+  cmd->add_option("--nproc-per-node,--nproc_per_node", args->nproc,
+                  "Workers on this node: a number, or 'auto' (one per GPU, else one per core)")
+      ->capture_default_str();
+  cmd->add_option("--nnodes", o.nnodes, "Number of nodes")->capture_default_str();
+  cmd->add_option("--node-rank,--node_rank", o.node_rank, "This node's rank, 0 .. nnodes-1")
+      ->capture_default_str();
+  cmd->add_option("--master-addr,--master_addr", o.master_addr,
+                  "Address of node 0, which hosts the rendezvous store")
+      ->capture_default_str();
+  cmd->add_option("--master-port,--master_port", o.master_port,
+                  "Port of the rendezvous store; 0 picks a free one (single node)")
+      ->capture_default_str();
+  cmd->add_option("--max-restarts,--max_restarts", o.max_restarts,
+                  "Restart the whole worker group up to this many times after a failure")
+      ->capture_default_str();
+  cmd->add_option("--run-id,--run_id", o.run_id,
+                  "Job id checked at rendezvous (default: random on one node, 'none' on several)");
+  cmd->add_option("--rdzv-timeout,--rdzv_timeout", o.rdzv_timeout_s,
+                  "Seconds the workers wait for every rank at rendezvous")
+      ->capture_default_str();
+  cmd->add_option("--log-dir,--log_dir", o.log_dir,
+                  "Keep each rank's output in DIR/attempt_K/rank_R.{stdout,stderr}");
+  cmd->add_option("--ranks-filter,--local-ranks-filter", args->ranks_filter,
+                  "Show only these ranks' output on the terminal, e.g. 0 or 0,3");
+  cmd->add_flag("--quiet", o.quiet, "Show no worker output on the terminal (logs are kept)");
+  cmd->add_option("--grace-period", o.grace_period_s,
+                  "Seconds between SIGTERM and SIGKILL when stopping workers")
+      ->capture_default_str();
+  cmd->add_option("command", o.command, "The program and its arguments (after --)")
+      ->required();
+  cmd->callback([args, &action] {
+    action = [args] {
+      LaunchOptions opts = args->o;
+      if (args->nproc == "auto") {
+        opts.nproc_per_node = auto_nproc_per_node();
+      } else {
+        try {
+          size_t used = 0;
+          opts.nproc_per_node = std::stoi(args->nproc, &used);
+          if (used != args->nproc.size()) throw std::invalid_argument(args->nproc);
+        } catch (const std::exception&) {
+          throw UsageError("--nproc-per-node '" + args->nproc + "' is not a number or 'auto'");
+        }
+      }
+      if (!args->ranks_filter.empty()) opts.show_ranks = parse_rank_list(args->ranks_filter);
+      validate(opts);
+      return launch(opts);
+    };
+  });
+}
+
+}  // namespace scaletrain::cli

@@ -1,0 +1,16 @@
+#pragma once
+// Each subcommand of the `scaletrain` tool registers itself on the CLI11 app and leaves the
+// action to run once parsing succeeded. Actions return the process exit status.
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace scaletrain::cli {
+
+using Action = std::function<int()>;
+
+void add_run_command(CLI::App& app, Action& action);
+void add_check_command(CLI::App& app, Action& action);
+
+}  // namespace scaletrain::cli

@@ -1,0 +1,41 @@
+# Third-party dependencies. LibTorch comes from the project's virtual environment (.venv, made by
+# scripts/setup.sh) unless the user points Torch_DIR or CMAKE_PREFIX_PATH at another LibTorch.
+file(GLOB _venv_torch_cmake "${CMAKE_SOURCE_DIR}/.venv/lib/python3*/site-packages/torch/share/cmake")
+if(_venv_torch_cmake AND NOT Torch_DIR)
+  list(APPEND CMAKE_PREFIX_PATH ${_venv_torch_cmake})
+endif()
+if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+  set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA architectures for our own CUDA code")
+endif()
+find_package(Torch REQUIRED)
+find_package(Threads REQUIRED)
+
+# Is this LibTorch built with CUDA? Then every CUDA path of ours compiles and links, even on a
+# machine without a GPU; it only runs where one exists.
+set(SCALETRAIN_HAVE_CUDA OFF)
+if(TARGET torch_cuda OR EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so")
+  set(SCALETRAIN_HAVE_CUDA ON)
+endif()
+message(STATUS "scaletrain: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA: ${SCALETRAIN_HAVE_CUDA}")
+
+# Runtime search path: LibTorch's own libraries, the CUDA libraries the pip wheels add to the
+# venv (nvidia/*/lib), and the CUDA toolkit's. Binaries then run without LD_LIBRARY_PATH.
+file(GLOB _nvidia_libs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+set(SCALETRAIN_RPATH "${TORCH_INSTALL_PREFIX}/lib" ${_nvidia_libs})
+foreach(_d /usr/local/cuda/lib64 /usr/local/cuda/lib)
+  if(EXISTS ${_d})
+    list(APPEND SCALETRAIN_RPATH ${_d})
+  endif()
+endforeach()
+set(CMAKE_BUILD_RPATH ${SCALETRAIN_RPATH})
+set(CMAKE_INSTALL_RPATH ${SCALETRAIN_RPATH})
+
+# gloo headers (Debian's libgloo-dev) for c10d's ProcessGroupGloo declaration.
+find_path(GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
+# nccl.h for c10d's ProcessGroupNCCL declaration.
+find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ${CUDAToolkit_INCLUDE_DIRS})
+
+find_package(CLI11 REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(ZLIB REQUIRED)

@@ -1,0 +1,59 @@
+#pragma once
+// Process-group bootstrap: rendezvous through a c10d TCPStore on the master, then a c10d
+// backend — Gloo for CPU tensors, NCCL for CUDA tensors.
+//
+//   auto dist = scaletrain::init_process_group();          // reads the world from the env
+//   std::vector<at::Tensor> t{at::ones({4})};
+//   dist.backend->allreduce(t)->wait();
+//
+// Rendezvous (Note [Rendezvous]): rank 0 hosts the store. Every process first checks that the
+// store serves its own run id (a process of another job that reaches the same port is refused
+// with an error), then announces its rank. Rank 0 waits for all ranks up to
+// rendezvous_timeout and names the ranks that never arrived; the others wait for rank 0's go.
+// Two processes claiming one rank are refused too.
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "scaletrain/world.h"
+
+namespace scaletrain {
+
+struct InitOptions {
+  /// "gloo", "nccl", or "auto": NCCL when CUDA is usable, else Gloo.
+  std::string backend = "auto";
+  /// A collective that waits longer than this fails with an error naming it and the rank.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  /// How long rendezvous waits for every rank. SCALETRAIN_RDZV_TIMEOUT (seconds), which
+  /// `scaletrain run --rdzv-timeout` sets, overrides it.
+  std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
+  /// The world; by default discover_world() reads it from the environment.
+  std::optional<World> world;
+};
+
+/// A joined process group. Holds the store and the backend alive; copyable (shared handles).
+struct Dist {
+  World world;
+  std::string backend_name;  // "gloo" or "nccl"
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+
+  int rank() const { return world.rank; }
+  int size() const { return world.world_size; }
+};
+
+/// Joins the job's process group. Throws Error (run id mismatch, missing ranks after the
+/// rendezvous timeout, duplicate rank, unknown backend, NCCL without CUDA) with the rank and
+/// the fix in the message.
+Dist init_process_group(const InitOptions& options = {});
+
+/// Makes one more backend over the same store (e.g. Gloo beside NCCL), with its own key prefix.
+c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,
+                                              const std::string& prefix,
+                                              std::chrono::milliseconds timeout);
+
+}  // namespace scaletrain

@@ -1,0 +1,51 @@
+#pragma once
+// The launcher behind `scaletrain run`: starts the workers of one node, gives each the
+// environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+// MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), prefixes and keeps their output, and tears the
+// whole group down as soon as one worker fails.
+//
+// Contract: launch() blocks until every worker has exited; no worker outlives it (each worker
+// gets SIGKILL when the launcher dies, via PR_SET_PDEATHSIG, and lives in its own process
+// group, which teardown signals). Not thread-safe: it installs SIGINT/SIGTERM/SIGCHLD handlers
+// for its duration and restores the old ones afterwards.
+
+#include <string>
+#include <vector>
+
+namespace scaletrain {
+
+struct LaunchOptions {
+  std::vector<std::string> command;  // the program and its arguments
+  int nproc_per_node = 1;            // workers on this node
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;         // 0: pick a free port (single node only)
+  int max_restarts = 0;            // restart the failed group as a whole up to this many times
+  std::string run_id;              // empty: random on one node, "none" on several
+  double rdzv_timeout_s = 300;     // passed to workers as SCALETRAIN_RDZV_TIMEOUT
+  std::string log_dir;             // when set: <log_dir>/attempt_<k>/rank_<r>.{stdout,stderr}
+  std::vector<int> show_ranks;     // ranks whose output reaches the terminal; empty: all
+  bool quiet = false;              // show no worker output at all (logs are still kept)
+  double grace_period_s = 5;       // SIGTERM, then SIGKILL after this long
+  int tail_lines = 20;             // error-output lines quoted in the failure summary
+};
+
+/// Checks the options and resolves the automatic ones (free port, run id). Throws UsageError
+/// naming the bad value and the fix: nproc < 1, node_rank >= nnodes, a busy port, a program
+/// that does not exist... Starts nothing.
+void validate(LaunchOptions& options);
+
+/// Runs the job (validate() first). Returns the launcher's exit status: 0 when every worker
+/// of some attempt exited 0; 1 when the group failed more than max_restarts times; 128+N when
+/// the launcher itself got signal N.
+int launch(const LaunchOptions& options);
+
+/// The default worker count for `--nproc-per-node auto`: one per visible NVIDIA GPU, else the
+/// number of CPU cores (at most 8).
+int auto_nproc_per_node();
+
+/// A TCP port that was free on this host a moment ago.
+int pick_free_port();
+
+}  // namespace scaletrain

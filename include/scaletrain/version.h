@@ -1,0 +1,18 @@
+#pragma once
+// Versions of scaletrain and of the LibTorch it was built against.
+
+#include <string>
+
+namespace scaletrain {
+
+/// scaletrain's version, "MAJOR.MINOR.PATCH".
+std::string version();
+
+/// The LibTorch version scaletrain was built against, e.g. "2.11.0".
+std::string libtorch_version();
+
+/// Whether LibTorch was built with CUDA, and how many GPUs are visible now (0 without one).
+bool built_with_cuda();
+int cuda_device_count();
+
+}  // namespace scaletrain

@@ -1,0 +1,203 @@
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef SCALETRAIN_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "scaletrain/dist.h"
+#include "scaletrain/error.h"
+#include "scaletrain/version.h"
+
+namespace scaletrain {
+namespace {
+
+using std::chrono::milliseconds;
+
+std::string where(const World& w) {
+  return w.master_addr + ":" + std::to_string(w.master_port);
+}
+
+std::string seconds(milliseconds t) {
+  std::ostringstream s;
+  s << static_cast<double>(t.count()) / 1000.0 << " s";
+  return s.str();
+}
+
+// The local address this host uses to reach the master: the interface Gloo should listen on.
+// Connecting a UDP socket sends nothing; it only asks the kernel for a route.
+std::string local_address_towards(const std::string& master_addr, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(master_addr.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 ||
+      res == nullptr) {
+    throw Error("cannot resolve master address '" + master_addr +
+                "'; set MASTER_ADDR (or --master-addr) to a host name or IPv4 address of rank 0");
+  }
+  std::string out = "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char buf[INET_ADDRSTRLEN] = {};
+      if (inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf)) != nullptr) out = buf;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(res);
+  return out;
+}
+
+milliseconds rendezvous_timeout(const InitOptions& o) {
+  if (const char* s = std::getenv("SCALETRAIN_RDZV_TIMEOUT")) {
+    char* end = nullptr;
+    double v = std::strtod(s, &end);
+    if (*end != '\0' || v <= 0) {
+      throw UsageError(std::string("SCALETRAIN_RDZV_TIMEOUT='") + s +
+                       "' is not a positive number of seconds");
+    }
+    return milliseconds(static_cast<long>(v * 1000));
+  }
+  return o.rendezvous_timeout;
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(w.master_port);
+  o.isServer = w.rank == 0;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
+  } catch (const std::exception& e) {
+    if (w.rank == 0) {
+      throw Error("rank 0 could not serve the rendezvous store on " + where(w) + ": " + e.what() +
+                  "\nThe port may be taken by another job: choose another --master-port "
+                  "(MASTER_PORT), or 0 to let `scaletrain run` pick a free one.");
+    }
+    throw Error("rank " + std::to_string(w.rank) + " could not reach the rendezvous store at " +
+                where(w) + " within " + seconds(timeout) + ": " + e.what() +
+                "\nCheck that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it.");
+  }
+}
+
+// Note [Rendezvous]: see dist.h. Keys live under "scaletrain/rdzv/".
+void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
+  const std::string p = "scaletrain/rdzv/";
+  const std::string me = "rank " + std::to_string(w.rank);
+  if (w.rank == 0) store.set(p + "run_id", w.run_id);
+  try {
+    store.wait({p + "run_id"}, timeout);
+  } catch (const std::exception&) {
+    throw Error(me + ": the store at " + where(w) + " did not say which run it serves within " +
+                seconds(timeout) + "; is rank 0 of run '" + w.run_id + "' alive?");
+  }
+  auto raw = store.get(p + "run_id");
+  std::string served(raw.begin(), raw.end());
+  if (served != w.run_id) {
+    throw Error(me + " of run '" + w.run_id + "' reached the store at " + where(w) +
+                ", which serves run '" + served +
+                "': refusing to join another job. Give each job its own --master-port, or the "
+                "same --run-id on every node of one job.");
+  }
+  int64_t claims = store.add(p + "rank/" + std::to_string(w.rank), 1);
+  if (claims > 1) {
+    throw Error(me + " of run '" + w.run_id + "' is claimed by more than one process at " +
+                where(w) + "; every process needs its own RANK (check --node-rank on each node)");
+  }
+  if (w.rank == 0) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < w.world_size; ++r) keys.push_back(p + "rank/" + std::to_string(r));
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!store.check(keys)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string missing;
+        int n = 0;
+        for (int r = 0; r < w.world_size; ++r) {
+          if (!store.check({keys[r]})) {
+            missing += (n++ ? ", " : "") + std::to_string(r);
+          }
+        }
+        throw Error("rendezvous of run '" + w.run_id + "' at " + where(w) + " timed out after " +
+                    seconds(timeout) + ": " + std::to_string(n) + " of " +
+                    std::to_string(w.world_size) + " ranks never arrived (ranks " + missing +
+                    "). Start them, check --nnodes/--nproc-per-node on every node, or raise "
+                    "--rdzv-timeout.");
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    store.set(p + "go", "1");
+  } else {
+    try {
+      store.wait({p + "go"}, timeout);
+    } catch (const std::exception&) {
+      throw Error(me + ": rendezvous of run '" + w.run_id + "' at " + where(w) +
+                  " did not complete within " + seconds(timeout) +
+                  ": rank 0 is still waiting for other ranks, or has died. Check the other "
+                  "nodes, or raise --rdzv-timeout.");
+    }
+  }
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,
+                                              const std::string& prefix, milliseconds timeout) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, dist.store);
+  const World& w = dist.world;
+  if (backend == "gloo") {
+    auto opts = c10d::ProcessGroupGloo::Options::create();
+    opts->timeout = timeout;
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
+          local_address_towards(w.master_addr, w.master_port)));
+    }
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, w.rank, w.world_size, opts);
+  }
+  if (backend == "nccl") {
+#ifdef SCALETRAIN_WITH_NCCL
+    if (cuda_device_count() == 0) {
+      throw Error("rank " + std::to_string(w.rank) +
+                  ": backend 'nccl' needs a CUDA GPU and none is visible; use backend 'gloo' "
+                  "(or 'auto') on CPU");
+    }
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, w.rank, w.world_size, opts);
+#else
+    throw Error("backend 'nccl' is not available: this scaletrain was built without CUDA");
+#endif
+  }
+  throw UsageError("unknown backend '" + backend + "'; use 'gloo', 'nccl' or 'auto'");
+}
+
+Dist init_process_group(const InitOptions& options) {
+  Dist d;
+  d.world = options.world ? *options.world : discover_world();
+  d.backend_name = options.backend;
+  if (d.backend_name == "auto") d.backend_name = cuda_device_count() > 0 ? "nccl" : "gloo";
+  if (d.backend_name != "gloo" && d.backend_name != "nccl") {
+    throw UsageError("unknown backend '" + options.backend + "'; use 'gloo', 'nccl' or 'auto'");
+  }
+  auto timeout = rendezvous_timeout(options);
+  d.store = connect_store(d.world, timeout);
+  rendezvous(*d.store, d.world, timeout);
+  d.backend = new_backend(d, d.backend_name, "default_pg", options.timeout);
+  return d;
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,28 @@
+#include <torch/version.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "scaletrain/version.h"
+
+namespace scaletrain {
+
+std::string version() { return SCALETRAIN_VERSION; }
+
+std::string libtorch_version() { return TORCH_VERSION; }
+
+bool built_with_cuda() {
+#ifdef SCALETRAIN_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+  // Asks the CUDA device-guard implementation LibTorch registered, which exists only when
+  // libtorch_cuda is loaded; it reports 0 devices on a machine without a GPU.
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return 0;
+  return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount());
+}
+
+}  // namespace scaletrain

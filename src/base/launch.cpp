@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -44,6 +45,30 @@ void on_signal(int sig) {
   char c = static_cast<char>(sig);
   [[maybe_unused]] auto n = write(g_signal_pipe[1], &c, 1);
   errno = saved;
+}
+
+// Note [Guardian]: each worker runs under a tiny guardian process, the leader of the worker's
+// process group. When the launcher dies, even by SIGKILL, the kernel sends the guardian
+// SIGUSR2 (PR_SET_PDEATHSIG), and the guardian kills the whole group: the program and anything
+// it started. Otherwise the guardian waits for the program and exits the way it did.
+void on_launcher_death(int) { killpg(0, SIGKILL); }
+
+int relay_exit_of(pid_t prog) {
+  int status = 0;
+  while (waitpid(prog, &status, 0) < 0) {
+    if (errno != EINTR) return 126;
+  }
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    rlimit no_core{0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    signal(sig, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    kill(getpid(), sig);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 126;
 }
 
 bool program_exists(const std::string& prog) {
@@ -180,21 +205,30 @@ void Group::spawn(Worker& w) {
   pid_t pid = fork();
   if (pid < 0) throw Error(fmt::format("fork failed for rank {}: {}", w.rank, strerror(errno)));
   if (pid == 0) {
-    // Child: own process group (teardown signals it whole), dies with the launcher.
+    // Child: the worker's guardian (Note [Guardian]). It leads the worker's own process group
+    // (teardown signals the group whole) and dies with the launcher.
     setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(137);
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGCHLD, SIG_DFL);
+    dup2(out[1], STDOUT_FILENO);
+    dup2(err[1], STDERR_FILENO);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    dup2(out[1], STDOUT_FILENO);
-    dup2(err[1], STDERR_FILENO);
-    execvpe(argv[0], argv.data(), envp.data());
-    dprintf(STDERR_FILENO, "cannot execute '%s': %s\n", argv[0], strerror(errno));
-    _exit(127);
+    signal(SIGCHLD, SIG_DFL);
+    signal(SIGINT, SIG_IGN);   // the group's SIGINT/SIGTERM are for the program
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGUSR2, on_launcher_death);
+    prctl(PR_SET_PDEATHSIG, SIGUSR2);
+    if (getppid() != parent) on_launcher_death(SIGUSR2);
+    pid_t prog = fork();
+    if (prog == 0) {
+      signal(SIGINT, SIG_DFL);
+      signal(SIGTERM, SIG_DFL);
+      signal(SIGUSR2, SIG_DFL);
+      execvpe(argv[0], argv.data(), envp.data());
+      dprintf(STDERR_FILENO, "cannot execute '%s': %s\n", argv[0], strerror(errno));
+      _exit(127);
+    }
+    _exit(prog < 0 ? 126 : relay_exit_of(prog));
   }
   setpgid(pid, pid);  // also from the parent, so that kill_all never misses it
   close(out[1]);

@@ -1,0 +1,48 @@
+# scaletrain — the two commands of the README:
+#   make run    installs what is missing, builds, runs the main job
+#   make test   installs what is missing, builds, runs every test
+SHELL := /bin/bash
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+CTEST_FLAGS ?=
+
+.PHONY: all setup configure build run test asan-test bench gpu-check format tidy clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+configure: setup
+	@[ -f $(BUILD)/build.ninja ] || cmake -S . -B $(BUILD) -G Ninja $(CMAKE_FLAGS)
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# The main job: two local processes join one process group and verify its collectives.
+run: build
+	$(BUILD)/scaletrain run --nproc-per-node 2 --master-port 0 -- $(BUILD)/scaletrain check
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
+
+# Every test under AddressSanitizer + UndefinedBehaviorSanitizer, in its own build folder.
+asan-test:
+	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DSCALETRAIN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug"
+
+bench: build
+	$(BUILD)/benchmarks/bench_allreduce
+
+# On a machine with a GPU and a Python PyTorch: build against it with CUDA, run every test.
+gpu-check:
+	scripts/gpu-check.sh
+
+format:
+	clang-format -i $$(git ls-files '*.cpp' '*.h')
+
+tidy: configure
+	clang-tidy -p $(BUILD) $$(git ls-files 'src/*.cpp')
+
+clean:
+	rm -rf $(BUILD) build-asan

@@ -1,0 +1,241 @@
+// Tests of `scaletrain run`, the launcher, driven through the real binary with shell-script
+// workers, so that they exercise exactly what a user runs.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
+#include "support/subprocess.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::cli_path;
+using testing::run_command;
+using testing::script_path;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+fs::path temp_dir(const std::string& name) {
+  fs::path d = fs::temp_directory_path() /
+               ("scaletrain_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+bool alive(pid_t pid) { return kill(pid, 0) == 0; }
+
+std::vector<pid_t> read_pids(const fs::path& dir) {
+  std::vector<pid_t> pids;
+  for (auto& e : fs::directory_iterator(dir)) {
+    std::ifstream in(e.path());
+    pid_t p = 0;
+    if (in >> p && p > 0) pids.push_back(p);
+  }
+  return pids;
+}
+
+TEST(Launch, EachWorkerGetsTorchrunEnvironment) {
+  auto r = run_command(cli_path() + " run --nproc-per-node 3 --master-port 0 --run-id abc -- " +
+                       script_path("print_env.sh"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::regex line("\\[rank" + std::to_string(rank) + "\\]:env RANK=" + std::to_string(rank) +
+                    " LOCAL_RANK=" + std::to_string(rank) +
+                    " WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 "
+                    "MASTER_PORT=[0-9]+ RESTART=0 MAX_RESTARTS=0 RUN_ID=abc");
+    EXPECT_TRUE(std::regex_search(r.output, line)) << "rank " << rank << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]:to stderr from " +
+                                       std::to_string(rank)))
+        << r.output;
+  }
+}
+
+TEST(Launch, SecondNodeNumbersItsRanksAfterTheFirst) {
+  int port = testing::free_port();
+  auto r = run_command(cli_path() + " run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
+                       "--master-port " + std::to_string(port) + " -- " +
+                       script_path("print_env.sh"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank2]:env RANK=2 LOCAL_RANK=0 WORLD_SIZE=4")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank3]:env RANK=3 LOCAL_RANK=1 WORLD_SIZE=4")) << r.output;
+  EXPECT_TRUE(contains(r.output, "GROUP_RANK=1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "RUN_ID=none")) << r.output;
+}
+
+TEST(Launch, RankExitingWithCode7FailsFastAndIsNamed) {
+  auto pids = temp_dir("failfast");
+  auto r = run_command("PID_DIR=" + pids.string() + " FAIL_RANK=1 FAIL_HOW=7 " + cli_path() +
+                       " run --nproc-per-node 3 --master-port 0 -- " +
+                       script_path("fail_rank.sh"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(r.seconds, 10) << "the other workers sleep 60 s: they must have been stopped";
+  EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1, node 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "exited with code 7")) << r.output;
+  EXPECT_TRUE(contains(r.output, "    the reason is a test")) << r.output;
+  for (pid_t p : read_pids(pids)) EXPECT_FALSE(alive(p)) << "worker " << p << " outlived";
+  fs::remove_all(pids);
+}
+
+TEST(Launch, RankKilledBySignalIsNamed) {
+  auto r = run_command("FAIL_RANK=0 FAIL_HOW=SEGV " + cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 -- " +
+                       script_path("fail_rank.sh"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 0 (local rank 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "was killed by SIGSEGV")) << r.output;
+}
+
+TEST(Launch, RestartsTheGroupWithCountingRestartCount) {
+  auto r = run_command("SUCCEED_AT=2 " + cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 --max-restarts 3 -- " +
+                       script_path("fail_until_restart.sh"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:attempt 0 rank 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:attempt 1 rank 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank1]:attempt 2 rank 1")) << r.output;
+  EXPECT_FALSE(contains(r.output, "]:attempt 3")) << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting the worker group (2 of 3 restarts)")) << r.output;
+}
+
+TEST(Launch, GivesUpAfterMaxRestarts) {
+  auto r = run_command("SUCCEED_AT=5 " + cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 --max-restarts 1 -- " +
+                       script_path("fail_until_restart.sh"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "attempt 2 of 2")) << r.output;
+  EXPECT_TRUE(contains(r.output, "exited with code 3")) << r.output;
+}
+
+TEST(Launch, KeepsEachRanksOutputInLogDir) {
+  auto logs = temp_dir("logs");
+  auto r = run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 --quiet --log-dir " +
+                       logs.string() + " -- " + script_path("print_env.sh"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(contains(r.output, "[rank0]:")) << "--quiet must hide worker output";
+  std::ifstream out(logs / "attempt_0" / "rank_1.stdout");
+  std::string line;
+  ASSERT_TRUE(std::getline(out, line));
+  EXPECT_TRUE(contains(line, "env RANK=1 ")) << line;
+  std::ifstream err(logs / "attempt_0" / "rank_0.stderr");
+  ASSERT_TRUE(std::getline(err, line));
+  EXPECT_EQ(line, "to stderr from 0");
+  fs::remove_all(logs);
+}
+
+TEST(Launch, RanksFilterShowsOnlyChosenRanks) {
+  auto r = run_command(cli_path() + " run --nproc-per-node 3 --master-port 0 --ranks-filter 2 -- " +
+                       script_path("print_env.sh"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank2]:")) << r.output;
+  EXPECT_FALSE(contains(r.output, "[rank0]:")) << r.output;
+  EXPECT_FALSE(contains(r.output, "[rank1]:")) << r.output;
+}
+
+// SIGTERM or SIGKILL to the launcher: no worker, nor a worker's own child, may outlive it.
+void check_no_survivor(int signal_to_launcher) {
+  auto pids = temp_dir("survivors" + std::to_string(signal_to_launcher));
+  std::string cmd = "PID_DIR=" + pids.string() + " exec " + cli_path() +
+                    " run --nproc-per-node 2 --master-port 0 --grace-period 1 -- " +
+                    script_path("pid_and_sleep.sh");
+  pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    execl("/bin/sh", "sh", "-c", (cmd + " >/dev/null 2>&1").c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 100 && read_pids(pids).size() < 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto workers = read_pids(pids);
+  ASSERT_EQ(workers.size(), 4u) << "workers did not start";
+  kill(launcher, signal_to_launcher);
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  if (signal_to_launcher == SIGTERM) {
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  }
+  // Give the kernel a moment to deliver the death signals.
+  for (int i = 0; i < 40; ++i) {
+    bool any = false;
+    for (pid_t p : workers) any |= alive(p);
+    if (!any) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (pid_t p : workers) EXPECT_FALSE(alive(p)) << "process " << p << " outlived the launcher";
+  fs::remove_all(pids);
+}
+
+TEST(Launch, NoWorkerOutlivesLauncherOnSigterm) { check_no_survivor(SIGTERM); }
+
+TEST(Launch, NoWorkerOutlivesLauncherOnSigkill) { check_no_survivor(SIGKILL); }
+
+struct BadInput {
+  std::string args;
+  std::string message;
+};
+
+class LaunchBadInput : public ::testing::TestWithParam<BadInput> {};
+
+TEST_P(LaunchBadInput, ExitsWithStatus2AndStartsNothing) {
+  auto pids = temp_dir("bad");
+  auto r = run_command("PID_DIR=" + pids.string() + " " + cli_path() + " run " + GetParam().args);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, GetParam().message)) << r.output;
+  EXPECT_TRUE(fs::is_empty(pids)) << "a worker was started";
+  fs::remove_all(pids);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, LaunchBadInput,
+    ::testing::Values(
+        BadInput{"--nproc-per-node 0 -- " + script_path("pid_and_sleep.sh"),
+                 "--nproc-per-node 0 must be at least 1"},
+        BadInput{"--nproc-per-node two -- " + script_path("pid_and_sleep.sh"),
+                 "--nproc-per-node 'two' is not a number"},
+        BadInput{"--nnodes 2 --node-rank 2 -- " + script_path("pid_and_sleep.sh"),
+                 "--node-rank 2 must be in [0, 2)"},
+        BadInput{"--master-port 0 -- /no/such/program", "program '/no/such/program' not found"},
+        BadInput{"--master-port 0 -- no-such-program-anywhere",
+                 "program 'no-such-program-anywhere' not found"},
+        BadInput{"--frobnicate -- " + script_path("pid_and_sleep.sh"), "--frobnicate"},
+        BadInput{"--nnodes 2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
+                 "works on one node only"}));
+
+TEST(LaunchBadInput, BusyPortIsRefused) {
+  // Hold a port with a listening socket, then ask the launcher for it.
+  auto r = run_command("python3 -c \"import socket,subprocess,sys; s=socket.socket(); "
+                       "s.bind(('0.0.0.0',0)); s.listen(); port=s.getsockname()[1]; "
+                       "sys.exit(subprocess.call(['" + cli_path() + "','run','--master-port',"
+                       "str(port),'--','" + script_path("print_env.sh") + "']))\"");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "is busy on this host")) << r.output;
+  EXPECT_FALSE(contains(r.output, "[rank0]")) << r.output;
+}
+
+TEST(Launch, ValidateResolvesPortZeroAndRunId) {
+  LaunchOptions o;
+  o.command = {"/bin/true"};
+  o.master_port = 0;
+  validate(o);
+  EXPECT_GT(o.master_port, 0);
+  EXPECT_EQ(o.run_id.size(), 8u);
+}
+
+TEST(Launch, AutoNprocIsPositive) { EXPECT_GE(auto_nproc_per_node(), 1); }
+
+}  // namespace
+}  // namespace scaletrain

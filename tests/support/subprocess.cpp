@@ -1,0 +1,55 @@
+#include "subprocess.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+
+namespace scaletrain::testing {
+
+CommandResult run_command(const std::string& command, int timeout_s) {
+  CommandResult r;
+  auto t0 = std::chrono::steady_clock::now();
+  std::string full = "timeout -k 5 " + std::to_string(timeout_s) + " /bin/sh -c '" +
+                     [&] {
+                       std::string q;
+                       for (char c : command) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+                       return q;
+                     }() +
+                     "' 2>&1";
+  FILE* p = popen(full.c_str(), "r");
+  if (p == nullptr) throw std::runtime_error("popen failed for: " + command);
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    close(fd);
+    throw std::runtime_error("no free port");
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string cli_path() { return SCALETRAIN_CLI; }
+
+std::string script_path(const std::string& name) { return std::string(TEST_SCRIPTS) + "/" + name; }
+
+}  // namespace scaletrain::testing

@@ -18,15 +18,19 @@ void add_check_command(CLI::App& app, Action& action) {
   struct Args {
     std::string backend = "auto";
     int64_t numel = 1 << 20;
+    double timeout_s = 300;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
   cmd->add_option("--numel", args->numel, "Elements in the all-reduced tensor")
       ->capture_default_str();
+  cmd->add_option("--timeout", args->timeout_s, "Collective timeout in seconds")
+      ->capture_default_str();
   cmd->callback([args, &action] {
     action = [args] {
       InitOptions io;
       io.backend = args->backend;
+      io.timeout = std::chrono::milliseconds(static_cast<long>(args->timeout_s * 1000));
       auto t0 = std::chrono::steady_clock::now();
       Dist d = init_process_group(io);
       auto device = d.backend_name == "nccl" ? at::Device(at::kCUDA, d.world.local_rank)
@@ -35,15 +39,15 @@ void add_check_command(CLI::App& app, Action& action) {
       // all-reduce: rank r contributes r+1 everywhere, so every element must be w(w+1)/2.
       std::vector<at::Tensor> t{at::full({args->numel}, d.rank() + 1.0,
                                          at::TensorOptions().dtype(at::kFloat).device(device))};
-      d.backend->allreduce(t)->wait();
+      wait_for(d.backend->allreduce(t), "all-reduce", d);
       const double want = w * (w + 1) / 2.0;
       bool ok = at::all(t[0].eq(want)).item<bool>();
       // broadcast from rank 0.
       std::vector<at::Tensor> b{at::full({4}, d.rank() == 0 ? 42.0 : -1.0,
                                          at::TensorOptions().device(device))};
-      d.backend->broadcast(b)->wait();
+      wait_for(d.backend->broadcast(b), "broadcast", d);
       ok = ok && at::all(b[0].eq(42.0)).item<bool>();
-      d.backend->barrier()->wait();
+      wait_for(d.backend->barrier(), "barrier", d);
       double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
                       .count();
       std::cout << describe(d.world) << "\n"

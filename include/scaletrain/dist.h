@@ -14,6 +14,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
 #include <optional>
@@ -41,6 +42,7 @@ struct Dist {
   std::string backend_name;  // "gloo" or "nccl"
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
+  std::chrono::milliseconds timeout{};  // the collective timeout the backend was made with
 
   int rank() const { return world.rank; }
   int size() const { return world.world_size; }
@@ -50,6 +52,10 @@ struct Dist {
 /// rendezvous timeout, duplicate rank, unknown backend, NCCL without CUDA) with the rank and
 /// the fix in the message.
 Dist init_process_group(const InitOptions& options = {});
+
+/// Waits for a collective. A failure or a timeout becomes an Error naming the operation
+/// (`op`, e.g. "all-reduce of bucket 3"), this rank, the timeout and what to look for.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& dist);
 
 /// Makes one more backend over the same store (e.g. Gloo beside NCCL), with its own key prefix.
 c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,

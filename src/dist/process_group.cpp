@@ -73,12 +73,43 @@ milliseconds rendezvous_timeout(const InitOptions& o) {
   return o.rendezvous_timeout;
 }
 
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+// A socket listening on 127.0.0.1:port only, for the store of a single-node job: no process
+// of another host can even reach it. Returns -1 when the port cannot be had (the store then
+// reports the error in its own words).
+int listen_on_loopback(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 1024) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeout) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(w.master_port);
-  o.isServer = w.rank == 0;
+  // Under torchrun the agent already serves a store on MASTER_PORT
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, is then a client.
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent != nullptr && std::string(agent) == "True";
+  o.isServer = w.rank == 0 && !agent_store;
   o.waitWorkers = false;
   o.timeout = timeout;
+  if (o.isServer && w.num_nodes == 1 && is_loopback(w.master_addr)) {
+    int fd = listen_on_loopback(w.master_port);
+    if (fd >= 0) o.masterListenFd = fd;
+  }
   try {
     return c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
   } catch (const std::exception& e) {
@@ -93,9 +124,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeo
   }
 }
 
-// Note [Rendezvous]: see dist.h. Keys live under "scaletrain/rdzv/".
+// Note [Rendezvous]: see dist.h. Keys live under "scaletrain/rdzv/<restart>/": a store that
+// outlives a restart (torchrun's agent store) must not see the last attempt's claims.
 void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
-  const std::string p = "scaletrain/rdzv/";
+  const std::string p = "scaletrain/rdzv/" + std::to_string(w.restart_count) + "/";
   const std::string me = "rank " + std::to_string(w.rank);
   if (w.rank == 0) store.set(p + "run_id", w.run_id);
   try {
@@ -153,6 +185,23 @@ void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
 
 }  // namespace
 
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& d) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    bool timed_out = what.find("imed out") != std::string::npos ||
+                     what.find("imeout") != std::string::npos;
+    throw Error("rank " + std::to_string(d.rank()) + " of " + std::to_string(d.size()) + ": " +
+                op + (timed_out ? " timed out after " + seconds(d.timeout) +
+                                      " (collective timeout): some rank never joined it. Look "
+                                      "for a rank that failed, stalled or took another code path; "
+                                      "raise InitOptions::timeout if the work is just slow."
+                                : " failed: " + what) +
+                (timed_out ? "\n  backend said: " + what : ""));
+  }
+}
+
 c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,
                                               const std::string& prefix, milliseconds timeout) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, dist.store);
@@ -196,7 +245,9 @@ Dist init_process_group(const InitOptions& options) {
   auto timeout = rendezvous_timeout(options);
   d.store = connect_store(d.world, timeout);
   rendezvous(*d.store, d.world, timeout);
-  d.backend = new_backend(d, d.backend_name, "default_pg", options.timeout);
+  d.backend = new_backend(d, d.backend_name,
+                          "default_pg/" + std::to_string(d.world.restart_count), options.timeout);
+  d.timeout = options.timeout;
   return d;
 }
 

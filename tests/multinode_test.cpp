@@ -1,0 +1,127 @@
+// Worlds that span nodes and launchers: two launchers on loopback, two hosts made with network
+// namespaces, PyTorch's own torchrun, Slurm's and Open MPI's environments, and a collective
+// that times out.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "scaletrain/dist.h"
+#include "scaletrain/error.h"
+#include "support/subprocess.h"
+
+namespace scaletrain {
+namespace {
+
+using testing::cli_path;
+using testing::run_command;
+using testing::script_path;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+void expect_checked(const std::string& output, int world) {
+  const std::string want = std::to_string(world * (world + 1) / 2);
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_TRUE(contains(output, "rank " + std::to_string(rank) +
+                                     ": gloo all-reduce of 1000 floats ok (expected " + want))
+        << "rank " << rank << "\n" << output;
+  }
+}
+
+TEST(MultiNode, TwoLaunchersOnLoopbackFormOneWorld) {
+  const std::string port = std::to_string(testing::free_port());
+  const std::string common = cli_path() + " run --nnodes 2 --nproc-per-node 2 --master-port " +
+                             port + " --run-id loop";
+  const std::string check = " -- " + cli_path() + " check --numel 1000";
+  auto r = run_command(common + " --node-rank 1" + check + " & " + common + " --node-rank 0" +
+                       check + "; s0=$?; wait $!; s1=$?; exit $((s0 + s1))");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 4);
+  EXPECT_TRUE(contains(r.output, "rank 3/4 (local 1/2, node 1/2)")) << r.output;
+}
+
+TEST(MultiNode, TwoNetworkNamespaceHostsFormOneWorld) {
+  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 1");
+  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 2);
+  EXPECT_TRUE(contains(r.output, "master 10.77.")) << r.output;
+}
+
+TEST(MultiNode, PyTorchsTorchrunLaunchesOurBinary) {
+  const std::string torchrun = std::string(VENV_DIR) + "/bin/torchrun";
+  if (!std::filesystem::exists(torchrun)) GTEST_SKIP() << "no torchrun at " << torchrun;
+  auto r = run_command(torchrun + " --nproc-per-node 2 --master-port " +
+                           std::to_string(testing::free_port()) + " --no-python " + cli_path() +
+                           " check --numel 1000",
+                       180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 2);
+  EXPECT_TRUE(contains(r.output, "via torchrun")) << r.output;
+}
+
+TEST(MultiNode, SlurmEnvironmentIsEnough) {
+  // What srun gives each task; the binary finds its world from it alone.
+  const std::string port = std::to_string(testing::free_port());
+  std::string cmd;
+  for (int rank = 0; rank < 2; ++rank) {
+    cmd += "SLURM_PROCID=" + std::to_string(rank) + " SLURM_NTASKS=2 SLURM_LOCALID=" +
+           std::to_string(rank) + " SLURM_NODEID=0 SLURM_NNODES=1 SLURM_TASKS_PER_NODE=2 "
+           "SLURM_JOB_NODELIST=localhost SLURM_JOB_ID=4242 MASTER_PORT=" + port + " " +
+           cli_path() + " check --numel 1000" + (rank == 0 ? " & " : "; s1=$?; wait $!; exit $((s1 + $?))");
+  }
+  auto r = run_command(cmd);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 2);
+  EXPECT_TRUE(contains(r.output, "via slurm, master localhost:" + port + ", run 'slurm-4242'"))
+      << r.output;
+}
+
+TEST(MultiNode, RealMpirunLaunchesOurBinary) {
+  if (run_command("command -v mpirun").exit_code != 0) GTEST_SKIP() << "mpirun not installed";
+  auto r = run_command("mpirun --allow-run-as-root --oversubscribe -np 2 -x MASTER_PORT=" +
+                           std::to_string(testing::free_port()) + " " + cli_path() +
+                           " check --numel 1000",
+                       180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 2);
+  EXPECT_TRUE(contains(r.output, "via openmpi")) << r.output;
+}
+
+TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {
+  const int port = testing::free_port();
+  std::string error;
+  std::thread rank1([&] {
+    InitOptions o;
+    World w;
+    w.rank = 1;
+    w.world_size = 2;
+    w.master_port = port;
+    o.world = w;
+    o.timeout = std::chrono::milliseconds(1500);
+    Dist d = init_process_group(o);
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // never joins the all-reduce
+  });
+  InitOptions o;
+  World w;
+  w.world_size = 2;
+  w.master_port = port;
+  o.world = w;
+  o.timeout = std::chrono::milliseconds(1500);
+  Dist d = init_process_group(o);
+  std::vector<at::Tensor> t{at::ones({8})};
+  try {
+    wait_for(d.backend->allreduce(t), "all-reduce of the gradients", d);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  rank1.join();
+  EXPECT_TRUE(contains(error, "rank 0 of 2: all-reduce of the gradients timed out after 1.5 s"))
+      << error;
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Builds scaletrain against this machine's own Python PyTorch (a CUDA build) and runs the whole
+# test suite, CUDA tests included. Prints the GPU it ran on.
+#   scripts/gpu-check.sh [extra ctest args]
+# Needs: python3 with torch, cmake, a C++17 compiler. Debian build dependencies come from the
+# system when installed, else from .deps/debs (made by scripts/fetch-debs.sh elsewhere).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BUILD=${BUILD:-build-gpu}
+
+mapfile -t info < <("$PY" - <<'PY'
+import torch
+print(torch.__version__)
+print(torch.utils.cmake_prefix_path)
+print(torch.cuda.is_available())
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible")
+print(torch.version.cuda)
+PY
+)
+echo "PyTorch ${info[0]} (CUDA ${info[4]}) at ${info[1]}"
+echo "GPU: ${info[3]}"
+[ "${info[2]}" = "True" ] || echo "warning: torch sees no GPU; CUDA tests will skip"
+
+prefix="${info[1]}"
+extra=()
+if [ -d .deps/debs ] && ! [ -f /usr/include/gtest/gtest.h -a -f /usr/include/CLI/CLI.hpp -a -f /usr/include/gloo/algorithm.h ]; then
+  echo "unpacking build dependencies from .deps/debs"
+  mkdir -p .deps/root
+  for f in .deps/debs/*.deb; do dpkg -x "$f" .deps/root; done
+  prefix="$prefix;$PWD/.deps/root/usr"
+  export PATH="$PWD/.deps/root/usr/bin:$PATH"
+  export CPATH="$PWD/.deps/root/usr/include${CPATH:+:$CPATH}"
+  export LIBRARY_PATH="$PWD/.deps/root/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$PWD/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  extra+=(-DGLOO_INCLUDE_DIR="$PWD/.deps/root/usr/include")
+fi
+gen=(-G Ninja); command -v ninja >/dev/null || gen=()
+cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
+  "${extra[@]}"
+cmake --build "$BUILD" -j "$(nproc)"
+ctest --test-dir "$BUILD" --output-on-failure -j 4 "$@"
+echo "gpu-check: all tests passed on ${info[3]}"

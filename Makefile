@@ -31,8 +31,9 @@ test: build
 asan-test:
 	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DSCALETRAIN_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug"
 
+# Every experiment of the seeds: raw CSV, JSON statistics, PNG plots, bench-out/report.md.
 bench: build
-	$(BUILD)/benchmarks/bench_allreduce
+	$(BUILD)/scaletrain bench all --out bench-out
 
 # On a machine with a GPU and a Python PyTorch: build against it with CUDA, run every test.
 gpu-check:

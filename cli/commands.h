@@ -12,5 +12,6 @@ using Action = std::function<int()>;
 
 void add_run_command(CLI::App& app, Action& action);
 void add_check_command(CLI::App& app, Action& action);
+void add_bench_command(CLI::App& app, Action& action);
 
 }  // namespace scaletrain::cli

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   cli::Action action;
   cli::add_run_command(app, action);
   cli::add_check_command(app, action);
+  cli::add_bench_command(app, action);
 
   // Name the unknown subcommand or flag instead of CLI11's generic "a subcommand is required".
   if (argc > 1) {

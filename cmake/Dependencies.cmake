@@ -39,3 +39,10 @@ find_package(CLI11 REQUIRED)
 find_package(nlohmann_json REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(ZLIB REQUIRED)
+
+# Note [libstdc++ first]: the PyPI libtorch.so exports its own copy of std::filesystem (64
+# functions, from the toolchain it was built with), and some of them crash when called from our
+# code (std::filesystem::remove_all jumps through a null pointer). The dynamic linker binds each
+# symbol to the first library in an executable's NEEDED list that defines it, so every
+# executable lists libstdc++ before LibTorch.
+add_link_options("LINKER:--push-state,--no-as-needed" -lstdc++ "LINKER:--pop-state")

@@ -3,7 +3,7 @@
 add_library(scaletrain_warnings INTERFACE)
 target_compile_options(scaletrain_warnings INTERFACE
   -Wall -Wextra -Wpedantic -Wshadow=local -Wnon-virtual-dtor -Wcast-align -Wunused
-  -Woverloaded-virtual -Wnull-dereference -Wformat=2 -Wimplicit-fallthrough)
+  -Woverloaded-virtual -Wformat=2 -Wimplicit-fallthrough)
 if(SCALETRAIN_WERROR)
   target_compile_options(scaletrain_warnings INTERFACE -Werror)
 endif()

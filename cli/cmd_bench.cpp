@@ -1,0 +1,103 @@
+// `scaletrain bench SUITE`: reruns an experiment of the seeds and writes its raw repetitions
+// (CSV), statistics (JSON), a plot (PNG) and a Markdown report section.
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+
+#include "commands.h"
+#include "scaletrain/bench_suites.h"
+#include "scaletrain/error.h"
+#include "scaletrain/version.h"
+
+namespace scaletrain::cli {
+namespace {
+
+std::string self_exe() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "scaletrain" : p.string();
+}
+
+std::string suite_list() {
+  std::string s;
+  for (auto& suite : bench::suites()) s += "  " + suite.name + ": " + suite.description + "\n";
+  return s;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand(
+      "bench", "Rerun the seeds' experiments: raw CSV, JSON statistics, PNG plots and a report");
+  struct Args {
+    std::string suite;
+    bool quick = false, full = false;
+    std::string out = "bench-out";
+    int repeats = 5;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("suite", args->suite, "A suite name, 'all', or 'list'")->required();
+  cmd->add_flag("--quick", args->quick, "Small sizes (the default without a GPU)");
+  cmd->add_flag("--full", args->full, "Full sizes even without a GPU");
+  cmd->add_option("--out", args->out, "Output folder")->capture_default_str();
+  cmd->add_option("--repeats", args->repeats, "Timed repetitions per configuration")
+      ->capture_default_str();
+  cmd->callback([args, &action] {
+    action = [args] {
+      if (args->suite == "list") {
+        std::cout << suite_list();
+        return 0;
+      }
+      std::vector<const bench::Suite*> chosen;
+      for (auto& s : bench::suites()) {
+        if (args->suite == "all" || s.name == args->suite) chosen.push_back(&s);
+      }
+      if (chosen.empty()) {
+        throw UsageError("unknown benchmark suite '" + args->suite + "'; the suites are:\n" +
+                         suite_list() + "or 'all'");
+      }
+      if (args->repeats < 1) throw UsageError("--repeats must be at least 1");
+      bench::SuiteOptions o;
+      o.quick = args->quick || (!args->full && cuda_device_count() == 0);
+      o.repeats = args->repeats;
+      o.self_exe = self_exe();
+      o.work_dir = args->out + "/work";
+      std::filesystem::create_directories(o.work_dir);
+      auto machine = bench::describe_machine(cuda_device_count() > 0 ? "cuda" : "none",
+                                             libtorch_version());
+      for (auto* s : chosen) {
+        std::cout << "bench " << s->name << (o.quick ? " (quick)" : "") << " ..." << std::endl;
+        auto result = s->run(o);
+        std::cout << bench::write_suite(result, machine, args->out);
+      }
+      std::filesystem::remove_all(o.work_dir);
+      std::cout << "report: " << args->out << "/report.md" << std::endl;
+      return 0;
+    };
+  });
+
+  auto* worker = app.add_subcommand("bench-worker", "");  // internal: one rank of a suite
+  worker->group("");
+  struct WorkerArgs {
+    std::string suite, csv;
+    int repeats = 5;
+    bool quick = false;
+  };
+  auto wargs = std::make_shared<WorkerArgs>();
+  worker->add_option("suite", wargs->suite)->required();
+  worker->add_option("--csv", wargs->csv)->required();
+  worker->add_option("--repeats", wargs->repeats);
+  worker->add_flag("--quick", wargs->quick);
+  worker->callback([wargs, &action] {
+    action = [wargs] {
+      if (wargs->suite == "allreduce") {
+        return bench::run_allreduce_worker(wargs->csv, wargs->quick, wargs->repeats);
+      }
+      throw UsageError("no worker for suite '" + wargs->suite + "'");
+    };
+  });
+}
+
+}  // namespace scaletrain::cli

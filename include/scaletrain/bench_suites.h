@@ -1,0 +1,33 @@
+#pragma once
+// The benchmark suites of `scaletrain bench`: each reproduces an experiment of the seed
+// tutorials and returns every repetition, ready for bench::write_suite().
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "scaletrain/bench.h"
+
+namespace scaletrain::bench {
+
+struct SuiteOptions {
+  bool quick = false;          // small sizes: each suite under ~2 minutes on a 2-core CPU
+  int repeats = 5;             // timed repetitions per configuration
+  std::string self_exe;        // the scaletrain binary, for suites that launch ranks
+  std::string work_dir;        // scratch space (worker CSVs, logs)
+};
+
+struct Suite {
+  std::string name;
+  std::string description;
+  std::function<SuiteResult(const SuiteOptions&)> run;
+};
+
+/// Every suite, in the order `scaletrain bench all` runs them.
+const std::vector<Suite>& suites();
+
+/// Worker side of multi-rank suites: runs inside a rank started by the launcher and writes rank
+/// 0's samples to `csv_path`. Returns the process exit status.
+int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats);
+
+}  // namespace scaletrain::bench

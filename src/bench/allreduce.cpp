@@ -1,0 +1,107 @@
+// Suite `allreduce`: message sizes from 4 KB up, over 2..N ranks on this host. Reports
+// algorithm bandwidth (bytes / time) and bus bandwidth (algbw * 2(n-1)/n, what a ring moves per
+// link, as nccl-tests define it) against the host's memory-copy bandwidth, the ceiling for ranks
+// that share one memory.
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "scaletrain/bench_suites.h"
+#include "scaletrain/dist.h"
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
+
+namespace scaletrain::bench {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t max_bytes(bool quick) { return quick ? (16 << 20) : (256 << 20); }
+
+double memcpy_gbps(int64_t bytes, int repeats) {
+  auto src = at::rand({bytes / 4});
+  auto dst = at::empty_like(src);
+  dst.copy_(src);
+  std::vector<double> gbps;
+  for (int i = 0; i < repeats; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    dst.copy_(src);
+    gbps.push_back(static_cast<double>(bytes) / seconds_since(t0) / 1e9);
+  }
+  return stats(gbps).mean;
+}
+
+}  // namespace
+
+int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
+  Dist d = init_process_group();
+  std::ofstream csv;
+  if (d.rank() == 0) csv.open(csv_path);
+  for (int64_t bytes = 4 << 10; bytes <= max_bytes(quick); bytes *= 4) {
+    std::vector<at::Tensor> t{at::ones({bytes / 4})};
+    wait_for(d.backend->allreduce(t), "warm-up all-reduce", d);
+    for (int i = 0; i < repeats; ++i) {
+      wait_for(d.backend->barrier(), "barrier", d);
+      auto t0 = std::chrono::steady_clock::now();
+      wait_for(d.backend->allreduce(t), "all-reduce of " + std::to_string(bytes) + " bytes", d);
+      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << "\n";
+    }
+  }
+  return 0;
+}
+
+SuiteResult run_allreduce(const SuiteOptions& o) {
+  SuiteResult r;
+  r.suite = "allreduce";
+  r.title = "All-reduce bus bandwidth (Gloo, ranks on one host)";
+  r.unit = "GB/s";
+  r.plot = {Plot::Kind::kLines, r.title, "message size (bytes)", "bus bandwidth (GB/s)", true,
+            false};
+  const int max_ranks = std::max(2, std::min(4, static_cast<int>(std::thread::hardware_concurrency())));
+  for (int n = 2; n <= max_ranks; ++n) {
+    LaunchOptions lo;
+    std::string csv = o.work_dir + "/allreduce_" + std::to_string(n) + ".csv";
+    lo.command = {o.self_exe, "bench-worker", "allreduce", "--csv", csv, "--repeats",
+                  std::to_string(o.repeats)};
+    if (o.quick) lo.command.push_back("--quick");
+    lo.nproc_per_node = n;
+    lo.master_port = 0;
+    lo.quiet = true;
+    lo.log_dir = o.work_dir + "/allreduce_" + std::to_string(n) + "_logs";
+    validate(lo);
+    if (launch(lo) != 0) {
+      throw Error("the all-reduce benchmark over " + std::to_string(n) +
+                  " ranks failed; its logs are in " + lo.log_dir);
+    }
+    std::ifstream in(csv);
+    std::string line;
+    std::vector<Sample> samples;
+    while (std::getline(in, line)) {
+      std::stringstream ls(line);
+      std::string b, t;
+      std::getline(ls, b, ',');
+      std::getline(ls, t, ',');
+      double bytes = std::stod(b), secs = std::stod(t);
+      if (samples.empty() || samples.back().x != b) {
+        samples.push_back({std::to_string(n) + " ranks", b, bytes, {}});
+      }
+      double algbw = bytes / secs / 1e9;
+      samples.back().values.push_back(algbw * 2.0 * (n - 1) / n);
+    }
+    r.samples.insert(r.samples.end(), samples.begin(), samples.end());
+  }
+  double copy = memcpy_gbps(std::min<int64_t>(max_bytes(o.quick), 64 << 20), o.repeats);
+  r.notes.push_back("Memory-copy bandwidth of this host (one 64 MB tensor copy): " +
+                    std::to_string(copy) + " GB/s — the ceiling for ranks sharing its memory. "
+                    "Values are bus bandwidth: algbw × 2(n−1)/n.");
+  r.command = "scaletrain bench allreduce" + std::string(o.quick ? " --quick" : "");
+  return r;
+}
+
+}  // namespace scaletrain::bench

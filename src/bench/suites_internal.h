@@ -1,0 +1,11 @@
+#pragma once
+// The suite functions behind bench::suites() (one file per suite in src/bench/).
+
+#include "scaletrain/bench_suites.h"
+
+namespace scaletrain::bench {
+
+SuiteResult run_allreduce(const SuiteOptions& o);
+SuiteResult run_async(const SuiteOptions& o);
+
+}  // namespace scaletrain::bench

@@ -100,11 +100,11 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
     }
   }
   std::string script = fmt::format(
-      "set terminal pngcairo size 900,560 enhanced font 'sans,10'\n"
+      "set terminal pngcairo size 900,560 noenhanced font 'sans,10'\n"
       "set output {}\nset title {}\nset xlabel {}\nset ylabel {}\n"
       "set grid ytics\nset key top left\nset yrange [0:*]\n",
       quote(png_path), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
-  if (r.plot.logx) script += "set logscale x 2\n";
+  if (r.plot.logx) script += "set logscale x 2\nset format x \"%.0s%cB\"\n";
   if (r.plot.logy) script += "set logscale y\nset yrange [*:*]\n";
   std::string plots;
   const size_t k = names.size();

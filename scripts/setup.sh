@@ -34,7 +34,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want_stamp" ]; then
 fi
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
+pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-warn-conflicts)
 say "installing torch==$TORCH_VERSION (wheel only, CUDA 13 build) into $VENV"
 "${pip[@]}" --no-deps "torch==$TORCH_VERSION"
 "${pip[@]}" -r scripts/requirements.txt

@@ -12,9 +12,10 @@
 namespace scaletrain::cli {
 
 void add_check_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand(
-      "check", "Join the process group (from torchrun/Slurm/MPI variables) and verify "
-               "all-reduce, broadcast and barrier across every rank");
+  auto* cmd =
+      app.add_subcommand("check",
+                         "Join the process group (from torchrun/Slurm/MPI variables) and verify "
+                         "all-reduce, broadcast and barrier across every rank");
   struct Args {
     std::string backend = "auto";
     int64_t numel = 1 << 20;
@@ -43,18 +44,18 @@ void add_check_command(CLI::App& app, Action& action) {
       const double want = w * (w + 1) / 2.0;
       bool ok = at::all(t[0].eq(want)).item<bool>();
       // broadcast from rank 0.
-      std::vector<at::Tensor> b{at::full({4}, d.rank() == 0 ? 42.0 : -1.0,
-                                         at::TensorOptions().device(device))};
+      std::vector<at::Tensor> b{
+          at::full({4}, d.rank() == 0 ? 42.0 : -1.0, at::TensorOptions().device(device))};
       wait_for(d.backend->broadcast(b), "broadcast", d);
       ok = ok && at::all(b[0].eq(42.0)).item<bool>();
       wait_for(d.backend->barrier(), "barrier", d);
-      double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                      .count();
+      double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       std::cout << describe(d.world) << "\n"
-                << "rank " << d.rank() << ": " << d.backend_name << " all-reduce of "
-                << args->numel << " floats " << (ok ? "ok" : "WRONG") << " (expected " << want
-                << ", got " << t[0][0].item<float>() << "), broadcast and barrier "
-                << (ok ? "ok" : "checked") << ", " << ms << " ms in all" << std::endl;
+                << "rank " << d.rank() << ": " << d.backend_name << " all-reduce of " << args->numel
+                << " floats " << (ok ? "ok" : "WRONG") << " (expected " << want << ", got "
+                << t[0][0].item<float>() << "), broadcast and barrier " << (ok ? "ok" : "checked")
+                << ", " << ms << " ms in all" << std::endl;
       return ok ? 0 : 1;
     };
   });

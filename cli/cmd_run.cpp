@@ -29,9 +29,9 @@ std::vector<int> parse_rank_list(const std::string& s) {
 }  // namespace
 
 void add_run_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand(
-      "run", "Start the workers of a program on this node, torchrun-style: "
-             "scaletrain run [options] -- PROGRAM [ARGS...]");
+  auto* cmd = app.add_subcommand("run",
+                                 "Start the workers of a program on this node, torchrun-style: "
+                                 "scaletrain run [options] -- PROGRAM [ARGS...]");
   struct Args {
     LaunchOptions o;
     std::string nproc = "1";
@@ -67,8 +67,7 @@ void add_run_command(CLI::App& app, Action& action) {
   cmd->add_option("--grace-period", o.grace_period_s,
                   "Seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
-  cmd->add_option("command", o.command, "The program and its arguments (after --)")
-      ->required();
+  cmd->add_option("command", o.command, "The program and its arguments (after --)")->required();
   cmd->callback([args, &action] {
     action = [args] {
       LaunchOptions opts = args->o;

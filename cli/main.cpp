@@ -9,16 +9,18 @@
 
 int main(int argc, char** argv) {
   using namespace scaletrain;
-  CLI::App app{"scaletrain: take a LibTorch training job from one device to many devices, "
-               "processes and machines.",
-               "scaletrain"};
+  CLI::App app{
+      "scaletrain: take a LibTorch training job from one device to many devices, "
+      "processes and machines.",
+      "scaletrain"};
   app.require_subcommand(1);
-  app.set_version_flag("--version",
-                       [] {
-                         return "scaletrain " + version() + " (LibTorch " + libtorch_version() +
-                                (built_with_cuda() ? ", CUDA" : ", CPU only") + ")";
-                       },
-                       "Print scaletrain's and LibTorch's versions and exit");
+  app.set_version_flag(
+      "--version",
+      [] {
+        return "scaletrain " + version() + " (LibTorch " + libtorch_version() +
+               (built_with_cuda() ? ", CUDA" : ", CPU only") + ")";
+      },
+      "Print scaletrain's and LibTorch's versions and exit");
   app.footer("Run 'scaletrain SUBCOMMAND --help' for a subcommand's options.");
 
   cli::Action action;

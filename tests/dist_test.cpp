@@ -39,8 +39,10 @@ TEST_P(DistWorlds, AllReduceAcrossProcessesStartedByTheLauncher) {
   const std::string want = std::to_string(n * (n + 1) / 2);
   for (int rank = 0; rank < n; ++rank) {
     EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]:rank " +
-                                       std::to_string(rank) + ": gloo all-reduce of 1000 floats "
-                                       "ok (expected " + want))
+                                       std::to_string(rank) +
+                                       ": gloo all-reduce of 1000 floats "
+                                       "ok (expected " +
+                                       want))
         << r.output;
   }
 }
@@ -49,8 +51,8 @@ INSTANTIATE_TEST_SUITE_P(Sizes, DistWorlds, ::testing::Values(2, 3));
 
 TEST(Dist, ProcessOfAnotherRunIsRefused) {
   const std::string port = std::to_string(testing::free_port());
-  const std::string base = "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                           " WORLD_SIZE=2 SCALETRAIN_RDZV_TIMEOUT=5 ";
+  const std::string base =
+      "MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " WORLD_SIZE=2 SCALETRAIN_RDZV_TIMEOUT=5 ";
   auto r = run_command("(" + base + "RANK=0 TORCHELASTIC_RUN_ID=alpha " + cli_path() +
                        " check > /dev/null 2>&1 &) ; sleep 0.5; " + base +
                        "RANK=1 TORCHELASTIC_RUN_ID=beta " + cli_path() + " check");
@@ -102,8 +104,7 @@ TEST(Dist, SingleNodeStoreListensOnLoopbackOnly) {
   const std::string port = std::to_string(testing::free_port());
   auto r = run_command("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
                        " RANK=0 WORLD_SIZE=2 SCALETRAIN_RDZV_TIMEOUT=3 " + cli_path() +
-                       " check > /dev/null 2>&1 & sleep 1; ss -Hltn 'sport = :" + port +
-                       "'; wait");
+                       " check > /dev/null 2>&1 & sleep 1; ss -Hltn 'sport = :" + port + "'; wait");
   EXPECT_TRUE(contains(r.output, "127.0.0.1:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "0.0.0.0:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "*:" + port)) << r.output;

@@ -28,8 +28,7 @@ bool contains(const std::string& s, const std::string& part) {
 }
 
 fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() /
-               ("scaletrain_" + name + "_" + std::to_string(getpid()));
+  fs::path d = fs::temp_directory_path() / ("scaletrain_" + name + "_" + std::to_string(getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
@@ -57,17 +56,18 @@ TEST(Launch, EachWorkerGetsTorchrunEnvironment) {
                     " WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 "
                     "MASTER_PORT=[0-9]+ RESTART=0 MAX_RESTARTS=0 RUN_ID=abc");
     EXPECT_TRUE(std::regex_search(r.output, line)) << "rank " << rank << "\n" << r.output;
-    EXPECT_TRUE(contains(r.output, "[rank" + std::to_string(rank) + "]:to stderr from " +
-                                       std::to_string(rank)))
+    EXPECT_TRUE(contains(
+        r.output, "[rank" + std::to_string(rank) + "]:to stderr from " + std::to_string(rank)))
         << r.output;
   }
 }
 
 TEST(Launch, SecondNodeNumbersItsRanksAfterTheFirst) {
   int port = testing::free_port();
-  auto r = run_command(cli_path() + " run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
-                       "--master-port " + std::to_string(port) + " -- " +
-                       script_path("print_env.sh"));
+  auto r = run_command(cli_path() +
+                       " run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
+                       "--master-port " +
+                       std::to_string(port) + " -- " + script_path("print_env.sh"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank2]:env RANK=2 LOCAL_RANK=0 WORLD_SIZE=4")) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank3]:env RANK=3 LOCAL_RANK=1 WORLD_SIZE=4")) << r.output;
@@ -78,8 +78,7 @@ TEST(Launch, SecondNodeNumbersItsRanksAfterTheFirst) {
 TEST(Launch, RankExitingWithCode7FailsFastAndIsNamed) {
   auto pids = temp_dir("failfast");
   auto r = run_command("PID_DIR=" + pids.string() + " FAIL_RANK=1 FAIL_HOW=7 " + cli_path() +
-                       " run --nproc-per-node 3 --master-port 0 -- " +
-                       script_path("fail_rank.sh"));
+                       " run --nproc-per-node 3 --master-port 0 -- " + script_path("fail_rank.sh"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_LT(r.seconds, 10) << "the other workers sleep 60 s: they must have been stopped";
   EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1, node 0")) << r.output;
@@ -91,8 +90,7 @@ TEST(Launch, RankExitingWithCode7FailsFastAndIsNamed) {
 
 TEST(Launch, RankKilledBySignalIsNamed) {
   auto r = run_command("FAIL_RANK=0 FAIL_HOW=SEGV " + cli_path() +
-                       " run --nproc-per-node 2 --master-port 0 -- " +
-                       script_path("fail_rank.sh"));
+                       " run --nproc-per-node 2 --master-port 0 -- " + script_path("fail_rank.sh"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "rank 0 (local rank 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "was killed by SIGSEGV")) << r.output;
@@ -153,8 +151,7 @@ void check_no_survivor(int signal_to_launcher) {
   pid_t launcher = fork();
   ASSERT_GE(launcher, 0);
   if (launcher == 0) {
-    execl("/bin/sh", "sh", "-c", (cmd + " >/dev/null 2>&1").c_str(),
-          static_cast<char*>(nullptr));
+    execl("/bin/sh", "sh", "-c", (cmd + " >/dev/null 2>&1").c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   for (int i = 0; i < 100 && read_pids(pids).size() < 4; ++i) {
@@ -165,8 +162,8 @@ void check_no_survivor(int signal_to_launcher) {
   kill(launcher, signal_to_launcher);
   int status = 0;
   waitpid(launcher, &status, 0);
-  if (signal_to_launcher == SIGTERM) {
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  if (signal_to_launcher != SIGKILL) {
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + signal_to_launcher) << status;
   }
   // Give the kernel a moment to deliver the death signals.
   for (int i = 0; i < 40; ++i) {
@@ -182,6 +179,9 @@ void check_no_survivor(int signal_to_launcher) {
 TEST(Launch, NoWorkerOutlivesLauncherOnSigterm) { check_no_survivor(SIGTERM); }
 
 TEST(Launch, NoWorkerOutlivesLauncherOnSigkill) { check_no_survivor(SIGKILL); }
+
+// A shell's background child ignores SIGINT: teardown must escalate to SIGKILL for it.
+TEST(Launch, NoWorkerOutlivesLauncherOnSigint) { check_no_survivor(SIGINT); }
 
 struct BadInput {
   std::string args;
@@ -217,10 +217,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(LaunchBadInput, BusyPortIsRefused) {
   // Hold a port with a listening socket, then ask the launcher for it.
-  auto r = run_command("python3 -c \"import socket,subprocess,sys; s=socket.socket(); "
-                       "s.bind(('0.0.0.0',0)); s.listen(); port=s.getsockname()[1]; "
-                       "sys.exit(subprocess.call(['" + cli_path() + "','run','--master-port',"
-                       "str(port),'--','" + script_path("print_env.sh") + "']))\"");
+  auto r = run_command(
+      "python3 -c \"import socket,subprocess,sys; s=socket.socket(); "
+      "s.bind(('0.0.0.0',0)); s.listen(); port=s.getsockname()[1]; "
+      "sys.exit(subprocess.call(['" +
+      cli_path() +
+      "','run','--master-port',"
+      "str(port),'--','" +
+      script_path("print_env.sh") + "']))\"");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "is busy on this host")) << r.output;
   EXPECT_FALSE(contains(r.output, "[rank0]")) << r.output;

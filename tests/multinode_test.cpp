@@ -27,14 +27,15 @@ void expect_checked(const std::string& output, int world) {
   for (int rank = 0; rank < world; ++rank) {
     EXPECT_TRUE(contains(output, "rank " + std::to_string(rank) +
                                      ": gloo all-reduce of 1000 floats ok (expected " + want))
-        << "rank " << rank << "\n" << output;
+        << "rank " << rank << "\n"
+        << output;
   }
 }
 
 TEST(MultiNode, TwoLaunchersOnLoopbackFormOneWorld) {
   const std::string port = std::to_string(testing::free_port());
-  const std::string common = cli_path() + " run --nnodes 2 --nproc-per-node 2 --master-port " +
-                             port + " --run-id loop";
+  const std::string common =
+      cli_path() + " run --nnodes 2 --nproc-per-node 2 --master-port " + port + " --run-id loop";
   const std::string check = " -- " + cli_path() + " check --numel 1000";
   auto r = run_command(common + " --node-rank 1" + check + " & " + common + " --node-rank 0" +
                        check + "; s0=$?; wait $!; s1=$?; exit $((s0 + s1))");
@@ -68,10 +69,12 @@ TEST(MultiNode, SlurmEnvironmentIsEnough) {
   const std::string port = std::to_string(testing::free_port());
   std::string cmd;
   for (int rank = 0; rank < 2; ++rank) {
-    cmd += "SLURM_PROCID=" + std::to_string(rank) + " SLURM_NTASKS=2 SLURM_LOCALID=" +
-           std::to_string(rank) + " SLURM_NODEID=0 SLURM_NNODES=1 SLURM_TASKS_PER_NODE=2 "
-           "SLURM_JOB_NODELIST=localhost SLURM_JOB_ID=4242 MASTER_PORT=" + port + " " +
-           cli_path() + " check --numel 1000" + (rank == 0 ? " & " : "; s1=$?; wait $!; exit $((s1 + $?))");
+    cmd += "SLURM_PROCID=" + std::to_string(rank) +
+           " SLURM_NTASKS=2 SLURM_LOCALID=" + std::to_string(rank) +
+           " SLURM_NODEID=0 SLURM_NNODES=1 SLURM_TASKS_PER_NODE=2 "
+           "SLURM_JOB_NODELIST=localhost SLURM_JOB_ID=4242 MASTER_PORT=" +
+           port + " " + cli_path() + " check --numel 1000" +
+           (rank == 0 ? " & " : "; s1=$?; wait $!; exit $((s1 + $?))");
   }
   auto r = run_command(cmd);
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -73,8 +73,8 @@ TEST(World, SlurmVariables) {
 
 TEST(World, TorchrunWinsOverSlurmWhenBothAreSet) {
   // torchrun started inside an srun allocation: torchrun's own variables describe the worker.
-  World w = discover_world(env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"},
-                                   {"SLURM_NTASKS", "1"}}));
+  World w = discover_world(
+      env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
   EXPECT_EQ(w.source, "torchrun");
   EXPECT_EQ(w.rank, 1);
 }
@@ -92,8 +92,8 @@ TEST(World, OpenMpiVariables) {
 }
 
 TEST(World, MpichPmiVariables) {
-  World w = discover_world(env_of({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"},
-                                   {"MPI_LOCALNRANKS", "2"}}));
+  World w = discover_world(env_of(
+      {{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}}));
   EXPECT_EQ(w.source, "pmi");
   EXPECT_EQ(w.rank, 1);
   EXPECT_EQ(w.world_size, 2);

@@ -20,8 +20,8 @@ Stats stats(const std::vector<double>& values);
 /// repetition measured there.
 struct Sample {
   std::string series;
-  std::string x;         // label, e.g. "model parallel" or "20"
-  double x_value = 0;    // numeric x for line plots
+  std::string x;       // label, e.g. "model parallel" or "20"
+  double x_value = 0;  // numeric x for line plots
   std::vector<double> values;
 };
 
@@ -33,18 +33,18 @@ struct Plot {
 };
 
 struct Machine {
-  std::string cpu;        // model name
+  std::string cpu;  // model name
   int cores = 0;
-  std::string gpu;        // "none" without one
-  std::string libtorch;   // LibTorch version
-  std::string date;       // YYYY-MM-DD
+  std::string gpu;       // "none" without one
+  std::string libtorch;  // LibTorch version
+  std::string date;      // YYYY-MM-DD
 };
 
 struct SuiteResult {
-  std::string suite;      // e.g. "allreduce"
+  std::string suite;  // e.g. "allreduce"
   std::string title;
-  std::string command;    // the exact command that reproduces it
-  std::string unit;       // of the values, e.g. "s" or "GB/s"
+  std::string command;  // the exact command that reproduces it
+  std::string unit;     // of the values, e.g. "s" or "GB/s"
   std::vector<Sample> samples;
   Plot plot;
   std::vector<std::string> notes;  // extra report lines (derived figures, caveats)

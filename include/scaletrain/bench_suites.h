@@ -11,10 +11,10 @@
 namespace scaletrain::bench {
 
 struct SuiteOptions {
-  bool quick = false;          // small sizes: each suite under ~2 minutes on a 2-core CPU
-  int repeats = 5;             // timed repetitions per configuration
-  std::string self_exe;        // the scaletrain binary, for suites that launch ranks
-  std::string work_dir;        // scratch space (worker CSVs, logs)
+  bool quick = false;    // small sizes: each suite under ~2 minutes on a 2-core CPU
+  int repeats = 5;       // timed repetitions per configuration
+  std::string self_exe;  // the scaletrain binary, for suites that launch ranks
+  std::string work_dir;  // scratch space (worker CSVs, logs)
 };
 
 struct Suite {

@@ -20,15 +20,15 @@ struct LaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;         // 0: pick a free port (single node only)
-  int max_restarts = 0;            // restart the failed group as a whole up to this many times
-  std::string run_id;              // empty: random on one node, "none" on several
-  double rdzv_timeout_s = 300;     // passed to workers as SCALETRAIN_RDZV_TIMEOUT
-  std::string log_dir;             // when set: <log_dir>/attempt_<k>/rank_<r>.{stdout,stderr}
-  std::vector<int> show_ranks;     // ranks whose output reaches the terminal; empty: all
-  bool quiet = false;              // show no worker output at all (logs are still kept)
-  double grace_period_s = 5;       // SIGTERM, then SIGKILL after this long
-  int tail_lines = 20;             // error-output lines quoted in the failure summary
+  int master_port = 29500;      // 0: pick a free port (single node only)
+  int max_restarts = 0;         // restart the failed group as a whole up to this many times
+  std::string run_id;           // empty: random on one node, "none" on several
+  double rdzv_timeout_s = 300;  // passed to workers as SCALETRAIN_RDZV_TIMEOUT
+  std::string log_dir;          // when set: <log_dir>/attempt_<k>/rank_<r>.{stdout,stderr}
+  std::vector<int> show_ranks;  // ranks whose output reaches the terminal; empty: all
+  bool quiet = false;           // show no worker output at all (logs are still kept)
+  double grace_period_s = 5;    // SIGTERM, then SIGKILL after this long
+  int tail_lines = 20;          // error-output lines quoted in the failure summary
 };
 
 /// Checks the options and resolves the automatic ones (free port, run id). Throws UsageError

@@ -20,9 +20,9 @@ struct World {
   int num_nodes = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  std::string run_id = "none";  // rendezvous refuses processes of another run
-  int restart_count = 0;        // TORCHELASTIC_RESTART_COUNT
-  int max_restarts = 0;         // TORCHELASTIC_MAX_RESTARTS
+  std::string run_id = "none";    // rendezvous refuses processes of another run
+  int restart_count = 0;          // TORCHELASTIC_RESTART_COUNT
+  int max_restarts = 0;           // TORCHELASTIC_MAX_RESTARTS
   std::string source = "single";  // which dialect was read: torchrun, slurm, openmpi, pmi, single
 
   bool is_master() const { return rank == 0; }

@@ -1,7 +1,7 @@
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <sys/utsname.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -166,20 +166,30 @@ std::string write_suite(const SuiteResult& r, const Machine& m, const std::strin
   j["suite"] = r.suite;
   j["command"] = r.command;
   j["unit"] = r.unit;
-  j["machine"] = {{"cpu", m.cpu}, {"cores", m.cores}, {"gpu", m.gpu},
-                  {"libtorch", m.libtorch}, {"date", m.date}};
+  j["machine"] = {{"cpu", m.cpu},
+                  {"cores", m.cores},
+                  {"gpu", m.gpu},
+                  {"libtorch", m.libtorch},
+                  {"date", m.date}};
   for (auto& s : r.samples) {
     Stats st = stats(s.values);
-    j["samples"].push_back({{"series", s.series}, {"x", s.x}, {"mean", st.mean}, {"std", st.std},
-                            {"min", st.min}, {"max", st.max}, {"n", st.n}, {"values", s.values}});
+    j["samples"].push_back({{"series", s.series},
+                            {"x", s.x},
+                            {"mean", st.mean},
+                            {"std", st.std},
+                            {"min", st.min},
+                            {"max", st.max},
+                            {"n", st.n},
+                            {"values", s.values}});
   }
   std::ofstream(base + ".json") << j.dump(2) << "\n";
   plot_png(r, base + ".png");
 
   std::string md = fmt::format("## {}\n\n`{}`\n\n{} · {} cores · GPU: {} · LibTorch {} · {}\n\n",
                                r.title, r.command, m.cpu, m.cores, m.gpu, m.libtorch, m.date);
-  md += fmt::format("| series | x | mean ({0}) | std ({0}) | min ({0}) | n |\n|---|---|---|---|---|---|\n",
-                    r.unit);
+  md += fmt::format(
+      "| series | x | mean ({0}) | std ({0}) | min ({0}) | n |\n|---|---|---|---|---|---|\n",
+      r.unit);
   for (auto& s : r.samples) {
     Stats st = stats(s.values);
     md += fmt::format("| {} | {} | {:.4g} | {:.2g} | {:.4g} | {} |\n", s.series, s.x, st.mean,

@@ -214,7 +214,7 @@ void Group::spawn(Worker& w) {
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
     signal(SIGCHLD, SIG_DFL);
-    signal(SIGINT, SIG_IGN);   // the group's SIGINT/SIGTERM are for the program
+    signal(SIGINT, SIG_IGN);  // the group's SIGINT/SIGTERM are for the program
     signal(SIGTERM, SIG_IGN);
     signal(SIGUSR2, on_launcher_death);
     prctl(PR_SET_PDEATHSIG, SIGUSR2);
@@ -251,8 +251,8 @@ void Group::start() {
     w.rank = o_.node_rank * o_.nproc_per_node + i;
     w.shown = !o_.quiet;
     if (w.shown && !o_.show_ranks.empty()) {
-      w.shown = std::find(o_.show_ranks.begin(), o_.show_ranks.end(), w.rank) !=
-                o_.show_ranks.end();
+      w.shown =
+          std::find(o_.show_ranks.begin(), o_.show_ranks.end(), w.rank) != o_.show_ranks.end();
     }
     if (!dir.empty()) {
       w.out_log = std::make_unique<std::ofstream>(fmt::format("{}/rank_{}.stdout", dir, w.rank));
@@ -271,7 +271,8 @@ void Group::emit(Worker& w, const std::string& line, bool is_err) {
   if (log) *log << line << '\n' << std::flush;
   if (w.shown) {
     std::string text = fmt::format("[rank{}]:{}\n", w.rank, line);
-    [[maybe_unused]] auto n = write(is_err ? STDERR_FILENO : STDOUT_FILENO, text.data(), text.size());
+    [[maybe_unused]] auto n =
+        write(is_err ? STDERR_FILENO : STDOUT_FILENO, text.data(), text.size());
   }
 }
 
@@ -307,8 +308,8 @@ void Group::reap() {
       if (failed && !tearing_down_) {
         culprit_ = &w;
         tearing_down_ = true;
-        kill_deadline_ = Clock::now() + std::chrono::milliseconds(
-                                            static_cast<long>(o_.grace_period_s * 1000));
+        kill_deadline_ =
+            Clock::now() + std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
         kill_all(SIGTERM);
       }
     }
@@ -329,8 +330,8 @@ int Group::supervise() {
     if (stop != 0 && !stopping_for_signal) {
       stopping_for_signal = true;
       tearing_down_ = true;
-      kill_deadline_ = Clock::now() + std::chrono::milliseconds(
-                                          static_cast<long>(o_.grace_period_s * 1000));
+      kill_deadline_ =
+          Clock::now() + std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
       kill_all(stop);
     }
     if (tearing_down_ && Clock::now() > kill_deadline_) kill_all(SIGKILL);
@@ -366,6 +367,11 @@ int Group::supervise() {
       char buf[64];
       [[maybe_unused]] auto n = read(g_signal_pipe[0], buf, sizeof(buf));
     }
+  }
+  // A worker's own children may still run (a shell's background job ignores SIGINT): nothing
+  // of a worker's process group outlives its attempt.
+  for (auto& w : workers_) {
+    if (w.pid > 0) killpg(w.pid, SIGKILL);
   }
   if (stopping_for_signal) return 128 + g_stop_signal.load();
   if (culprit_ != nullptr) {
@@ -423,7 +429,8 @@ class SignalScope {
   SignalScope& operator=(const SignalScope&) = delete;
 
  private:
-  struct sigaction old_int_ {}, old_term_ {}, old_chld_ {};
+  struct sigaction old_int_ {
+  }, old_term_{}, old_chld_{};
 };
 
 }  // namespace
@@ -464,39 +471,43 @@ void validate(LaunchOptions& o) {
     throw UsageError("no program to run: give it after '--', e.g. `scaletrain run -- ./train`");
   }
   if (o.nproc_per_node < 1) {
-    throw UsageError(fmt::format("--nproc-per-node {} must be at least 1 (or 'auto')",
-                                 o.nproc_per_node));
+    throw UsageError(
+        fmt::format("--nproc-per-node {} must be at least 1 (or 'auto')", o.nproc_per_node));
   }
   if (o.nnodes < 1) throw UsageError(fmt::format("--nnodes {} must be at least 1", o.nnodes));
   if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
-    throw UsageError(fmt::format(
-        "--node-rank {} must be in [0, {}): number the nodes 0 .. --nnodes - 1", o.node_rank,
-        o.nnodes));
+    throw UsageError(
+        fmt::format("--node-rank {} must be in [0, {}): number the nodes 0 .. --nnodes - 1",
+                    o.node_rank, o.nnodes));
   }
   if (o.max_restarts < 0) {
     throw UsageError(fmt::format("--max-restarts {} must be 0 or more", o.max_restarts));
   }
   if (o.rdzv_timeout_s <= 0) {
-    throw UsageError(fmt::format("--rdzv-timeout {} must be a positive number of seconds",
-                                 o.rdzv_timeout_s));
+    throw UsageError(
+        fmt::format("--rdzv-timeout {} must be a positive number of seconds", o.rdzv_timeout_s));
   }
   if (o.master_port < 0 || o.master_port > 65535) {
     throw UsageError(fmt::format("--master-port {} is not a TCP port (0-65535)", o.master_port));
   }
   if (o.master_port == 0) {
     if (o.nnodes > 1) {
-      throw UsageError("--master-port 0 (pick a free port) works on one node only: with "
-                       "--nnodes > 1 every node must be given the same port");
+      throw UsageError(
+          "--master-port 0 (pick a free port) works on one node only: with "
+          "--nnodes > 1 every node must be given the same port");
     }
     o.master_port = pick_free_port();
   } else if (o.node_rank == 0 && !port_is_free(o.master_port)) {
     throw UsageError(fmt::format(
         "--master-port {} is busy on this host (another job's store?); choose another port, "
-        "or 0 to pick a free one", o.master_port));
+        "or 0 to pick a free one",
+        o.master_port));
   }
   if (!program_exists(o.command[0])) {
-    throw UsageError(fmt::format("program '{}' not found or not executable (PATH is searched "
-                                 "when it has no '/')", o.command[0]));
+    throw UsageError(
+        fmt::format("program '{}' not found or not executable (PATH is searched "
+                    "when it has no '/')",
+                    o.command[0]));
   }
   if (o.run_id.empty()) o.run_id = o.nnodes == 1 ? random_run_id() : "none";
   for (int r : o.show_ranks) {
@@ -510,10 +521,11 @@ void validate(LaunchOptions& o) {
 int launch(const LaunchOptions& o) {
   SignalScope signals;
   for (int attempt = 0; attempt <= o.max_restarts; ++attempt) {
-    spdlog::info("scaletrain run: starting {} worker(s) on node {}/{} (world {}, master {}:{}, "
-                 "run '{}', attempt {} of {})",
-                 o.nproc_per_node, o.node_rank, o.nnodes, o.nproc_per_node * o.nnodes,
-                 o.master_addr, o.master_port, o.run_id, attempt + 1, o.max_restarts + 1);
+    spdlog::info(
+        "scaletrain run: starting {} worker(s) on node {}/{} (world {}, master {}:{}, "
+        "run '{}', attempt {} of {})",
+        o.nproc_per_node, o.node_rank, o.nnodes, o.nproc_per_node * o.nnodes, o.master_addr,
+        o.master_port, o.run_id, attempt + 1, o.max_restarts + 1);
     int status;
     {
       Group group(o, attempt);
@@ -522,8 +534,8 @@ int launch(const LaunchOptions& o) {
     }
     if (status == 0 || status >= 128) return status;
     if (attempt < o.max_restarts) {
-      spdlog::warn("scaletrain run: restarting the worker group ({} of {} restarts)",
-                   attempt + 1, o.max_restarts);
+      spdlog::warn("scaletrain run: restarting the worker group ({} of {} restarts)", attempt + 1,
+                   o.max_restarts);
     }
   }
   return 1;

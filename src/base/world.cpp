@@ -161,9 +161,8 @@ std::string first_host_of_nodelist(const std::string& nodelist) {
 std::string describe(const World& w) {
   std::ostringstream s;
   s << "rank " << w.rank << "/" << w.world_size << " (local " << w.local_rank << "/"
-    << w.local_world_size << ", node " << w.node_rank << "/" << w.num_nodes << ") via "
-    << w.source << ", master " << w.master_addr << ":" << w.master_port << ", run '" << w.run_id
-    << "'";
+    << w.local_world_size << ", node " << w.node_rank << "/" << w.num_nodes << ") via " << w.source
+    << ", master " << w.master_addr << ":" << w.master_port << ", run '" << w.run_id << "'";
   return s.str();
 }
 

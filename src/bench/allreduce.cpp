@@ -61,14 +61,15 @@ SuiteResult run_allreduce(const SuiteOptions& o) {
   r.suite = "allreduce";
   r.title = "All-reduce bus bandwidth (Gloo, ranks on one host)";
   r.unit = "GB/s";
-  r.plot = {Plot::Kind::kLines, r.title, "message size (bytes)", "bus bandwidth (GB/s)", true,
-            false};
-  const int max_ranks = std::max(2, std::min(4, static_cast<int>(std::thread::hardware_concurrency())));
+  r.plot = {Plot::Kind::kLines,     r.title, "message size (bytes)",
+            "bus bandwidth (GB/s)", true,    false};
+  const int max_ranks =
+      std::max(2, std::min(4, static_cast<int>(std::thread::hardware_concurrency())));
   for (int n = 2; n <= max_ranks; ++n) {
     LaunchOptions lo;
     std::string csv = o.work_dir + "/allreduce_" + std::to_string(n) + ".csv";
-    lo.command = {o.self_exe, "bench-worker", "allreduce", "--csv", csv, "--repeats",
-                  std::to_string(o.repeats)};
+    lo.command = {o.self_exe,  "bench-worker",           "allreduce", "--csv", csv,
+                  "--repeats", std::to_string(o.repeats)};
     if (o.quick) lo.command.push_back("--quick");
     lo.nproc_per_node = n;
     lo.master_port = 0;
@@ -97,9 +98,10 @@ SuiteResult run_allreduce(const SuiteOptions& o) {
     r.samples.insert(r.samples.end(), samples.begin(), samples.end());
   }
   double copy = memcpy_gbps(std::min<int64_t>(max_bytes(o.quick), 64 << 20), o.repeats);
-  r.notes.push_back("Memory-copy bandwidth of this host (one 64 MB tensor copy): " +
-                    std::to_string(copy) + " GB/s — the ceiling for ranks sharing its memory. "
-                    "Values are bus bandwidth: algbw × 2(n−1)/n.");
+  r.notes.push_back(
+      "Memory-copy bandwidth of this host (one 64 MB tensor copy): " + std::to_string(copy) +
+      " GB/s — the ceiling for ranks sharing its memory. "
+      "Values are bus bandwidth: algbw × 2(n−1)/n.");
   r.command = "scaletrain bench allreduce" + std::string(o.quick ? " --quick" : "");
   return r;
 }

@@ -90,8 +90,9 @@ SuiteResult run_async(const SuiteOptions& o) {
   }
   r.samples = {unsynced, synced, one_by_one, at_once, copy_block, copy_async};
   if (devices.front().is_cpu()) {
-    r.notes.push_back("No GPU here: CPU operations are synchronous, so each pair should match; "
-                      "the differences the seed shows appear on a GPU.");
+    r.notes.push_back(
+        "No GPU here: CPU operations are synchronous, so each pair should match; "
+        "the differences the seed shows appear on a GPU.");
   }
   return r;
 }

@@ -23,9 +23,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-std::string where(const World& w) {
-  return w.master_addr + ":" + std::to_string(w.master_port);
-}
+std::string where(const World& w) { return w.master_addr + ":" + std::to_string(w.master_port); }
 
 std::string seconds(milliseconds t) {
   std::ostringstream s;
@@ -190,14 +188,14 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
     work->wait();
   } catch (const std::exception& e) {
     std::string what = e.what();
-    bool timed_out = what.find("imed out") != std::string::npos ||
-                     what.find("imeout") != std::string::npos;
-    throw Error("rank " + std::to_string(d.rank()) + " of " + std::to_string(d.size()) + ": " +
-                op + (timed_out ? " timed out after " + seconds(d.timeout) +
-                                      " (collective timeout): some rank never joined it. Look "
-                                      "for a rank that failed, stalled or took another code path; "
-                                      "raise InitOptions::timeout if the work is just slow."
-                                : " failed: " + what) +
+    bool timed_out =
+        what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+    throw Error("rank " + std::to_string(d.rank()) + " of " + std::to_string(d.size()) + ": " + op +
+                (timed_out ? " timed out after " + seconds(d.timeout) +
+                                 " (collective timeout): some rank never joined it. Look "
+                                 "for a rank that failed, stalled or took another code path; "
+                                 "raise InitOptions::timeout if the work is just slow."
+                           : " failed: " + what) +
                 (timed_out ? "\n  backend said: " + what : ""));
   }
 }
@@ -245,8 +243,8 @@ Dist init_process_group(const InitOptions& options) {
   auto timeout = rendezvous_timeout(options);
   d.store = connect_store(d.world, timeout);
   rendezvous(*d.store, d.world, timeout);
-  d.backend = new_backend(d, d.backend_name,
-                          "default_pg/" + std::to_string(d.world.restart_count), options.timeout);
+  d.backend = new_backend(d, d.backend_name, "default_pg/" + std::to_string(d.world.restart_count),
+                          options.timeout);
   d.timeout = options.timeout;
   return d;
 }

@@ -1,6 +1,6 @@
-#include <torch/version.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/version.h>
 
 #include "scaletrain/version.h"
 

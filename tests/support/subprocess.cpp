@@ -15,13 +15,11 @@ namespace scaletrain::testing {
 CommandResult run_command(const std::string& command, int timeout_s) {
   CommandResult r;
   auto t0 = std::chrono::steady_clock::now();
-  std::string full = "timeout -k 5 " + std::to_string(timeout_s) + " /bin/sh -c '" +
-                     [&] {
-                       std::string q;
-                       for (char c : command) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-                       return q;
-                     }() +
-                     "' 2>&1";
+  std::string full = "timeout -k 5 " + std::to_string(timeout_s) + " /bin/sh -c '" + [&] {
+    std::string q;
+    for (char c : command) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q;
+  }() + "' 2>&1";
   FILE* p = popen(full.c_str(), "r");
   if (p == nullptr) throw std::runtime_error("popen failed for: " + command);
   std::array<char, 4096> buf{};

@@ -6,9 +6,9 @@
 namespace scaletrain::testing {
 
 struct CommandResult {
-  int exit_code = -1;   // exit status, or 128+N when killed by signal N
-  std::string output;   // stdout and stderr, interleaved
-  double seconds = 0;   // wall time
+  int exit_code = -1;  // exit status, or 128+N when killed by signal N
+  std::string output;  // stdout and stderr, interleaved
+  double seconds = 0;  // wall time
 };
 
 /// Runs `command` under /bin/sh with a hard time limit (then it is killed and exit_code 124).

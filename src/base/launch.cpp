@@ -1,7 +1,6 @@
 #include "scaletrain/launch.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -25,6 +24,7 @@
 #include <random>
 #include <thread>
 
+#include "net.h"
 #include "scaletrain/error.h"
 
 extern char** environ;
@@ -88,17 +88,9 @@ bool program_exists(const std::string& prog) {
 }
 
 bool port_is_free(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return true;
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  close(fd);
-  return ok;
+  int fd = net::bind_tcp(port, /*loopback_only=*/false, /*listen=*/false);
+  if (fd >= 0) close(fd);
+  return fd >= 0;
 }
 
 std::string signal_name(int sig) {
@@ -436,20 +428,11 @@ class SignalScope {
 }  // namespace
 
 int pick_free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw Error(fmt::format("cannot open a socket: {}", strerror(errno)));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    throw Error(fmt::format("cannot find a free port: {}", strerror(errno)));
-  }
-  close(fd);
-  return ntohs(a.sin_port);
+  int fd = net::bind_tcp(0, /*loopback_only=*/false, /*listen=*/false);
+  int port = fd >= 0 ? net::bound_port(fd) : -1;
+  if (fd >= 0) close(fd);
+  if (port <= 0) throw Error(fmt::format("cannot find a free port: {}", strerror(errno)));
+  return port;
 }
 
 int auto_nproc_per_node() {

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../base/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
@@ -79,19 +80,7 @@ bool is_loopback(const std::string& addr) {
 // of another host can even reach it. Returns -1 when the port cannot be had (the store then
 // reports the error in its own words).
 int listen_on_loopback(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 1024) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
+  return net::bind_tcp(port, /*loopback_only=*/true, /*listen=*/true);
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeout) {

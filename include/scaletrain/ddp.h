@@ -1,0 +1,125 @@
+#pragma once
+// DistributedDataParallel for any torch::nn::Module: every rank holds a replica, runs forward
+// and backward on its own slice of the batch, and gradients are averaged across ranks while
+// backward is still running, bucket by bucket (Note [Bucket order] in bucket.h).
+//
+//   auto dist = scaletrain::init_process_group();
+//   auto model = std::make_shared<Net>();
+//   scaletrain::DistributedDataParallel ddp(model, dist);      // checks + broadcasts rank 0's
+//   torch::optim::SGD opt(model->parameters(), 0.1);
+//   for (auto& [x, y] : my_slice_of_the_data) {
+//     opt.zero_grad();
+//     auto out = ddp.forward([&] { return model->forward(x); });
+//     torch::nn::functional::cross_entropy(out, y).backward();   // all-reduces overlap this
+//     opt.step();                                                 // gradients are averaged
+//   }
+//   ddp.join();   // see "Uneven inputs" below
+//
+// Contract: construct it on every rank, in the same order as any other DDP instance, after the
+// module's parameters are final (it keeps pointers to them). The module must outlive it. One
+// thread drives a given instance; autograd may run its hooks on other threads. Gradients are
+// ready (averaged over the world) when backward() returns.
+//
+// Unused parameters: with find_unused_parameters, forward's outputs are traced back through
+// the autograd graph; parameters not reached count as ready with zero gradient, and those that
+// no rank used keep no gradient at all (as in a single process). Without it, a backward that
+// leaves parameters without gradient fails with an error listing them per rank and naming
+// the option.
+//
+// Uneven inputs (Note [Uneven inputs]): with detect_uneven_inputs (default on), every forward
+// first exchanges one flag per rank ("I have a batch"), and a rank that ran out of data calls
+// join(). If some ranks joined while others still step, every rank throws an Error naming the
+// ranks that ran out and the step — no hang. Make inputs even with DistributedSampler (padding
+// or drop_last). Cost: one tiny all-gather per step.
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/dist.h"
+
+namespace scaletrain {
+
+enum class CommHook {
+  kNone,  // all-reduce fp32 (or the parameters' dtype) gradients
+  kFp16,  // cast buckets to float16 for the wire, then back: half the bytes
+  kBf16,  // bfloat16 on the wire
+};
+
+struct DDPOptions {
+  double bucket_cap_mb = 25;
+  double first_bucket_cap_mb = 1;
+  bool broadcast_buffers = true;  // rank 0's buffers (BatchNorm stats...) before forward
+  bool find_unused_parameters = false;
+  bool gradient_as_bucket_view = true;  // .grad is a view into its bucket: no copies
+  CommHook comm_hook = CommHook::kNone;
+  bool overlap = true;  // false: all-reduce only after backward (a baseline)
+  bool detect_uneven_inputs = true;
+  int check_replicas_every = 0;  // >0: replica drift check every N forwards
+};
+
+class DistributedDataParallel {
+ public:
+  /// Verifies that every rank has the same parameters (count, names, shapes, dtypes) — or
+  /// throws on every rank an Error naming the first mismatch and the ranks — then broadcasts
+  /// rank 0's parameters and buffers, assigns buckets and installs the gradient hooks.
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Dist dist,
+                          DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Runs one forward pass as a DDP step: `fn` calls the module and returns its output.
+  at::Tensor forward(const std::function<at::Tensor()>& fn);
+  /// The same for modules returning several tensors.
+  std::vector<at::Tensor> forward_many(const std::function<std::vector<at::Tensor>()>& fn);
+
+  /// Within the returned scope, backward accumulates gradients locally without communicating
+  /// (gradient accumulation); the first backward after it averages everything accumulated.
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  /// Called by a rank that has no more batches (see "Uneven inputs"). Returns when every rank
+  /// has joined; throws when others are still stepping.
+  void join();
+
+  /// Compares a checksum of every parameter and buffer across ranks; throws an Error naming the
+  /// first tensor that differs and the ranks that disagree.
+  void check_replicas();
+
+  /// Sets every bucket (and so every gradient viewing it) to zero; cheaper than
+  /// optimizer.zero_grad(), which drops the views and costs a copy on the next backward.
+  void zero_grad();
+
+  const std::vector<std::vector<size_t>>& buckets() const;
+  const std::vector<std::string>& parameter_names() const;
+  torch::nn::Module& module() { return *module_; }
+  const Dist& dist() const { return dist_; }
+
+  struct Reducer;  // Note [Reducer] in src/ddp/reducer.cpp
+
+ private:
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Dist dist_;
+  DDPOptions options_;
+  std::unique_ptr<Reducer> reducer_;
+  int64_t step_ = 0;
+};
+
+}  // namespace scaletrain

@@ -1,0 +1,254 @@
+#include "scaletrain/ddp.h"
+
+#include <sstream>
+
+#include "reducer.h"
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+std::string describe_param(const std::string& name, const at::Tensor& p) {
+  std::ostringstream s;
+  s << name << " " << c10::toString(p.scalar_type()) << " " << p.sizes();
+  return s.str();
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+// Every rank publishes its parameter list in the store and compares all of them with rank 0's:
+// every rank reaches the same verdict, so none is left waiting in a broadcast.
+void verify_same_model(const Dist& d, const std::vector<std::string>& mine, int instance) {
+  const std::string prefix = "scaletrain/ddp/" + std::to_string(instance) + "/params/";
+  std::string joined;
+  for (auto& m : mine) joined += m + "\n";
+  d.store->set(prefix + std::to_string(d.rank()), joined);
+  std::vector<std::vector<std::string>> all;
+  for (int r = 0; r < d.size(); ++r) {
+    try {
+      d.store->wait({prefix + std::to_string(r)});
+    } catch (const std::exception&) {
+      throw Error("rank " + std::to_string(d.rank()) +
+                  ": DDP construction timed out waiting for "
+                  "rank " +
+                  std::to_string(r) +
+                  " to describe its model; construct "
+                  "DistributedDataParallel on every rank");
+    }
+    auto v = d.store->get(prefix + std::to_string(r));
+    all.push_back(split_lines(std::string(v.begin(), v.end())));
+  }
+  for (int r = 1; r < d.size(); ++r) {
+    const auto& a = all[0];
+    const auto& b = all[static_cast<size_t>(r)];
+    for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+      std::string x = i < a.size() ? a[i] : "(none)";
+      std::string y = i < b.size() ? b[i] : "(none)";
+      if (x == y) continue;
+      throw Error("rank " + std::to_string(d.rank()) +
+                  ": DDP needs the same model on every rank, but parameter #" + std::to_string(i) +
+                  " differs between rank 0 and rank " + std::to_string(r) + ":\n  rank 0: " + x +
+                  "\n  rank " + std::to_string(r) + ": " + y + "\n(rank 0 has " +
+                  std::to_string(a.size()) + " parameters, rank " + std::to_string(r) + " has " +
+                  std::to_string(b.size()) + "). Build the model identically on every rank.");
+    }
+  }
+}
+
+// Broadcasts tensors from rank 0, flattened into one message per dtype/device.
+void broadcast_coalesced(const Dist& d, const std::vector<at::Tensor>& tensors,
+                         const std::string& what) {
+  std::map<std::string, std::vector<at::Tensor>> groups;
+  for (auto& t : tensors) {
+    groups[std::string(c10::toString(t.scalar_type())) + t.device().str()].push_back(t);
+  }
+  for (auto& [key, ts] : groups) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
+    std::vector<at::Tensor> flat{at::cat(flat_parts)};
+    wait_for(d.backend->broadcast(flat), "broadcast of " + what + " from rank 0", d);
+    int64_t offset = 0;
+    at::NoGradGuard no_grad;
+    for (auto& t : ts) {
+      t.copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+// Output slots of an all-gather of one int per rank: distinct tensors (a vector filled with
+// copies of one tensor would alias a single buffer).
+std::vector<std::vector<at::Tensor>> flag_slots(int world) {
+  std::vector<at::Tensor> slots;
+  for (int r = 0; r < world; ++r) slots.push_back(at::empty({1}, at::kInt));
+  return {slots};
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 Dist dist, DDPOptions options)
+    : module_(std::move(module)), dist_(std::move(dist)), options_(options) {
+  if (!module_) throw UsageError("DistributedDataParallel: the module is null");
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names, described;
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    names.push_back(item.key());
+    params.push_back(item.value());
+    described.push_back(describe_param(item.key(), item.value()));
+  }
+  if (params.empty()) {
+    throw UsageError("DistributedDataParallel: the module has no parameter that requires grad");
+  }
+  // DDP instances are built in the same order on every rank: number them per rank (in the
+  // store, so that ranks sharing one process — threads in tests — count separately).
+  const auto instance = static_cast<int>(
+      dist_.store->add("scaletrain/ddp/instances/" + std::to_string(dist_.rank()), 1));
+  verify_same_model(dist_, described, instance);
+  broadcast_coalesced(dist_, params, "the parameters");
+  if (options_.broadcast_buffers) {
+    auto buffers = module_->buffers();
+    if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers");
+  }
+  reducer_ = std::make_unique<Reducer>(dist_, options_, std::move(params), std::move(names));
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const {
+  return reducer_->assignment;
+}
+
+const std::vector<std::string>& DistributedDataParallel::parameter_names() const {
+  return reducer_->names;
+}
+
+void DistributedDataParallel::pre_forward() {
+  ++step_;
+  if (options_.detect_uneven_inputs && dist_.size() > 1) {
+    // Note [Uneven inputs]: "1" from every rank that still has a batch, "0" from join().
+    std::vector<at::Tensor> in{at::ones({1}, at::kInt)};
+    auto out = flag_slots(dist_.size());
+    wait_for(dist_.backend->allgather(out, in),
+             "uneven-input check of step " + std::to_string(step_), dist_);
+    std::string joined;
+    for (int r = 0; r < dist_.size(); ++r) {
+      if (out[0][static_cast<size_t>(r)].item<int>() == 0)
+        joined += (joined.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (!joined.empty()) {
+      throw Error("rank " + std::to_string(dist_.rank()) + ": uneven inputs: rank(s) " + joined +
+                  " ran out of batches before step " + std::to_string(step_) +
+                  " while this rank still has data. Give every rank the same number of batches "
+                  "(DistributedSampler pads, or drop_last cuts, the data set to a multiple of "
+                  "the world size).");
+    }
+  }
+  if (options_.broadcast_buffers) {
+    auto buffers = module_->buffers();
+    if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers");
+  }
+  if (options_.check_replicas_every > 0 && step_ % options_.check_replicas_every == 0) {
+    check_replicas();
+  }
+}
+
+void DistributedDataParallel::post_forward(const std::vector<at::Tensor>& outputs) {
+  reducer_->prepare(outputs);
+}
+
+at::Tensor DistributedDataParallel::forward(const std::function<at::Tensor()>& fn) {
+  pre_forward();
+  at::Tensor out = fn();
+  post_forward({out});
+  return out;
+}
+
+std::vector<at::Tensor> DistributedDataParallel::forward_many(
+    const std::function<std::vector<at::Tensor>()>& fn) {
+  pre_forward();
+  auto outs = fn();
+  post_forward(outs);
+  return outs;
+}
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
+    : ddp_(ddp), previous_(ddp.reducer_->sync) {
+  ddp_.reducer_->sync = false;
+}
+
+DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->sync = previous_; }
+
+void DistributedDataParallel::join() {
+  if (!options_.detect_uneven_inputs || dist_.size() == 1) return;
+  std::vector<at::Tensor> in{at::zeros({1}, at::kInt)};
+  auto out = flag_slots(dist_.size());
+  wait_for(dist_.backend->allgather(out, in), "join (uneven-input check)", dist_);
+  std::string active;
+  for (int r = 0; r < dist_.size(); ++r) {
+    if (out[0][static_cast<size_t>(r)].item<int>() != 0)
+      active += (active.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!active.empty()) {
+    throw Error("rank " + std::to_string(dist_.rank()) +
+                ": uneven inputs: this rank ran out of "
+                "batches after step " +
+                std::to_string(step_) + " while rank(s) " + active +
+                " still have data. Give every rank the same number of batches (DistributedSampler "
+                "pads, or drop_last cuts, the data set to a multiple of the world size).");
+  }
+}
+
+void DistributedDataParallel::check_replicas() {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> tensors;
+  for (auto& item : module_->named_parameters())
+    names.push_back(item.key()), tensors.push_back(item.value());
+  for (auto& item : module_->named_buffers())
+    names.push_back(item.key()), tensors.push_back(item.value());
+  auto sums = at::empty({static_cast<int64_t>(tensors.size()), 2}, at::kDouble);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto t = tensors[i].detach().to(at::kCPU, at::kDouble);
+    sums[static_cast<int64_t>(i)][0] = t.sum();
+    sums[static_cast<int64_t>(i)][1] = (t * t).sum();
+  }
+  std::vector<at::Tensor> in{sums};
+  std::vector<std::vector<at::Tensor>> out{
+      std::vector<at::Tensor>(static_cast<size_t>(dist_.size()))};
+  for (auto& o : out[0]) o = at::empty_like(sums);
+  wait_for(dist_.backend->allgather(out, in), "replica check", dist_);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::string differ;
+    for (int r = 1; r < dist_.size(); ++r) {
+      if (!at::equal(out[0][0][static_cast<int64_t>(i)],
+                     out[0][static_cast<size_t>(r)][static_cast<int64_t>(i)])) {
+        differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    if (!differ.empty()) {
+      throw Error("rank " + std::to_string(dist_.rank()) + ": replicas drifted apart: '" +
+                  names[i] + "' differs between rank 0 and rank(s) " + differ +
+                  " (checked at step " + std::to_string(step_) +
+                  "). Something updated one "
+                  "replica alone: an optimizer step outside DDP, rank-dependent buffers, or "
+                  "non-deterministic kernels.");
+    }
+  }
+}
+
+void DistributedDataParallel::zero_grad() {
+  for (auto& b : reducer_->buckets) b.flat.zero_();
+  for (size_t i = 0; i < reducer_->params.size(); ++i) {
+    auto& g = reducer_->params[i].mutable_grad();
+    if (g.defined() && g.data_ptr() != reducer_->views[i].data_ptr()) g.zero_();
+  }
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,315 @@
+// DDP transparency: K steps of DDP over N ranks with per-rank batch B give the parameters of
+// single-process training with batch N*B over the same samples in the same order.
+
+#include "scaletrain/ddp.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include "support/ranks.h"
+
+namespace scaletrain {
+namespace {
+
+using testing::run_ranks;
+namespace F = torch::nn::functional;
+
+constexpr int64_t kIn = 8, kHidden = 16, kOut = 4, kPerRank = 3, kSteps = 4;
+
+// A module with a head that forward never uses when `use_head2` is false.
+struct TwoHeads : torch::nn::Module {
+  TwoHeads() {
+    body = register_module("body", torch::nn::Linear(kIn, kHidden));
+    head1 = register_module("head1", torch::nn::Linear(kHidden, kOut));
+    head2 = register_module("head2", torch::nn::Linear(kHidden, kOut));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_head2 = false) {
+    auto h = torch::relu(body->forward(x));
+    return use_head2 ? head1->forward(h) + head2->forward(h) : head1->forward(h);
+  }
+  torch::nn::Linear body{nullptr}, head1{nullptr}, head2{nullptr};
+};
+
+std::shared_ptr<TwoHeads> make_model(int perturb) {
+  torch::manual_seed(0);
+  auto m = std::make_shared<TwoHeads>();
+  if (perturb != 0) {
+    torch::NoGradGuard g;
+    for (auto& p : m->parameters()) p.add_(0.1 * perturb);  // DDP must broadcast rank 0's
+  }
+  return m;
+}
+
+struct Data {
+  at::Tensor x, y;
+};
+
+Data make_data(int world, int accumulate) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  const int64_t n = world * kPerRank * kSteps * accumulate;
+  return {at::randn({n, kIn}, gen), at::randn({n, kOut}, gen)};
+}
+
+// Rows of step s (micro-step a of `accumulate`) for rank r, or for all ranks when r < 0.
+at::Tensor rows(const at::Tensor& t, int world, int accumulate, int s, int a, int r) {
+  const int64_t global = world * kPerRank;
+  const int64_t start = (static_cast<int64_t>(s) * accumulate + a) * global;
+  if (r < 0) return t.narrow(0, start, global);
+  return t.narrow(0, start + r * kPerRank, kPerRank);
+}
+
+std::vector<at::Tensor> train_single(int world, int accumulate, double lr) {
+  auto model = make_model(0);
+  auto data = make_data(world, accumulate);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
+  for (int s = 0; s < kSteps; ++s) {
+    opt.zero_grad();
+    for (int a = 0; a < accumulate; ++a) {
+      auto out = model->forward(rows(data.x, world, accumulate, s, a, -1));
+      F::mse_loss(out, rows(data.y, world, accumulate, s, a, -1)).backward();
+    }
+    opt.step();
+  }
+  std::vector<at::Tensor> out;
+  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+struct Case {
+  int accumulate = 1;
+  DDPOptions options;
+};
+
+// Trains with DDP on every rank; returns the largest difference from single-process training.
+double max_diff_from_single(int world, const Case& c) {
+  const double lr = 0.1;
+  auto expected = train_single(world, c.accumulate, lr);
+  std::vector<double> diffs(static_cast<size_t>(world), -1);
+  auto errors = run_ranks(world, [&](Dist& d) {
+    auto model = make_model(d.rank());
+    auto data = make_data(world, c.accumulate);
+    DistributedDataParallel ddp(model, d, c.options);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
+    for (int s = 0; s < kSteps; ++s) {
+      opt.zero_grad();
+      for (int a = 0; a < c.accumulate; ++a) {
+        auto x = rows(data.x, world, c.accumulate, s, a, d.rank());
+        auto y = rows(data.y, world, c.accumulate, s, a, d.rank());
+        auto step = [&] {
+          auto out = ddp.forward([&] { return model->forward(x); });
+          F::mse_loss(out, y).backward();
+        };
+        if (a + 1 < c.accumulate) {
+          auto guard = ddp.no_sync();
+          step();
+        } else {
+          step();
+        }
+      }
+      opt.step();
+    }
+    double m = 0;
+    auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      m = std::max(m, (params[i] - expected[i]).abs().max().item<double>());
+    }
+    diffs[static_cast<size_t>(d.rank())] = m;
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  return *std::max_element(diffs.begin(), diffs.end());
+}
+
+class DDPWorlds : public ::testing::TestWithParam<int> {};
+
+TEST_P(DDPWorlds, EqualsSingleProcessTraining) {
+  Case c;
+  c.options.find_unused_parameters = true;  // head2 is never used
+  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+}
+
+TEST_P(DDPWorlds, EqualsSingleProcessWithTinyBucketsAndNoOverlap) {
+  Case c;
+  c.options.find_unused_parameters = true;
+  c.options.first_bucket_cap_mb = 1e-4;  // ~100 bytes: one bucket per parameter or two
+  c.options.bucket_cap_mb = 3e-4;
+  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+  c.options.overlap = false;
+  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, DDPWorlds, ::testing::Values(1, 2, 3, 4));
+
+TEST(DDP, GradientAccumulationWithNoSync) {
+  Case c;
+  c.accumulate = 3;
+  c.options.find_unused_parameters = true;
+  EXPECT_LE(max_diff_from_single(2, c), 1e-5);
+}
+
+TEST(DDP, WithoutGradientViews) {
+  Case c;
+  c.options.find_unused_parameters = true;
+  c.options.gradient_as_bucket_view = false;
+  EXPECT_LE(max_diff_from_single(3, c), 1e-5);
+}
+
+// fp16 keeps 11 significant bits: gradients of size ~0.5 are rounded by up to ~2.5e-4 each
+// step, and 4 SGD steps at lr 0.1 with momentum 0.9 (a gain of at most 1+0.9+0.81+0.73 = 3.4)
+// move a parameter by at most ~1e-4 from the fp32 run; 1e-3 leaves room. bf16 keeps 8 bits:
+// 8x more, 1e-2.
+TEST(DDP, Fp16CompressionWithinItsPrecision) {
+  Case c;
+  c.options.find_unused_parameters = true;
+  c.options.comm_hook = CommHook::kFp16;
+  double d = max_diff_from_single(2, c);
+  EXPECT_LE(d, 1e-3);
+}
+
+TEST(DDP, Bf16CompressionWithinItsPrecision) {
+  Case c;
+  c.options.find_unused_parameters = true;
+  c.options.comm_hook = CommHook::kBf16;
+  EXPECT_LE(max_diff_from_single(2, c), 1e-2);
+}
+
+TEST(DDP, UnusedParametersKeepNoGradient) {
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model, d, o);
+    auto out = ddp.forward([&] { return model->forward(at::ones({2, kIn})); });
+    out.sum().backward();
+    EXPECT_FALSE(model->head2->weight.grad().defined()) << "globally unused: no gradient";
+    EXPECT_TRUE(model->head1->weight.grad().defined());
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+}
+
+TEST(DDP, ParameterUsedOnOneRankOnlyIsAveraged) {
+  // head2 is used on rank 1 only: its gradient is rank 1's divided by the world size.
+  std::vector<at::Tensor> grads(2);
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model, d, o);
+    auto out = ddp.forward([&] { return model->forward(at::ones({2, kIn}), d.rank() == 1); });
+    out.sum().backward();
+    grads[static_cast<size_t>(d.rank())] = model->head2->weight.grad().clone();
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  auto model = make_model(0);
+  model->forward(at::ones({2, kIn}), true).sum().backward();
+  EXPECT_TRUE(at::allclose(grads[0], model->head2->weight.grad() / 2, 1e-6, 1e-6));
+  EXPECT_TRUE(at::equal(grads[0], grads[1]));
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(DDPErrors, MismatchedModelsNameTheParameterAndRanks) {
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model =
+        std::make_shared<torch::nn::SequentialImpl>(torch::nn::Linear(4, d.rank() == 0 ? 3 : 5));
+    DistributedDataParallel ddp(model, d);
+  });
+  for (auto& e : errors) {
+    EXPECT_TRUE(contains(e, "parameter #0 differs between rank 0 and rank 1")) << e;
+    EXPECT_TRUE(contains(e, "0.weight Float [3, 4]")) << e;
+    EXPECT_TRUE(contains(e, "0.weight Float [5, 4]")) << e;
+  }
+}
+
+TEST(DDPErrors, MissingGradientsListThemPerRankAndNameTheOption) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto errors = run_ranks(
+      2,
+      [&](Dist& d) {
+        auto model = make_model(0);
+        DistributedDataParallel ddp(model, d);  // find_unused_parameters off
+        auto out = ddp.forward([&] { return model->forward(at::ones({2, kIn})); });
+        out.sum().backward();
+      },
+      std::chrono::seconds(10));
+  for (auto& e : errors) {
+    EXPECT_TRUE(contains(e, "rank 0: head2.weight, head2.bias")) << e;
+    EXPECT_TRUE(contains(e, "rank 1: head2.weight, head2.bias")) << e;
+    EXPECT_TRUE(contains(e, "find_unused_parameters = true")) << e;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+}
+
+TEST(DDPErrors, UnevenInputsFailOnEveryRankInsteadOfHanging) {
+  auto errors = run_ranks(
+      2,
+      [&](Dist& d) {
+        auto model = make_model(0);
+        DDPOptions o;
+        o.find_unused_parameters = true;
+        DistributedDataParallel ddp(model, d, o);
+        const int batches = d.rank() == 0 ? 3 : 2;  // rank 1 runs out first
+        for (int b = 0; b < batches; ++b) {
+          ddp.forward([&] { return model->forward(at::ones({2, kIn})); }).sum().backward();
+        }
+        ddp.join();
+      },
+      std::chrono::seconds(10));
+  EXPECT_TRUE(contains(errors[0], "rank(s) 1 ran out of batches before step 3"))
+      << "[" << errors[0] << "]";
+  EXPECT_TRUE(contains(errors[1], "ran out of batches after step 2 while rank(s) 0 still"))
+      << errors[1];
+}
+
+TEST(DDPErrors, EvenInputsJoinCleanly) {
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model, d, o);
+    for (int b = 0; b < 2; ++b) {
+      ddp.forward([&] { return model->forward(at::ones({2, kIn})); }).sum().backward();
+    }
+    ddp.join();
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+}
+
+TEST(DDPErrors, ReplicaDriftIsNamed) {
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DistributedDataParallel ddp(model, d);
+    ddp.check_replicas();  // equal after the broadcast
+    if (d.rank() == 1) {
+      torch::NoGradGuard g;
+      model->head1->bias.add_(1e-3);
+    }
+    ddp.check_replicas();
+  });
+  for (auto& e : errors) {
+    EXPECT_TRUE(contains(e, "'head1.bias' differs between rank 0 and rank(s) 1")) << e;
+  }
+}
+
+TEST(DDP, BucketsFollowTheOptions) {
+  auto errors = run_ranks(1, [&](Dist& d) {
+    auto model = make_model(0);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel big(model, d, o);
+    EXPECT_EQ(big.buckets().size(), 1u);  // 0.8 KB in all: one bucket under the 1 MB first cap
+    o.first_bucket_cap_mb = o.bucket_cap_mb = 1e-6;  // one byte
+    DistributedDataParallel tiny(model, d, o);
+    EXPECT_EQ(tiny.buckets().size(), 6u);                                   // one per parameter
+    EXPECT_EQ(tiny.parameter_names()[tiny.buckets()[0][0]], "head2.bias");  // last registered
+  });
+  EXPECT_EQ(errors, std::vector<std::string>{""});
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -20,9 +20,10 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# The main job: two local processes join one process group and verify its collectives.
+# The main job: LeNet on Fashion-MNIST with DDP over the local devices (every GPU, or 2 CPU
+# processes), with progress, checkpoints and metrics under runs/lenet.
 run: build
-	$(BUILD)/scaletrain run --nproc-per-node 2 --master-port 0 -- $(BUILD)/scaletrain check
+	$(BUILD)/scaletrain train --out runs/lenet
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)

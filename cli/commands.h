@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace scaletrain::cli {
 
@@ -13,5 +15,9 @@ using Action = std::function<int()>;
 void add_run_command(CLI::App& app, Action& action);
 void add_check_command(CLI::App& app, Action& action);
 void add_bench_command(CLI::App& app, Action& action);
+void add_train_command(CLI::App& app, Action& action);
+
+/// The tool's own command line (argv), for subcommands that start themselves again.
+const std::vector<std::string>& program_args();
 
 }  // namespace scaletrain::cli

@@ -7,7 +7,15 @@
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 
+namespace scaletrain::cli {
+namespace {
+std::vector<std::string> g_args;
+}
+const std::vector<std::string>& program_args() { return g_args; }
+}  // namespace scaletrain::cli
+
 int main(int argc, char** argv) {
+  scaletrain::cli::g_args.assign(argv, argv + argc);
   using namespace scaletrain;
   CLI::App app{
       "scaletrain: take a LibTorch training job from one device to many devices, "
@@ -25,6 +33,7 @@ int main(int argc, char** argv) {
 
   cli::Action action;
   cli::add_run_command(app, action);
+  cli::add_train_command(app, action);
   cli::add_check_command(app, action);
   cli::add_bench_command(app, action);
 

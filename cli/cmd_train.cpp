@@ -1,0 +1,112 @@
+// `scaletrain train`: trains a model of the zoo with DDP. Started by hand it launches itself
+// over the local devices (every GPU, or 2 CPU processes); under `scaletrain run`, torchrun,
+// srun or mpirun it is one rank of the job.
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <numeric>
+
+#include "commands.h"
+#include "scaletrain/dist.h"
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
+#include "scaletrain/trainer.h"
+#include "scaletrain/version.h"
+
+namespace scaletrain::cli {
+namespace {
+
+bool inside_a_job() {
+  for (const char* v : {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}) {
+    if (std::getenv(v) != nullptr) return true;
+  }
+  return false;
+}
+
+void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
+  double mean = r.epoch_seconds.empty()
+                    ? 0
+                    : std::accumulate(r.epoch_seconds.begin(), r.epoch_seconds.end(), 0.0) /
+                          static_cast<double>(r.epoch_seconds.size());
+  std::cout << std::fixed << std::setprecision(4) << "\nscaletrain train: " << o.model << " on "
+            << o.dataset << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
+            << "  test accuracy   " << r.test_accuracy << "\n"
+            << std::setprecision(1) << "  time per epoch  " << mean << " s\n"
+            << "  throughput      " << std::setprecision(0) << r.samples_per_second
+            << " samples/s\n"
+            << "  checkpoint      " << r.last_checkpoint << "\n"
+            << "  metrics         " << r.metrics_path << std::endl;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand(
+      "train", "Train a model with DDP (default: LeNet on Fashion-MNIST over the local devices)");
+  struct Args {
+    TrainOptions o;
+    std::string nproc = "auto";
+    std::string backend = "auto";
+  };
+  auto args = std::make_shared<Args>();
+  auto& o = args->o;
+  cmd->add_option("--model", o.model, "toy, mlp or lenet")->capture_default_str();
+  cmd->add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->capture_default_str();
+  cmd->add_option("--data-dir", o.data_dir, "Folder of the IDX .gz files")->capture_default_str();
+  cmd->add_option("--limit-train", o.limit_train, "Use only the first N training samples");
+  cmd->add_option("--limit-test", o.limit_test, "Use only the first N test samples");
+  cmd->add_option("--epochs", o.epochs)->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "Global batch, split over the ranks")
+      ->capture_default_str();
+  cmd->add_option("--optimizer", o.optimizer, "sgd or adam")->capture_default_str();
+  cmd->add_option("--lr", o.lr)->capture_default_str();
+  cmd->add_option("--momentum", o.momentum)->capture_default_str();
+  cmd->add_option("--weight-decay", o.weight_decay)->capture_default_str();
+  cmd->add_option("--schedule", o.schedule, "none, step or cosine")->capture_default_str();
+  cmd->add_option("--step-size", o.step_size, "Epochs between step-schedule decays");
+  cmd->add_option("--gamma", o.gamma, "Step-schedule factor");
+  cmd->add_option("--accumulate", o.accumulate, "Batches per optimizer step");
+  cmd->add_option("--seed", o.seed)->capture_default_str();
+  cmd->add_option("--out", o.out_dir, "Folder for checkpoints and metrics")->capture_default_str();
+  cmd->add_option("--checkpoint-every", o.checkpoint_every,
+                  "Steps between checkpoints (0: epochs)");
+  cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
+  cmd->add_option("--resume", o.resume, "auto, none, or a checkpoint file")->capture_default_str();
+  cmd->add_option("--log-every", o.log_every, "Steps between metric lines")->capture_default_str();
+  cmd->add_option("--nproc-per-node", args->nproc,
+                  "Processes when started by hand: a number or auto (every GPU, else 2)")
+      ->capture_default_str();
+  cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
+  cmd->add_flag("!--no-progress", o.progress, "No progress bar");
+  cmd->callback([args, &action, cmd] {
+    action = [args, cmd] {
+      if (!inside_a_job()) {
+        // Started by hand: become the launcher of this node's ranks.
+        LaunchOptions lo;
+        lo.nproc_per_node = args->nproc == "auto"
+                                ? (cuda_device_count() > 0 ? cuda_device_count() : 2)
+                                : std::atoi(args->nproc.c_str());
+        validate(args->o, lo.nproc_per_node);
+        lo.master_port = 0;
+        lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
+        std::error_code ec;
+        lo.command = {std::filesystem::read_symlink("/proc/self/exe", ec).string()};
+        for (size_t i = 1; i < program_args().size(); ++i) lo.command.push_back(program_args()[i]);
+        scaletrain::validate(lo);
+        return launch(lo);
+      }
+      InitOptions io;
+      io.backend = args->backend;
+      Dist d = init_process_group(io);
+      TrainResult r = train(args->o, d);
+      if (d.rank() == 0) print_summary(args->o, r, d);
+      return 0;
+    };
+  });
+}
+
+}  // namespace scaletrain::cli

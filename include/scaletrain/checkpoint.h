@@ -1,0 +1,44 @@
+#pragma once
+// Checkpoints: the whole training state in one file, written atomically (temporary file,
+// fsync, rename) with a CRC-32 of its contents, so that a crash leaves either the old file or
+// the new one, and a damaged file is recognised instead of loaded. Format: docs/checkpoint.md.
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "scaletrain/sampler.h"
+
+namespace scaletrain {
+
+struct TrainingState {
+  std::string model_name;
+  int64_t epoch = 0;          // the epoch in progress
+  int64_t step_in_epoch = 0;  // batches of it already done
+  int64_t global_step = 0;
+  SamplerState sampler;
+};
+
+/// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep`. Returns
+/// the path. Throws Error when the folder cannot be written.
+std::string save_checkpoint(const std::string& dir, const TrainingState& state,
+                            const torch::nn::Module& model, const torch::optim::Optimizer& opt,
+                            int keep);
+
+/// Reads a checkpoint into `model` and `opt` (tensors are copied onto the devices the model's
+/// own parameters are on, whatever device they were saved from). Throws Error for a truncated
+/// or corrupt file, and UsageError for a checkpoint of another model.
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer& opt, const std::string& model_name);
+
+/// The newest checkpoint in `dir` whose checksum is right; damaged ones are reported on stderr
+/// and skipped. nullopt when there is none.
+std::optional<std::string> newest_valid_checkpoint(const std::string& dir);
+
+/// Checks a file's header and checksum without loading it; the reason when it is bad.
+std::optional<std::string> checkpoint_problem(const std::string& path);
+
+}  // namespace scaletrain

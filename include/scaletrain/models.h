@@ -1,0 +1,43 @@
+#pragma once
+// The model zoo of the seed tutorials, as LibTorch modules with PyTorch's parameter names.
+//
+//   ToyModel  10 -> 10 -> ReLU -> 5 (net1, net2), seed 000
+//   MLP       in -> hidden -> ReLU -> classes (fc1, fc2)
+//   LeNet     seed 004's: conv 1->20 3x3, ReLU, avg-pool 2, conv 20->50 5x5, ReLU, avg-pool 2,
+//             fc 800->128, ReLU, fc 128->10 (conv1, conv2, fc1, fc2); 28x28 inputs
+//
+// make_model() builds one by name; Model carries the module and its forward, so that trainers
+// and wrappers call any of them the same way.
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace scaletrain {
+
+struct Model {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+};
+
+struct ModelOptions {
+  int64_t num_classes = 10;
+  int64_t in_channels = 1;    // image models
+  int64_t in_features = 784;  // MLP
+  int64_t hidden = 256;       // MLP
+};
+
+/// "toy", "mlp", "lenet". Throws UsageError naming the known models for any other name.
+Model make_model(const std::string& name, const ModelOptions& options = {});
+
+/// The names make_model() knows.
+std::vector<std::string> model_names();
+
+/// Number of elements of all parameters.
+int64_t parameter_count(const torch::nn::Module& module);
+
+}  // namespace scaletrain

@@ -1,0 +1,181 @@
+#include "scaletrain/checkpoint.h"
+
+#include <fcntl.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kMagic = "SCALETRAIN-CHECKPOINT 1";
+
+uint32_t crc_of(const std::string& s) {
+  return static_cast<uint32_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(s.data()), static_cast<uInt>(s.size())));
+}
+
+// Splits a file into its payload, or says what is wrong with it.
+std::optional<std::string> payload_of(const std::string& path, std::string* payload) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "cannot be opened";
+  std::string magic, header;
+  std::getline(in, magic);
+  std::getline(in, header);
+  if (magic != kMagic) return "is not a scaletrain checkpoint (bad header)";
+  unsigned long crc = 0, size = 0;
+  if (std::sscanf(header.c_str(), "crc32 %lx size %lu", &crc, &size) != 2)
+    return "has a bad header";
+  std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (body.size() != size) {
+    return "is truncated (" + std::to_string(body.size()) + " of " + std::to_string(size) +
+           " bytes)";
+  }
+  if (crc_of(body) != crc) return "is corrupt (checksum mismatch)";
+  if (payload) *payload = std::move(body);
+  return std::nullopt;
+}
+
+int64_t step_of(const fs::path& p) {
+  auto stem = p.stem().string();  // ckpt-<step>
+  try {
+    return std::stoll(stem.substr(5));
+  } catch (...) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& dir, const TrainingState& s,
+                            const torch::nn::Module& model, const torch::optim::Optimizer& opt,
+                            int keep) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  torch::serialize::OutputArchive ar;
+  ar.write("model_name", c10::IValue(s.model_name));
+  ar.write("epoch", c10::IValue(s.epoch));
+  ar.write("step_in_epoch", c10::IValue(s.step_in_epoch));
+  ar.write("global_step", c10::IValue(s.global_step));
+  ar.write("sampler_epoch", c10::IValue(s.sampler.epoch));
+  ar.write("sampler_position", c10::IValue(s.sampler.position));
+  for (auto& p : model.named_parameters()) ar.write("model." + p.key(), p.value().detach().cpu());
+  for (auto& b : model.named_buffers()) ar.write("model." + b.key(), b.value().cpu(), true);
+  torch::serialize::OutputArchive opt_ar;
+  opt.save(opt_ar);
+  ar.write("optimizer", opt_ar);
+  std::ostringstream payload;
+  ar.save_to(payload);
+  const std::string body = payload.str();
+
+  const std::string final_path = dir + "/ckpt-" + std::to_string(s.global_step) + ".st";
+  const std::string tmp = final_path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    if (!out) {
+      throw Error("cannot write a checkpoint in '" + dir +
+                  "': check that the folder is writable "
+                  "or choose another with --out");
+    }
+    char header[64];
+    std::snprintf(header, sizeof(header), "crc32 %08x size %zu\n", crc_of(body), body.size());
+    out << kMagic << "\n" << header << body;
+    if (!out.flush()) throw Error("writing checkpoint '" + tmp + "' failed (disk full?)");
+  }
+  int fd = ::open(tmp.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  fs::rename(tmp, final_path);
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);  // make the rename itself durable
+    ::close(dfd);
+  }
+  std::vector<fs::path> all;
+  for (auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".st" && step_of(e.path()) >= 0) all.push_back(e.path());
+  }
+  std::sort(all.begin(), all.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) fs::remove(all[i]);
+  return final_path;
+}
+
+std::optional<std::string> checkpoint_problem(const std::string& path) {
+  return payload_of(path, nullptr);
+}
+
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer& opt, const std::string& model_name) {
+  std::string body;
+  if (auto problem = payload_of(path, &body)) throw Error("checkpoint '" + path + "' " + *problem);
+  torch::serialize::InputArchive ar;
+  std::istringstream in(body);
+  ar.load_from(in);
+  c10::IValue v;
+  TrainingState s;
+  ar.read("model_name", v);
+  s.model_name = v.toStringRef();
+  if (s.model_name != model_name) {
+    throw UsageError("checkpoint '" + path + "' holds a '" + s.model_name + "' model, not '" +
+                     model_name +
+                     "'; pick the matching --model or another "
+                     "--out folder");
+  }
+  ar.read("epoch", v);
+  s.epoch = v.toInt();
+  ar.read("step_in_epoch", v);
+  s.step_in_epoch = v.toInt();
+  ar.read("global_step", v);
+  s.global_step = v.toInt();
+  ar.read("sampler_epoch", v);
+  s.sampler.epoch = v.toInt();
+  ar.read("sampler_position", v);
+  s.sampler.position = v.toInt();
+  torch::NoGradGuard no_grad;
+  for (auto& p : model.named_parameters()) {
+    at::Tensor t;
+    ar.read("model." + p.key(), t);
+    p.value().copy_(t);
+  }
+  for (auto& b : model.named_buffers()) {
+    at::Tensor t;
+    ar.read("model." + b.key(), t, true);
+    b.value().copy_(t);
+  }
+  torch::serialize::InputArchive opt_ar;
+  ar.read("optimizer", opt_ar);
+  opt.load(opt_ar);
+  return s;
+}
+
+std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return std::nullopt;
+  std::vector<fs::path> all;
+  for (auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".st" && step_of(e.path()) >= 0) all.push_back(e.path());
+  }
+  std::sort(all.begin(), all.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
+  for (auto& p : all) {
+    if (auto problem = checkpoint_problem(p.string())) {
+      std::cerr << "scaletrain: skipping checkpoint " << p.string() << ": it " << *problem << "\n";
+      continue;
+    }
+    return p.string();
+  }
+  return std::nullopt;
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,49 @@
+#include "scaletrain/models.h"
+
+#include <gtest/gtest.h>
+
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+std::vector<std::string> names(const Model& m) {
+  std::vector<std::string> out;
+  for (auto& p : m.module->named_parameters()) out.push_back(p.key());
+  return out;
+}
+
+TEST(Models, LeNetHasTheSeedsShapeAndNames) {
+  Model m = make_model("lenet");
+  // conv1 20x1x3x3+20, conv2 50x20x5x5+50, fc1 800x128+128, fc2 128x10+10
+  EXPECT_EQ(parameter_count(*m.module), 200 + 25050 + 102528 + 1290);
+  EXPECT_EQ(names(m),
+            (std::vector<std::string>{"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
+                                      "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}));
+  EXPECT_EQ(m.forward(at::zeros({3, 1, 28, 28})).sizes(), (std::vector<int64_t>{3, 10}));
+}
+
+TEST(Models, ToyModelOfSeed000) {
+  Model m = make_model("toy");
+  EXPECT_EQ(parameter_count(*m.module), 10 * 10 + 10 + 10 * 5 + 5);
+  EXPECT_EQ(names(m).front(), "net1.weight");
+  EXPECT_EQ(m.forward(at::zeros({20, 10})).sizes(), (std::vector<int64_t>{20, 5}));
+}
+
+TEST(Models, MlpFlattensImages) {
+  Model m = make_model("mlp");
+  EXPECT_EQ(parameter_count(*m.module), 784 * 256 + 256 + 256 * 10 + 10);
+  EXPECT_EQ(m.forward(at::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
+}
+
+TEST(Models, UnknownNameListsTheKnownOnes) {
+  try {
+    make_model("resnet9000");
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("toy, mlp, lenet"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -87,12 +87,18 @@ void add_bench_command(CLI::App& app, Action& action) {
   };
   auto wargs = std::make_shared<WorkerArgs>();
   worker->add_option("suite", wargs->suite)->required();
-  worker->add_option("--csv", wargs->csv)->required();
-  worker->add_option("--repeats", wargs->repeats);
-  worker->add_flag("--quick", wargs->quick);
-  worker->callback([wargs, &action] {
-    action = [wargs] {
+  worker->allow_extras();
+  worker->callback([wargs, &action, worker] {
+    auto extras = worker->remaining();
+    action = [wargs, extras] {
+      if (wargs->suite == "ddp") return bench::run_ddp_worker(extras);
       if (wargs->suite == "allreduce") {
+        for (size_t i = 0; i < extras.size(); ++i) {
+          if (extras[i] == "--csv" && i + 1 < extras.size()) wargs->csv = extras[i + 1];
+          if (extras[i] == "--repeats" && i + 1 < extras.size())
+            wargs->repeats = std::stoi(extras[i + 1]);
+          if (extras[i] == "--quick") wargs->quick = true;
+        }
         return bench::run_allreduce_worker(wargs->csv, wargs->quick, wargs->repeats);
       }
       throw UsageError("no worker for suite '" + wargs->suite + "'");

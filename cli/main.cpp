@@ -5,6 +5,7 @@
 
 #include "commands.h"
 #include "scaletrain/error.h"
+#include "scaletrain/runtime.h"
 #include "scaletrain/version.h"
 
 namespace scaletrain::cli {
@@ -16,6 +17,7 @@ const std::vector<std::string>& program_args() { return g_args; }
 
 int main(int argc, char** argv) {
   scaletrain::cli::g_args.assign(argv, argv + argc);
+  scaletrain::tune_cpu_allocator();
   using namespace scaletrain;
   CLI::App app{
       "scaletrain: take a LibTorch training job from one device to many devices, "

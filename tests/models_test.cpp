@@ -36,12 +36,23 @@ TEST(Models, MlpFlattensImages) {
   EXPECT_EQ(m.forward(at::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
 }
 
+TEST(Models, SmallImageResNet18) {
+  Model m = make_model("resnet18");
+  // torchvision's resnet18 has 11,689,512 parameters with a 7x7x3 stem and 1000 classes; the
+  // small-image variant has a 3x3x1 stem (-9408 + 576) and 10 classes (-513000 + 5130).
+  EXPECT_EQ(parameter_count(*m.module), 11689512 - 9408 + 576 - 513000 + 5130);
+  auto n = names(m);
+  EXPECT_NE(std::find(n.begin(), n.end(), "layer2.0.downsample.0.weight"), n.end());
+  EXPECT_NE(std::find(n.begin(), n.end(), "layer4.1.bn2.bias"), n.end());
+  EXPECT_EQ(m.forward(at::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
+}
+
 TEST(Models, UnknownNameListsTheKnownOnes) {
   try {
     make_model("resnet9000");
     FAIL();
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("toy, mlp, lenet"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("toy, mlp, lenet, resnet18"), std::string::npos) << e.what();
   }
 }
 

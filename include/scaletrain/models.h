@@ -5,6 +5,8 @@
 //   MLP       in -> hidden -> ReLU -> classes (fc1, fc2)
 //   LeNet     seed 004's: conv 1->20 3x3, ReLU, avg-pool 2, conv 20->50 5x5, ReLU, avg-pool 2,
 //             fc 800->128, ReLU, fc 128->10 (conv1, conv2, fc1, fc2); 28x28 inputs
+//   resnet18  seed 003's small-image ResNet-18: 3x3 stride-1 stem, no max-pool, BasicBlocks
+//             [2,2,2,2], global average pool, fc; torchvision's parameter names
 //
 // make_model() builds one by name; Model carries the module and its forward, so that trainers
 // and wrappers call any of them the same way.
@@ -31,7 +33,7 @@ struct ModelOptions {
   int64_t hidden = 256;       // MLP
 };
 
-/// "toy", "mlp", "lenet". Throws UsageError naming the known models for any other name.
+/// "toy", "mlp", "lenet", "resnet18". Throws UsageError naming the known models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
 
 /// The names make_model() knows.

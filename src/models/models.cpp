@@ -1,6 +1,8 @@
 #include "scaletrain/models.h"
 
 #include <torch/nn/functional/pooling.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 
@@ -46,6 +48,65 @@ struct LeNetImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
+// torchvision's BasicBlock: conv3x3-bn-relu-conv3x3-bn, plus a 1x1 conv + bn shortcut
+// ("downsample.0", "downsample.1") when the shape changes.
+struct BasicBlockImpl : torch::nn::Module {
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride) {
+    namespace nn = torch::nn;
+    conv1 = register_module(
+        "conv1", nn::Conv2d(nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)));
+    bn1 = register_module("bn1", nn::BatchNorm2d(out));
+    conv2 =
+        register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1).bias(false)));
+    bn2 = register_module("bn2", nn::BatchNorm2d(out));
+    if (stride != 1 || in != out) {
+      downsample = register_module(
+          "downsample",
+          nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
+                         nn::BatchNorm2d(out)));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(bn1(conv1(x)));
+    h = bn2(conv2(h));
+    return torch::relu(h + (downsample ? downsample->forward(x) : x));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+// The small-image ResNet-18 of seed 003: a 3x3 stride-1 stem and no max-pool, so 28x28
+// inputs keep their resolution in layer1; torchvision's names otherwise.
+struct ResNet18SmallImpl : torch::nn::Module {
+  explicit ResNet18SmallImpl(const ModelOptions& o) {
+    namespace nn = torch::nn;
+    conv1 = register_module(
+        "conv1", nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 3).padding(1).bias(false)));
+    bn1 = register_module("bn1", nn::BatchNorm2d(64));
+    int64_t in = 64;
+    const int64_t widths[] = {64, 128, 256, 512};
+    for (int i = 0; i < 4; ++i) {
+      nn::Sequential layer;
+      layer->push_back(BasicBlock(in, widths[i], i == 0 ? 1 : 2));
+      layer->push_back(BasicBlock(widths[i], widths[i], 1));
+      layers.push_back(register_module("layer" + std::to_string(i + 1), layer));
+      in = widths[i];
+    }
+    fc = register_module("fc", nn::Linear(512, o.num_classes));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(bn1(conv1(x)));
+    for (auto& l : layers) h = l->forward(h);
+    return fc(h.mean({2, 3}));
+  }
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  std::vector<torch::nn::Sequential> layers;
+  torch::nn::Linear fc{nullptr};
+};
+
 template <class M>
 Model wrap(const std::string& name, std::shared_ptr<M> m) {
   return {name, m, [m](const at::Tensor& x) { return m->forward(x); }};
@@ -53,12 +114,13 @@ Model wrap(const std::string& name, std::shared_ptr<M> m) {
 
 }  // namespace
 
-std::vector<std::string> model_names() { return {"toy", "mlp", "lenet"}; }
+std::vector<std::string> model_names() { return {"toy", "mlp", "lenet", "resnet18"}; }
 
 Model make_model(const std::string& name, const ModelOptions& o) {
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));
+  if (name == "resnet18") return wrap(name, std::make_shared<ResNet18SmallImpl>(o));
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("unknown model '" + name + "'; the models are: " + known);

@@ -1,0 +1,206 @@
+// Suites `ddp-vs-python` and `ddp-overlap`.
+//
+// ddp-vs-python: LeNet on Fashion-MNIST, CPU, global batch 256, 1 and 2 processes with one
+// thread each: scaletrain's DDP against PyTorch's Python DDP (benchmarks/python/ddp_lenet.py,
+// DataLoader + DistributedSampler + gloo under torchrun, the same torch in the project's .venv),
+// measured one after the other in the same run. Both time whole training steps (batch
+// assembly, forward, backward, all-reduce, optimizer) between barriers.
+//
+// ddp-overlap: the small-image ResNet-18 on 2 processes, all-reduce overlapped with backward
+// (buckets launched as they fill) against all-reduce after backward.
+
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "scaletrain/data.h"
+#include "scaletrain/ddp.h"
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
+#include "scaletrain/models.h"
+#include "scaletrain/sampler.h"
+#include "suites_internal.h"
+
+namespace scaletrain::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args) {
+  std::map<std::string, std::string> kv;
+  for (size_t i = 0; i + 1 < args.size(); i += 2) kv[args[i]] = args[i + 1];
+  return kv;
+}
+
+std::vector<double> read_values(const std::string& csv) {
+  std::vector<double> v;
+  std::ifstream in(csv);
+  double x;
+  while (in >> x) v.push_back(x);
+  return v;
+}
+
+// Runs `command` as `n` ranks with one thread each; returns rank 0's CSV values.
+std::vector<double> run_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
+                              const std::string& csv, const std::string& what) {
+  fs::remove(csv);
+  LaunchOptions lo;
+  lo.command = std::move(command);
+  lo.nproc_per_node = n;
+  lo.master_port = 0;
+  lo.quiet = true;
+  lo.log_dir = o.work_dir + "/" + what + "_logs";
+  setenv("OMP_NUM_THREADS", "1", 1);
+  validate(lo);
+  if (launch(lo) != 0) {
+    throw Error("benchmark run '" + what + "' failed; its logs are in " + lo.log_dir);
+  }
+  return read_values(csv);
+}
+
+// The project's Python and peer script, found from the binary's place (build/scaletrain) or
+// SCALETRAIN_PYTHON / SCALETRAIN_SOURCE_DIR.
+std::string source_dir(const SuiteOptions& o) {
+  if (const char* s = std::getenv("SCALETRAIN_SOURCE_DIR")) return s;
+  return fs::path(o.self_exe).parent_path().parent_path().string();
+}
+
+}  // namespace
+
+int run_ddp_worker(const std::vector<std::string>& args) {
+  auto kv = parse_kv(args);
+  const std::string model_name = kv.count("--model") ? kv["--model"] : "lenet";
+  const int64_t batch = std::stoll(kv.count("--batch-size") ? kv["--batch-size"] : "256");
+  const int steps = std::stoi(kv.count("--steps") ? kv["--steps"] : "40");
+  const int warmup = std::stoi(kv.count("--warmup") ? kv["--warmup"] : "5");
+  const int repeats = std::stoi(kv.count("--repeats") ? kv["--repeats"] : "5");
+  const bool overlap = !kv.count("--overlap") || kv["--overlap"] != "0";
+  Dist d = init_process_group();
+  at::set_num_threads(1);
+  Dataset data = load_fashion_mnist(kFashionMnistDir, true);
+  torch::manual_seed(0);
+  Model m = make_model(model_name);
+  DDPOptions opts;
+  opts.overlap = overlap;
+  DistributedDataParallel ddp(m.module, d, opts);
+  torch::optim::SGD opt(m.module->parameters(),
+                        torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
+  DistributedSampler sampler({data.size(), d.size(), d.rank(), true, 0, false});
+  const int64_t per_rank = batch / d.size();
+  std::vector<int64_t> idx;
+  size_t pos = 0;
+  int64_t epoch = 0;
+  auto step = [&] {
+    if (pos + static_cast<size_t>(per_rank) > idx.size()) {
+      sampler.set_epoch(epoch++);
+      idx = sampler.indices();
+      pos = 0;
+    }
+    std::vector<int64_t> part(idx.begin() + static_cast<long>(pos),
+                              idx.begin() + static_cast<long>(pos) + per_rank);
+    pos += static_cast<size_t>(per_rank);
+    auto [x, y] = gather_batch(data, part);
+    auto out = ddp.forward([&] { return m.forward(x); });
+    torch::nn::functional::cross_entropy(out, y).backward();
+    opt.step();
+    ddp.zero_grad();
+  };
+  for (int i = 0; i < warmup; ++i) step();
+  std::ofstream csv;
+  if (d.rank() == 0) csv.open(kv["--csv"], std::ios::app);
+  for (int r = 0; r < repeats; ++r) {
+    wait_for(d.backend->barrier(), "barrier", d);
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    wait_for(d.backend->barrier(), "barrier", d);
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (d.rank() == 0) csv << static_cast<double>(steps * batch) / secs << "\n" << std::flush;
+  }
+  return 0;
+}
+
+SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
+  SuiteResult r;
+  r.suite = "ddp-vs-python";
+  r.title = "LeNet on Fashion-MNIST, DDP on CPU: scaletrain vs PyTorch's Python DDP";
+  r.unit = "samples/s";
+  r.plot = {Plot::Kind::kBars, r.title, "", "samples per second (global batch 256)", false, false};
+  r.command = "scaletrain bench ddp-vs-python" + std::string(o.quick ? " --quick" : "");
+  const std::string src = source_dir(o);
+  const char* py_env = std::getenv("SCALETRAIN_PYTHON");
+  const std::string python = py_env ? py_env : src + "/.venv/bin/python";
+  const std::string script = src + "/benchmarks/python/ddp_lenet.py";
+  if (!fs::exists(python) || !fs::exists(script)) {
+    throw Error("the Python peer needs " + python + " and " + script +
+                " (run from a build folder inside the source tree, or set SCALETRAIN_PYTHON and "
+                "SCALETRAIN_SOURCE_DIR)");
+  }
+  const std::string steps = o.quick ? "20" : "60";
+  const std::string reps = std::to_string(o.repeats);
+  std::map<std::string, double> mean;
+  for (int n : {1, 2}) {
+    const std::string label = std::to_string(n) + (n == 1 ? " process" : " processes");
+    const std::string csv = o.work_dir + "/ddp_" + std::to_string(n) + ".csv";
+    auto ours = run_ranks(
+        o, n,
+        {o.self_exe, "bench-worker", "ddp", "--csv", csv, "--steps", steps, "--repeats", reps}, csv,
+        "scaletrain_" + std::to_string(n));
+    const std::string pcsv = o.work_dir + "/python_" + std::to_string(n) + ".csv";
+    auto theirs =
+        run_ranks(o, n, {python, script, "--csv", pcsv, "--steps", steps, "--repeats", reps}, pcsv,
+                  "python_" + std::to_string(n));
+    r.samples.push_back({"scaletrain DDP (C++)", label, static_cast<double>(n), ours});
+    r.samples.push_back({"PyTorch DDP (Python)", label, static_cast<double>(n), theirs});
+    mean["ours" + std::to_string(n)] = stats(ours).mean;
+    mean["py" + std::to_string(n)] = stats(theirs).mean;
+  }
+  char note[512];
+  std::snprintf(note, sizeof(note),
+                "scaletrain / Python at 2 processes: %.2fx (at 1 process: %.2fx). Scaling "
+                "efficiency 1 -> 2 processes (throughput_2 / (2 x throughput_1)): scaletrain "
+                "%.2f, Python %.2f.",
+                mean["ours2"] / mean["py2"], mean["ours1"] / mean["py1"],
+                mean["ours2"] / (2 * mean["ours1"]), mean["py2"] / (2 * mean["py1"]));
+  r.notes.push_back(note);
+  r.notes.push_back(
+      "Both sides: one thread per process (OMP_NUM_THREADS=1), gloo, SGD with "
+      "momentum, data in memory. The Python side is started by scaletrain's "
+      "launcher with torchrun's environment, as torchrun would start it.");
+  return r;
+}
+
+SuiteResult run_ddp_overlap(const SuiteOptions& o) {
+  SuiteResult r;
+  r.suite = "ddp-overlap";
+  r.title = "Small-image ResNet-18, 2 processes: all-reduce overlapped with backward or after it";
+  r.unit = "samples/s";
+  r.plot = {Plot::Kind::kBars, r.title, "", "samples per second", false, false};
+  r.command = "scaletrain bench ddp-overlap" + std::string(o.quick ? " --quick" : "");
+  const std::string steps = o.quick ? "3" : "10";
+  const std::string batch = o.quick ? "16" : "64";
+  std::map<std::string, double> mean;
+  for (const std::string overlap : {"1", "0"}) {
+    const std::string csv = o.work_dir + "/overlap_" + overlap + ".csv";
+    auto v = run_ranks(o, 2,
+                       {o.self_exe, "bench-worker", "ddp", "--model", "resnet18", "--csv", csv,
+                        "--steps", steps, "--warmup", "1", "--repeats", std::to_string(o.repeats),
+                        "--batch-size", batch, "--overlap", overlap},
+                       csv, "overlap_" + overlap);
+    r.samples.push_back({"resnet18", overlap == "1" ? "overlapped" : "after backward",
+                         overlap == "1" ? 0.0 : 1.0, v});
+    mean[overlap] = stats(v).mean;
+  }
+  char note[256];
+  std::snprintf(note, sizeof(note),
+                "Overlap saves %.1f%% of the step time (throughput %.1f vs %.1f samples/s, "
+                "global batch %s).",
+                100.0 * (1.0 - mean["0"] / mean["1"]), mean["1"], mean["0"], batch.c_str());
+  r.notes.push_back(note);
+  return r;
+}
+
+}  // namespace scaletrain::bench

@@ -238,17 +238,30 @@ void Reducer::report_missing(const std::vector<size_t>& missing) {
   std::string mine;
   for (size_t i : missing) mine += (mine.empty() ? "" : ", ") + names[i];
   const std::string prefix = "scaletrain/ddp/missing/" + std::to_string(round) + "/";
-  dist.store->set(prefix + std::to_string(dist.rank()), mine);
   std::string lists;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  for (int r = 0; r < dist.size(); ++r) {
-    std::string key = prefix + std::to_string(r);
-    while (!dist.store->check({key}) && std::chrono::steady_clock::now() < deadline) {
+  try {
+    dist.store->set(prefix + std::to_string(dist.rank()), mine);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    for (int r = 0; r < dist.size(); ++r) {
+      std::string key = prefix + std::to_string(r);
+      while (!dist.store->check({key}) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (dist.store->check({key})) {
+        auto v = dist.store->get(key);
+        lists += "\n  rank " + std::to_string(r) + ": " + std::string(v.begin(), v.end());
+      }
+    }
+    // Rank 0 serves the store: let the others finish reading before it goes away.
+    dist.store->add(prefix + "read", 1);
+    while (dist.rank() == 0 && dist.store->add(prefix + "read", 0) < dist.size() &&
+           std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (dist.store->check({key})) {
-      auto v = dist.store->get(key);
-      lists += "\n  rank " + std::to_string(r) + ": " + std::string(v.begin(), v.end());
+  } catch (const std::exception&) {
+    // The store is gone (rank 0 already failed): report what this rank knows.
+    if (lists.find("rank " + std::to_string(dist.rank()) + ":") == std::string::npos) {
+      lists += "\n  rank " + std::to_string(dist.rank()) + ": " + mine;
     }
   }
   throw Error(

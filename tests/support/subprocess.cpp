@@ -8,9 +8,19 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 namespace scaletrain::testing {
+
+// Tests run several ranks as threads of one process, each with its own Gloo process group.
+// c10d's FlightRecorder is one per process, and concurrent records from several groups have
+// crashed it (a tree insert during ProcessGroupGloo::enqueue); real jobs have one group per
+// process. Off in tests, before any group exists.
+static const bool flight_recorder_off = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  return true;
+}();
 
 CommandResult run_command(const std::string& command, int timeout_s) {
   CommandResult r;

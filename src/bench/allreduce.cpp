@@ -13,7 +13,7 @@
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
-#include "scaletrain/launch.h"
+#include "suites_internal.h"
 
 namespace scaletrain::bench {
 namespace {
@@ -57,29 +57,19 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
 }
 
 SuiteResult run_allreduce(const SuiteOptions& o) {
-  SuiteResult r;
-  r.suite = "allreduce";
-  r.title = "All-reduce bus bandwidth (Gloo, ranks on one host)";
-  r.unit = "GB/s";
-  r.plot = {Plot::Kind::kLines,     r.title, "message size (bytes)",
-            "bus bandwidth (GB/s)", true,    false};
+  const std::string title = "All-reduce bus bandwidth (Gloo, ranks on one host)";
+  SuiteResult r = new_result(
+      "allreduce", title, "GB/s",
+      {Plot::Kind::kLines, title, "message size (bytes)", "bus bandwidth (GB/s)", true, false}, o);
   const int max_ranks =
       std::max(2, std::min(4, static_cast<int>(std::thread::hardware_concurrency())));
   for (int n = 2; n <= max_ranks; ++n) {
-    LaunchOptions lo;
     std::string csv = o.work_dir + "/allreduce_" + std::to_string(n) + ".csv";
-    lo.command = {o.self_exe,  "bench-worker",           "allreduce", "--csv", csv,
-                  "--repeats", std::to_string(o.repeats)};
-    if (o.quick) lo.command.push_back("--quick");
-    lo.nproc_per_node = n;
-    lo.master_port = 0;
-    lo.quiet = true;
-    lo.log_dir = o.work_dir + "/allreduce_" + std::to_string(n) + "_logs";
-    validate(lo);
-    if (launch(lo) != 0) {
-      throw Error("the all-reduce benchmark over " + std::to_string(n) +
-                  " ranks failed; its logs are in " + lo.log_dir);
-    }
+    std::vector<std::string> command = {
+        o.self_exe,  "bench-worker",           "allreduce", "--csv", csv,
+        "--repeats", std::to_string(o.repeats)};
+    if (o.quick) command.push_back("--quick");
+    run_local_ranks(o, n, command, "allreduce_" + std::to_string(n));
     std::ifstream in(csv);
     std::string line;
     std::vector<Sample> samples;
@@ -102,7 +92,6 @@ SuiteResult run_allreduce(const SuiteOptions& o) {
       "Memory-copy bandwidth of this host (one 64 MB tensor copy): " + std::to_string(copy) +
       " GB/s — the ceiling for ranks sharing its memory. "
       "Values are bus bandwidth: algbw × 2(n−1)/n.");
-  r.command = "scaletrain bench allreduce" + std::string(o.quick ? " --quick" : "");
   return r;
 }
 

@@ -32,12 +32,9 @@ std::vector<at::Tensor> run(const at::Tensor& x, int count) {
 }  // namespace
 
 SuiteResult run_async(const SuiteOptions& o) {
-  SuiteResult r;
-  r.suite = "async";
-  r.title = "Asynchronous vs synchronised timing (seed 004)";
-  r.unit = "s";
-  r.plot = {Plot::Kind::kBars, r.title, "", "seconds", false, false};
-  r.command = "scaletrain bench async" + std::string(o.quick ? " --quick" : "");
+  const std::string title = "Asynchronous vs synchronised timing (seed 004)";
+  SuiteResult r =
+      new_result("async", title, "s", {Plot::Kind::kBars, title, "", "seconds", false, false}, o);
 
   std::vector<at::Device> devices;
   for (int i = 0; i < cuda_device_count(); ++i) devices.emplace_back(at::kCUDA, i);

@@ -20,7 +20,6 @@
 #include "scaletrain/data.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
-#include "scaletrain/launch.h"
 #include "scaletrain/models.h"
 #include "scaletrain/sampler.h"
 #include "suites_internal.h"
@@ -44,21 +43,11 @@ std::vector<double> read_values(const std::string& csv) {
   return v;
 }
 
-// Runs `command` as `n` ranks with one thread each; returns rank 0's CSV values.
+// Runs `command` as `n` ranks; returns rank 0's CSV values.
 std::vector<double> run_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
                               const std::string& csv, const std::string& what) {
   fs::remove(csv);
-  LaunchOptions lo;
-  lo.command = std::move(command);
-  lo.nproc_per_node = n;
-  lo.master_port = 0;
-  lo.quiet = true;
-  lo.log_dir = o.work_dir + "/" + what + "_logs";
-  setenv("OMP_NUM_THREADS", "1", 1);
-  validate(lo);
-  if (launch(lo) != 0) {
-    throw Error("benchmark run '" + what + "' failed; its logs are in " + lo.log_dir);
-  }
+  run_local_ranks(o, n, std::move(command), what);
   return read_values(csv);
 }
 
@@ -124,12 +113,11 @@ int run_ddp_worker(const std::vector<std::string>& args) {
 }
 
 SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
-  SuiteResult r;
-  r.suite = "ddp-vs-python";
-  r.title = "LeNet on Fashion-MNIST, DDP on CPU: scaletrain vs PyTorch's Python DDP";
-  r.unit = "samples/s";
-  r.plot = {Plot::Kind::kBars, r.title, "", "samples per second (global batch 256)", false, false};
-  r.command = "scaletrain bench ddp-vs-python" + std::string(o.quick ? " --quick" : "");
+  const std::string title =
+      "LeNet on Fashion-MNIST, DDP on CPU: scaletrain vs PyTorch's Python DDP";
+  SuiteResult r = new_result(
+      "ddp-vs-python", title, "samples/s",
+      {Plot::Kind::kBars, title, "", "samples per second (global batch 256)", false, false}, o);
   const std::string src = source_dir(o);
   const char* py_env = std::getenv("SCALETRAIN_PYTHON");
   const std::string python = py_env ? py_env : src + "/.venv/bin/python";
@@ -174,12 +162,10 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
 }
 
 SuiteResult run_ddp_overlap(const SuiteOptions& o) {
-  SuiteResult r;
-  r.suite = "ddp-overlap";
-  r.title = "Small-image ResNet-18, 2 processes: all-reduce overlapped with backward or after it";
-  r.unit = "samples/s";
-  r.plot = {Plot::Kind::kBars, r.title, "", "samples per second", false, false};
-  r.command = "scaletrain bench ddp-overlap" + std::string(o.quick ? " --quick" : "");
+  const std::string title =
+      "Small-image ResNet-18, 2 processes: all-reduce overlapped with backward or after it";
+  SuiteResult r = new_result("ddp-overlap", title, "samples/s",
+                             {Plot::Kind::kBars, title, "", "samples per second", false, false}, o);
   const std::string steps = o.quick ? "3" : "10";
   const std::string batch = o.quick ? "16" : "64";
   std::map<std::string, double> mean;

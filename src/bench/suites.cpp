@@ -1,6 +1,36 @@
+#include <cstdlib>
+
+#include "scaletrain/error.h"
+#include "scaletrain/launch.h"
 #include "suites_internal.h"
 
 namespace scaletrain::bench {
+
+SuiteResult new_result(const std::string& suite, const std::string& title, const std::string& unit,
+                       const Plot& plot, const SuiteOptions& o) {
+  SuiteResult r;
+  r.suite = suite;
+  r.title = title;
+  r.unit = unit;
+  r.plot = plot;
+  r.command = "scaletrain bench " + suite + (o.quick ? " --quick" : "");
+  return r;
+}
+
+void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
+                     const std::string& what) {
+  LaunchOptions lo;
+  lo.command = std::move(command);
+  lo.nproc_per_node = n;
+  lo.master_port = 0;
+  lo.quiet = true;
+  lo.log_dir = o.work_dir + "/" + what + "_logs";
+  setenv("OMP_NUM_THREADS", "1", 1);
+  validate(lo);
+  if (launch(lo) != 0) {
+    throw Error("benchmark run '" + what + "' failed; its logs are in " + lo.log_dir);
+  }
+}
 
 const std::vector<Suite>& suites() {
   static const std::vector<Suite> all = {

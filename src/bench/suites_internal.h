@@ -5,6 +5,15 @@
 
 namespace scaletrain::bench {
 
+/// A result with its identity filled in; `command` is `scaletrain bench <suite>` (+ --quick).
+SuiteResult new_result(const std::string& suite, const std::string& title, const std::string& unit,
+                       const Plot& plot, const SuiteOptions& o);
+
+/// Runs `command` as `n` local ranks (one thread each) through the launcher, quietly, with logs
+/// under the work folder; throws Error naming the logs when a rank fails.
+void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
+                     const std::string& what);
+
 SuiteResult run_allreduce(const SuiteOptions& o);
 SuiteResult run_async(const SuiteOptions& o);
 SuiteResult run_ddp_vs_python(const SuiteOptions& o);

@@ -54,7 +54,8 @@ void add_train_command(CLI::App& app, Action& action) {
   };
   auto args = std::make_shared<Args>();
   auto& o = args->o;
-  cmd->add_option("--model", o.model, "toy, mlp or lenet")->capture_default_str();
+  cmd->add_option("--model", o.model, "toy, mlp, lenet, resnet18, resnet50 or resnet101")
+      ->capture_default_str();
   cmd->add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->capture_default_str();
   cmd->add_option("--data-dir", o.data_dir, "Folder of the IDX .gz files")->capture_default_str();
   cmd->add_option("--limit-train", o.limit_train, "Use only the first N training samples");

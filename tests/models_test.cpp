@@ -47,12 +47,31 @@ TEST(Models, SmallImageResNet18) {
   EXPECT_EQ(m.forward(at::zeros({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
 }
 
+TEST(Models, ResNet50And101MatchTorchvision) {
+  ModelOptions imagenet;
+  imagenet.in_channels = 3;
+  imagenet.num_classes = 1000;
+  Model r50 = make_model("resnet50", imagenet);
+  EXPECT_EQ(parameter_count(*r50.module), 25557032);  // torchvision.models.resnet50()
+  EXPECT_EQ(parameter_count(*make_model("resnet101", imagenet).module), 44549160);
+  auto n = names(r50);
+  EXPECT_EQ(n.front(), "conv1.weight");
+  EXPECT_NE(std::find(n.begin(), n.end(), "layer3.5.conv3.weight"), n.end());
+  EXPECT_NE(std::find(n.begin(), n.end(), "layer1.0.downsample.1.bias"), n.end());
+  EXPECT_EQ(n.back(), "fc.bias");
+  size_t buffers = r50.module->named_buffers().size();
+  EXPECT_EQ(buffers, 53u * 3);  // running_mean, running_var, num_batches_tracked per BN
+  EXPECT_EQ(r50.forward(at::zeros({1, 3, 64, 64})).sizes(), (std::vector<int64_t>{1, 1000}));
+}
+
 TEST(Models, UnknownNameListsTheKnownOnes) {
   try {
     make_model("resnet9000");
     FAIL();
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("toy, mlp, lenet, resnet18"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("toy, mlp, lenet, resnet18, resnet50, resnet101"),
+              std::string::npos)
+        << e.what();
   }
 }
 

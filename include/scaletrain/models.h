@@ -7,6 +7,8 @@
 //             fc 800->128, ReLU, fc 128->10 (conv1, conv2, fc1, fc2); 28x28 inputs
 //   resnet18  seed 003's small-image ResNet-18: 3x3 stride-1 stem, no max-pool, BasicBlocks
 //             [2,2,2,2], global average pool, fc; torchvision's parameter names
+//   resnet50, resnet101  torchvision's (Bottleneck [3,4,6,3] / [3,4,23,3], ImageNet stem);
+//             use in_channels 3 and num_classes 1000 for torchvision's exact model
 //
 // make_model() builds one by name; Model carries the module and its forward, so that trainers
 // and wrappers call any of them the same way.
@@ -33,7 +35,7 @@ struct ModelOptions {
   int64_t hidden = 256;       // MLP
 };
 
-/// "toy", "mlp", "lenet", "resnet18". Throws UsageError naming the known models for any other name.
+/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
 
 /// The names make_model() knows.

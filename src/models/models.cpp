@@ -107,6 +107,71 @@ struct ResNet18SmallImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
+// torchvision's Bottleneck (v1.5: the stride sits on the 3x3 conv): 1x1 reduce, 3x3, 1x1
+// expand by 4, each with batch norm, plus a 1x1 conv + bn shortcut when the shape changes.
+struct BottleneckImpl : torch::nn::Module {
+  BottleneckImpl(int64_t in, int64_t width, int64_t stride) {
+    namespace nn = torch::nn;
+    const int64_t out = width * 4;
+    conv1 = register_module("conv1", nn::Conv2d(nn::Conv2dOptions(in, width, 1).bias(false)));
+    bn1 = register_module("bn1", nn::BatchNorm2d(width));
+    conv2 = register_module(
+        "conv2",
+        nn::Conv2d(nn::Conv2dOptions(width, width, 3).stride(stride).padding(1).bias(false)));
+    bn2 = register_module("bn2", nn::BatchNorm2d(width));
+    conv3 = register_module("conv3", nn::Conv2d(nn::Conv2dOptions(width, out, 1).bias(false)));
+    bn3 = register_module("bn3", nn::BatchNorm2d(out));
+    if (stride != 1 || in != out) {
+      downsample = register_module(
+          "downsample",
+          nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
+                         nn::BatchNorm2d(out)));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(bn1(conv1(x)));
+    h = torch::relu(bn2(conv2(h)));
+    h = bn3(conv3(h));
+    return torch::relu(h + (downsample ? downsample->forward(x) : x));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  torch::nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(Bottleneck);
+
+// torchvision's ResNet-50 / ResNet-101 (ImageNet stem: 7x7 stride-2 conv, max-pool).
+struct ResNetBottleneckImpl : torch::nn::Module {
+  ResNetBottleneckImpl(const ModelOptions& o, std::vector<int> depths) {
+    namespace nn = torch::nn;
+    conv1 = register_module(
+        "conv1",
+        nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 7).stride(2).padding(3).bias(false)));
+    bn1 = register_module("bn1", nn::BatchNorm2d(64));
+    int64_t in = 64;
+    for (int i = 0; i < 4; ++i) {
+      const int64_t width = 64 << i;
+      nn::Sequential layer;
+      for (int b = 0; b < depths[static_cast<size_t>(i)]; ++b) {
+        layer->push_back(Bottleneck(in, width, b == 0 && i > 0 ? 2 : 1));
+        in = width * 4;
+      }
+      layers.push_back(register_module("layer" + std::to_string(i + 1), layer));
+    }
+    fc = register_module("fc", nn::Linear(2048, o.num_classes));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(bn1(conv1(x)));
+    h = torch::max_pool2d(h, 3, 2, 1);
+    for (auto& l : layers) h = l->forward(h);
+    return fc(h.mean({2, 3}));
+  }
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  std::vector<torch::nn::Sequential> layers;
+  torch::nn::Linear fc{nullptr};
+};
+
 template <class M>
 Model wrap(const std::string& name, std::shared_ptr<M> m) {
   return {name, m, [m](const at::Tensor& x) { return m->forward(x); }};
@@ -114,13 +179,21 @@ Model wrap(const std::string& name, std::shared_ptr<M> m) {
 
 }  // namespace
 
-std::vector<std::string> model_names() { return {"toy", "mlp", "lenet", "resnet18"}; }
+std::vector<std::string> model_names() {
+  return {"toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101"};
+}
 
 Model make_model(const std::string& name, const ModelOptions& o) {
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));
   if (name == "resnet18") return wrap(name, std::make_shared<ResNet18SmallImpl>(o));
+  if (name == "resnet50") {
+    return wrap(name, std::make_shared<ResNetBottleneckImpl>(o, std::vector<int>{3, 4, 6, 3}));
+  }
+  if (name == "resnet101") {
+    return wrap(name, std::make_shared<ResNetBottleneckImpl>(o, std::vector<int>{3, 4, 23, 3}));
+  }
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("unknown model '" + name + "'; the models are: " + known);

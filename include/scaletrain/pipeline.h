@@ -1,0 +1,66 @@
+#pragma once
+// Pipelined model parallelism in one process: a torch::nn::Sequential split into stages on a
+// list of devices (a device may repeat: "cpu,cpu"), a batch split into micro-batches, and a
+// schedule (GPipe or 1F1B, schedule.h) executed by one runner with one thread per stage.
+//
+//   scaletrain::PipelineOptions o;
+//   o.balance = {2, 3};                       // layers per stage
+//   o.devices = {at::kCPU, at::kCPU};         // or cuda:0, cuda:1
+//   o.chunks = 4;                             // micro-batches
+//   scaletrain::Pipeline pipe(seq, o);        // moves each stage's layers to its device
+//   auto loss = pipe.train_step(x, y, [](const at::Tensor& out, const at::Tensor& y) {
+//     return torch::nn::functional::cross_entropy(out, y);
+//   });                                       // gradients accumulated, then opt.step()
+//
+// Semantics: the loss of micro-batch i is weighted by its share of the batch, so the gradients
+// equal those of loss_fn on the whole batch for losses that average over samples (cross
+// entropy, MSE with mean reduction). Inputs go to the first device, targets to the last.
+// BatchNorm sees each micro-batch separately (its statistics are per micro-batch, as in
+// torchgpipe without deferred batch norm): outputs then differ from the whole-batch module's.
+// An exception on a stage thread is raised again on the caller's thread. Not thread-safe: one
+// caller at a time.
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace scaletrain {
+
+enum class PipelineSchedule { kGPipe, k1F1B };
+
+struct PipelineOptions {
+  std::vector<int> balance;         // layers per stage; their sum is the model's length
+  std::vector<at::Device> devices;  // one per stage
+  int chunks = 1;                   // micro-batches (the last ones may be smaller)
+  PipelineSchedule schedule = PipelineSchedule::kGPipe;
+};
+
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+class Pipeline {
+ public:
+  /// Splits `model` by `options.balance` and moves stage k to `options.devices[k]`. Throws
+  /// UsageError when the balance does not cover the model or devices and stages differ.
+  Pipeline(torch::nn::Sequential model, PipelineOptions options);
+
+  /// Forward only (no grad needed), micro-batched; returns the outputs joined on the last device.
+  at::Tensor forward(const at::Tensor& input);
+
+  /// One training step's forward and backward under the schedule; parameter gradients are
+  /// accumulated (call the optimizer afterwards). Returns the whole batch's loss.
+  at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss);
+
+  const std::vector<torch::nn::Sequential>& stages() const { return stages_; }
+
+ private:
+  std::vector<torch::nn::Sequential> stages_;
+  PipelineOptions options_;
+};
+
+/// Splits a batch into `chunks` micro-batches along dimension 0 (sizes differ by at most one,
+/// larger first, as torch.chunk does not guarantee); fewer when the batch is smaller.
+std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int chunks);
+
+}  // namespace scaletrain

@@ -1,0 +1,137 @@
+#include "scaletrain/pipeline.h"
+
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "scaletrain/error.h"
+#include "scaletrain/schedule.h"
+
+namespace scaletrain {
+
+std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int chunks) {
+  if (chunks < 1) throw UsageError("chunks must be at least 1, got " + std::to_string(chunks));
+  const int64_t n = batch.size(0);
+  const int64_t k = std::min<int64_t>(chunks, std::max<int64_t>(n, 1));
+  std::vector<at::Tensor> out;
+  int64_t start = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t len = n / k + (i < n % k ? 1 : 0);
+    out.push_back(batch.narrow(0, start, len));
+    start += len;
+  }
+  return out;
+}
+
+Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
+    : options_(std::move(options)) {
+  int total = 0;
+  for (int b : options_.balance) {
+    if (b < 1) throw UsageError("every stage of --balance needs at least one layer");
+    total += b;
+  }
+  if (total != static_cast<int>(model->size())) {
+    throw UsageError("the balance covers " + std::to_string(total) + " layers but the model has " +
+                     std::to_string(model->size()));
+  }
+  if (options_.devices.size() != options_.balance.size()) {
+    throw UsageError("pipeline has " + std::to_string(options_.balance.size()) + " stages but " +
+                     std::to_string(options_.devices.size()) + " devices; give one per stage");
+  }
+  std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
+  size_t layer = 0;
+  for (size_t s = 0; s < options_.balance.size(); ++s) {
+    torch::nn::Sequential stage;
+    for (int i = 0; i < options_.balance[s]; ++i) stage->push_back(layers[layer++]);
+    stage->to(options_.devices[s]);
+    stages_.push_back(stage);
+  }
+}
+
+at::Tensor Pipeline::forward(const at::Tensor& input) {
+  std::vector<at::Tensor> outs;
+  for (auto& mb : split_microbatches(input, options_.chunks)) {
+    at::Tensor h = mb;
+    for (size_t s = 0; s < stages_.size(); ++s) h = stages_[s]->forward(h.to(options_.devices[s]));
+    outs.push_back(h);
+  }
+  return at::cat(outs);
+}
+
+// Note [Pipeline runner]: the schedule's table is executed tick by tick; at each tick every
+// stage with a task runs it on its own thread, and the tick ends when all have. A stage's input
+// is the previous stage's output, detached and moved to its device, so that each stage's
+// backward is its own autograd graph; the gradient of that input is what the previous stage's
+// backward starts from.
+at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
+                                const LossFn& loss_fn) {
+  const auto xs = split_microbatches(input, options_.chunks);
+  const auto ys = split_microbatches(target, options_.chunks);
+  const int p = static_cast<int>(stages_.size());
+  const int m = static_cast<int>(xs.size());
+  const double total = static_cast<double>(input.size(0));
+  const ScheduleTable table = options_.schedule == PipelineSchedule::kGPipe
+                                  ? gpipe_schedule(p, m)
+                                  : one_f_one_b_schedule(p, m);
+  // inputs[s][i]: stage s's (detached) input of micro-batch i; outputs[s][i]: its output.
+  std::vector<std::vector<at::Tensor>> inputs(static_cast<size_t>(p),
+                                              std::vector<at::Tensor>(static_cast<size_t>(m)));
+  auto outputs = inputs;
+  std::vector<at::Tensor> losses(static_cast<size_t>(m));
+
+  auto run = [&](int s, const PipeTask& t) {
+    const auto si = static_cast<size_t>(s);
+    const auto i = static_cast<size_t>(t.microbatch);
+    const auto& dev = options_.devices[si];
+    if (t.forward) {
+      at::Tensor in = s == 0 ? xs[i].to(dev) : outputs[si - 1][i].detach().to(dev);
+      if (s > 0) in.requires_grad_(true);
+      inputs[si][i] = in;
+      outputs[si][i] = stages_[si]->forward(in);
+      if (s == p - 1) {
+        const double share = static_cast<double>(xs[i].size(0)) / total;
+        losses[i] = loss_fn(outputs[si][i], ys[i].to(dev)) * share;
+      }
+    } else {
+      if (s == p - 1) {
+        losses[i].backward();
+      } else {
+        auto grad = inputs[si + 1][i].grad().to(dev);
+        outputs[si][i].backward(grad);
+        inputs[si + 1][i] = at::Tensor();  // release what the next stage no longer needs
+      }
+      outputs[si][i] = at::Tensor();
+    }
+  };
+
+  for (const auto& row : table) {
+    std::vector<std::thread> workers;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(p));
+    for (int s = 0; s < p; ++s) {
+      const auto& cell = row[static_cast<size_t>(s)];
+      if (!cell) continue;
+      workers.emplace_back([&, s, task = *cell] {
+        try {
+          run(s, task);
+        } catch (...) {
+          errors[static_cast<size_t>(s)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+    for (int s = 0; s < p; ++s) {
+      if (!errors[static_cast<size_t>(s)]) continue;
+      try {
+        std::rethrow_exception(errors[static_cast<size_t>(s)]);
+      } catch (const std::exception& e) {
+        throw Error("pipeline stage " + std::to_string(s) + " (" +
+                    options_.devices[static_cast<size_t>(s)].str() + ") failed: " + e.what());
+      }
+    }
+  }
+  at::Tensor sum = losses[0].detach().cpu();
+  for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i].detach().cpu();
+  return sum;
+}
+
+}  // namespace scaletrain

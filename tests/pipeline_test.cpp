@@ -1,0 +1,117 @@
+// Pipeline transparency: outputs and gradients of the pipelined model equal the whole model's
+// (fp32, 1e-5) for GPipe and 1F1B, 2 to 4 stages on repeated CPU devices, and micro-batch
+// counts that do and do not divide the batch.
+
+#include "scaletrain/pipeline.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+torch::nn::Sequential make_model() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::mse_loss(out, y);
+}
+
+struct Case {
+  std::vector<int> balance;
+  int chunks;
+  PipelineSchedule schedule;
+};
+
+class PipelineTransparency : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineTransparency, OutputsAndGradientsEqualTheWholeModel) {
+  const Case c = GetParam();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto x = at::randn({10, 8}, gen), y = at::randn({10, 4}, gen);
+
+  auto whole = make_model();
+  auto expected_out = whole->forward(x);
+  auto expected_loss = mse(expected_out, y);
+  expected_loss.backward();
+
+  PipelineOptions o;
+  o.balance = c.balance;
+  o.devices.assign(c.balance.size(), at::Device(at::kCPU));
+  o.chunks = c.chunks;
+  o.schedule = c.schedule;
+  Pipeline pipe(make_model(), o);
+  {
+    torch::NoGradGuard g;
+    EXPECT_LE((pipe.forward(x) - expected_out).abs().max().item<double>(), 1e-5);
+  }
+  auto loss = pipe.train_step(x, y, mse);
+  EXPECT_NEAR(loss.item<double>(), expected_loss.item<double>(), 1e-5);
+  auto want = whole->parameters();
+  std::vector<at::Tensor> got;
+  for (auto& st : pipe.stages()) {
+    for (auto& p : st->parameters()) got.push_back(p);
+  }
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << i;
+    EXPECT_LE((got[i].grad() - want[i].grad()).abs().max().item<double>(), 1e-5) << "param " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, PipelineTransparency,
+    ::testing::Values(Case{{2, 3}, 1, PipelineSchedule::kGPipe},
+                      Case{{2, 3}, 4, PipelineSchedule::kGPipe},
+                      Case{{2, 3}, 3, PipelineSchedule::k1F1B},  // 3 does not divide 10
+                      Case{{1, 2, 2}, 5, PipelineSchedule::kGPipe},
+                      Case{{1, 2, 2}, 4, PipelineSchedule::k1F1B},
+                      Case{{1, 1, 1, 2}, 3, PipelineSchedule::kGPipe},
+                      Case{{1, 1, 1, 2}, 10, PipelineSchedule::k1F1B}));
+
+TEST(Pipeline, MicrobatchSplitsCoverTheBatch) {
+  auto parts = split_microbatches(at::arange(10), 4);
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[0].size(0), 3);
+  EXPECT_EQ(parts[3].size(0), 2);
+  EXPECT_TRUE(at::equal(at::cat(parts), at::arange(10)));
+  EXPECT_EQ(split_microbatches(at::arange(2), 5).size(), 2u);
+}
+
+TEST(Pipeline, StageExceptionIsRaisedOnTheCaller) {
+  // Stage 1 expects 5 features but gets 16: its thread fails, the caller sees which stage.
+  torch::nn::Sequential bad(torch::nn::Linear(8, 16), torch::nn::Linear(5, 4));
+  PipelineOptions o;
+  o.balance = {1, 1};
+  o.devices = {at::kCPU, at::kCPU};
+  o.chunks = 2;
+  Pipeline pipe(bad, o);
+  try {
+    pipe.train_step(at::randn({4, 8}), at::randn({4, 4}), mse);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline stage 1 (cpu) failed"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Pipeline, BadBalanceIsRefused) {
+  PipelineOptions o;
+  o.balance = {2, 2};
+  o.devices = {at::kCPU, at::kCPU};
+  EXPECT_THROW(Pipeline(make_model(), o), UsageError);  // 4 of 5 layers
+  o.balance = {2, 3};
+  o.devices = {at::kCPU};
+  EXPECT_THROW(Pipeline(make_model(), o), UsageError);
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -4,11 +4,13 @@
 #include "scaletrain/ddp.h"
 
 #include <gtest/gtest.h>
+
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <mutex>
 
 #include "support/ranks.h"
 
@@ -35,6 +37,10 @@ struct TwoHeads : torch::nn::Module {
 };
 
 std::shared_ptr<TwoHeads> make_model(int perturb) {
+  // Ranks are threads sharing the global generator: seed and draw under one lock, or ranks'
+  // draws interleave and rank 0's model differs from the single-process reference.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   torch::manual_seed(0);
   auto m = std::make_shared<TwoHeads>();
   if (perturb != 0) {

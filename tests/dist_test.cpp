@@ -103,8 +103,13 @@ TEST(Dist, SingleNodeStoreListensOnLoopbackOnly) {
   // Rank 0 of a 2-rank world waits at rendezvous; meanwhile look at its listening socket.
   const std::string port = std::to_string(testing::free_port());
   auto r = run_command("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
-                       " RANK=0 WORLD_SIZE=2 SCALETRAIN_RDZV_TIMEOUT=3 " + cli_path() +
-                       " check > /dev/null 2>&1 & sleep 1; ss -Hltn 'sport = :" + port + "'; wait");
+                       " RANK=0 WORLD_SIZE=2 SCALETRAIN_RDZV_TIMEOUT=8 " + cli_path() +
+                       " check > /dev/null 2>&1 & for i in 1 2 3 4 5 6 7 8 9 10; do sleep 0.5; "
+                       "ss -Hltn 'sport = :" +
+                       port +
+                       "' | grep -q . && break; done; "
+                       "ss -Hltn 'sport = :" +
+                       port + "'; wait");
   EXPECT_TRUE(contains(r.output, "127.0.0.1:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "0.0.0.0:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "*:" + port)) << r.output;

@@ -109,7 +109,7 @@ TEST(Dist, SingleNodeStoreListensOnLoopbackOnly) {
                        port +
                        "' | grep -q . && break; done; "
                        "ss -Hltn 'sport = :" +
-                       port + "'; wait");
+                       port + "'; kill $! 2>/dev/null; wait");
   EXPECT_TRUE(contains(r.output, "127.0.0.1:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "0.0.0.0:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "*:" + port)) << r.output;

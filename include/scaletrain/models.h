@@ -35,7 +35,8 @@ struct ModelOptions {
   int64_t hidden = 256;       // MLP
 };
 
-/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known models for any other name.
+/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known
+/// models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
 
 /// The names make_model() knows.

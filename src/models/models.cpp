@@ -48,6 +48,14 @@ struct LeNetImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 
+// A residual block's projection when its shape changes: 1x1 conv + batch norm, torchvision's
+// "downsample.0" and "downsample.1".
+torch::nn::Sequential shortcut(int64_t in, int64_t out, int64_t stride) {
+  namespace nn = torch::nn;
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
+                        nn::BatchNorm2d(out));
+}
+
 // torchvision's BasicBlock: conv3x3-bn-relu-conv3x3-bn, plus a 1x1 conv + bn shortcut
 // ("downsample.0", "downsample.1") when the shape changes.
 struct BasicBlockImpl : torch::nn::Module {
@@ -59,12 +67,8 @@ struct BasicBlockImpl : torch::nn::Module {
     conv2 =
         register_module("conv2", nn::Conv2d(nn::Conv2dOptions(out, out, 3).padding(1).bias(false)));
     bn2 = register_module("bn2", nn::BatchNorm2d(out));
-    if (stride != 1 || in != out) {
-      downsample = register_module(
-          "downsample",
-          nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-                         nn::BatchNorm2d(out)));
-    }
+    if (stride != 1 || in != out)
+      downsample = register_module("downsample", shortcut(in, out, stride));
   }
   at::Tensor forward(const at::Tensor& x) {
     auto h = torch::relu(bn1(conv1(x)));
@@ -121,12 +125,8 @@ struct BottleneckImpl : torch::nn::Module {
     bn2 = register_module("bn2", nn::BatchNorm2d(width));
     conv3 = register_module("conv3", nn::Conv2d(nn::Conv2dOptions(width, out, 1).bias(false)));
     bn3 = register_module("bn3", nn::BatchNorm2d(out));
-    if (stride != 1 || in != out) {
-      downsample = register_module(
-          "downsample",
-          nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-                         nn::BatchNorm2d(out)));
-    }
+    if (stride != 1 || in != out)
+      downsample = register_module("downsample", shortcut(in, out, stride));
   }
   at::Tensor forward(const at::Tensor& x) {
     auto h = torch::relu(bn1(conv1(x)));

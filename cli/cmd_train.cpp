@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <iostream>
 #include <numeric>
+#include <sstream>
 
 #include "commands.h"
 #include "scaletrain/dist.h"
@@ -32,10 +33,16 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
                     ? 0
                     : std::accumulate(r.epoch_seconds.begin(), r.epoch_seconds.end(), 0.0) /
                           static_cast<double>(r.epoch_seconds.size());
+  std::ostringstream per_epoch;
+  if (r.epoch_seconds.empty()) {
+    per_epoch << "(no epoch run)";
+  } else {
+    per_epoch << std::fixed << std::setprecision(1) << mean << " s";
+  }
   std::cout << std::fixed << std::setprecision(4) << "\nscaletrain train: " << o.model << " on "
             << o.dataset << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
-            << std::setprecision(1) << "  time per epoch  " << mean << " s\n"
+            << std::setprecision(1) << "  time per epoch  " << per_epoch.str() << "\n"
             << "  throughput      " << std::setprecision(0) << r.samples_per_second
             << " samples/s\n"
             << "  checkpoint      " << r.last_checkpoint << "\n"

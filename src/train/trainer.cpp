@@ -287,6 +287,15 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
       }
     }
   }
+  if (r.epoch_seconds.empty()) {
+    // Resumed from a checkpoint of a finished run: nothing to train, report where it stands.
+    r.test_accuracy = evaluate(model, test_set, d, 1024);
+    r.last_checkpoint = from.value_or("");
+    if (d.rank() == 0) {
+      std::cout << "all " << o.epochs << " epochs were already trained in " << o.out_dir
+                << "; give more --epochs to continue, or --resume none to start again" << std::endl;
+    }
+  }
   ddp.join();
   r.global_step = state.global_step;
   r.samples_per_second = train_secs > 0 ? static_cast<double>(samples) / train_secs : 0;

@@ -48,6 +48,8 @@ const std::vector<Suite>& suites() {
        "small-image ResNet-18 on 2 processes: all-reduce overlapped with "
        "backward vs after it",
        run_ddp_overlap},
+      {"pipeline-bubble", "GPipe and 1F1B on cpu,cpu: measured bubble vs (p-1)/(m+p-1)",
+       run_pipeline_bubble},
   };
   return all;
 }

@@ -18,5 +18,6 @@ SuiteResult run_allreduce(const SuiteOptions& o);
 SuiteResult run_async(const SuiteOptions& o);
 SuiteResult run_ddp_vs_python(const SuiteOptions& o);
 SuiteResult run_ddp_overlap(const SuiteOptions& o);
+SuiteResult run_pipeline_bubble(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

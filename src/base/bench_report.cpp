@@ -104,7 +104,14 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
       "set output {}\nset title {}\nset xlabel {}\nset ylabel {}\n"
       "set grid ytics\nset key top left\nset yrange [0:*]\n",
       quote(png_path), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
-  if (r.plot.logx) script += "set logscale x 2\nset format x \"%.0s%cB\"\n";
+  if (r.plot.logx) {
+    script += "set logscale x 2\n";
+    // Byte counts read best as 4KB, 16MB...
+    if (r.plot.xlabel.find("bytes") != std::string::npos) script += "set format x \"%.0s%cB\"\n";
+  }
+  bool negative = false;
+  for (auto& smp : r.samples) negative |= stats(smp.values).mean - stats(smp.values).std < 0;
+  if (negative) script += "set yrange [*:*]\n";
   if (r.plot.logy) script += "set logscale y\nset yrange [*:*]\n";
   std::string plots;
   const size_t k = names.size();

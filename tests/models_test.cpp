@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -73,6 +75,46 @@ TEST(Models, UnknownNameListsTheKnownOnes) {
               std::string::npos)
         << e.what();
   }
+}
+
+// Every model's block chain computes the model's forward with the model's own parameters, so a
+// pipeline of the blocks is the model.
+TEST(Models, BlockChainEqualsTheModel) {
+  struct Case {
+    std::string name;
+    ModelOptions options;
+    std::vector<int64_t> input;
+    size_t blocks;
+  };
+  ModelOptions rgb;
+  rgb.in_channels = 3;
+  const std::vector<Case> cases = {{"toy", {}, {4, 10}, 2},
+                                   {"mlp", {}, {4, 1, 28, 28}, 2},
+                                   {"lenet", {}, {4, 1, 28, 28}, 4},
+                                   {"resnet18", {}, {2, 1, 28, 28}, 1 + 8 + 1},
+                                   {"resnet50", rgb, {2, 3, 64, 64}, 1 + 16 + 1}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    torch::manual_seed(1);
+    Model m = make_model(c.name, c.options);
+    m.module->eval();
+    auto seq = as_sequential(m);
+    seq->eval();
+    EXPECT_EQ(seq->size(), c.blocks);
+    EXPECT_EQ(parameter_count(*seq), parameter_count(*m.module));
+    // The same tensors, not copies.
+    std::set<const void*> own;
+    for (auto& p : m.module->parameters()) own.insert(p.data_ptr());
+    for (auto& p : seq->parameters()) EXPECT_TRUE(own.count(p.data_ptr())) << "a copied parameter";
+    auto x = at::randn(c.input);
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(at::allclose(seq->forward(x), m.forward(x), 0, 1e-6));
+  }
+  Model r = make_model("resnet50", rgb);
+  auto seq = as_sequential(r);
+  EXPECT_EQ(seq->named_children()[0].key(), "stem");
+  EXPECT_EQ(seq->named_children()[16].key(), "layer4_2");
+  EXPECT_EQ(seq->named_children()[17].key(), "head");
 }
 
 }  // namespace

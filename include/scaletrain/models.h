@@ -11,9 +11,12 @@
 //             use in_channels 3 and num_classes 1000 for torchvision's exact model
 //
 // make_model() builds one by name; Model carries the module and its forward, so that trainers
-// and wrappers call any of them the same way.
+// and wrappers call any of them the same way. as_sequential() gives every model as a chain of
+// blocks (ResNets: stem, each residual block, head) sharing its parameters, the form that
+// pipelines and partitioners (pipeline.h, schedule.h) split into stages.
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
 #include <memory>
@@ -26,6 +29,7 @@ struct Model {
   std::string name;
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  std::function<torch::nn::Sequential()> blocks;  // see as_sequential()
 };
 
 struct ModelOptions {
@@ -38,6 +42,12 @@ struct ModelOptions {
 /// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known
 /// models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
+
+/// The model as a torch::nn::Sequential of blocks whose chained forward equals the model's.
+/// The blocks hold the model's own parameter tensors (moving or training one moves or trains
+/// the other). Block names: toy "net1", "net2"; mlp "fc1", "fc2"; lenet "conv1", "conv2",
+/// "fc1", "fc2"; ResNets "stem", "layer1_0" ... "layer4_<last>", "head".
+torch::nn::Sequential as_sequential(const Model& model);
 
 /// The names make_model() knows.
 std::vector<std::string> model_names();

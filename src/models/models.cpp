@@ -172,9 +172,96 @@ struct ResNetBottleneckImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
+// One block of a model's chain: registers the model's own submodules (so the block's
+// parameters are the model's) and applies `fn` to its input.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& parts,
+            std::function<at::Tensor(const at::Tensor&)> f)
+      : fn(std::move(f)) {
+    for (const auto& [name, m] : parts) register_module(name, m);
+  }
+  at::Tensor forward(const at::Tensor& x) { return fn(x); }
+  std::function<at::Tensor(const at::Tensor&)> fn;
+};
+TORCH_MODULE(Block);
+
+using Parts = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
+
+// Each residual block of the layers, named layer<i>_<j>.
+void push_layers(torch::nn::Sequential& seq, const std::vector<torch::nn::Sequential>& layers) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    size_t j = 0;
+    for (torch::nn::AnyModule block : *layers[i]) {
+      seq->push_back("layer" + std::to_string(i + 1) + "_" + std::to_string(j++),
+                     Block(Parts{{"block", block.ptr()}},
+                           [block](const at::Tensor& x) mutable { return block.forward(x); }));
+    }
+  }
+}
+
+torch::nn::Sequential blocks_of(const std::shared_ptr<ToyModelImpl>& m) {
+  return torch::nn::Sequential(
+      {{"net1", Block(Parts{{"net1", m->net1.ptr()}},
+                      [m](const at::Tensor& x) { return torch::relu(m->net1(x)); })},
+       {"net2",
+        Block(Parts{{"net2", m->net2.ptr()}}, [m](const at::Tensor& x) { return m->net2(x); })}});
+}
+
+torch::nn::Sequential blocks_of(const std::shared_ptr<MLPImpl>& m) {
+  return torch::nn::Sequential(
+      {{"fc1", Block(Parts{{"fc1", m->fc1.ptr()}},
+                     [m](const at::Tensor& x) { return torch::relu(m->fc1(x.flatten(1))); })},
+       {"fc2",
+        Block(Parts{{"fc2", m->fc2.ptr()}}, [m](const at::Tensor& x) { return m->fc2(x); })}});
+}
+
+torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
+  auto pool = F::AvgPool2dFuncOptions(2);
+  return torch::nn::Sequential(
+      {{"conv1", Block(Parts{{"conv1", m->conv1.ptr()}},
+                       [m, pool](const at::Tensor& x) {
+                         return F::avg_pool2d(torch::relu(m->conv1(x)), pool);
+                       })},
+       {"conv2", Block(Parts{{"conv2", m->conv2.ptr()}},
+                       [m, pool](const at::Tensor& x) {
+                         return F::avg_pool2d(torch::relu(m->conv2(x)), pool);
+                       })},
+       {"fc1", Block(Parts{{"fc1", m->fc1.ptr()}},
+                     [m](const at::Tensor& x) { return torch::relu(m->fc1(x.flatten(1))); })},
+       {"fc2",
+        Block(Parts{{"fc2", m->fc2.ptr()}}, [m](const at::Tensor& x) { return m->fc2(x); })}});
+}
+
+torch::nn::Sequential blocks_of(const std::shared_ptr<ResNet18SmallImpl>& m) {
+  torch::nn::Sequential seq;
+  seq->push_back("stem",
+                 Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
+                       [m](const at::Tensor& x) { return torch::relu(m->bn1(m->conv1(x))); }));
+  push_layers(seq, m->layers);
+  seq->push_back("head", Block(Parts{{"fc", m->fc.ptr()}}, [m](const at::Tensor& x) {
+                   return m->fc(x.mean({2, 3}));
+                 }));
+  return seq;
+}
+
+torch::nn::Sequential blocks_of(const std::shared_ptr<ResNetBottleneckImpl>& m) {
+  torch::nn::Sequential seq;
+  seq->push_back(
+      "stem",
+      Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}}, [m](const at::Tensor& x) {
+        return torch::max_pool2d(torch::relu(m->bn1(m->conv1(x))), 3, 2, 1);
+      }));
+  push_layers(seq, m->layers);
+  seq->push_back("head", Block(Parts{{"fc", m->fc.ptr()}}, [m](const at::Tensor& x) {
+                   return m->fc(x.mean({2, 3}));
+                 }));
+  return seq;
+}
+
 template <class M>
 Model wrap(const std::string& name, std::shared_ptr<M> m) {
-  return {name, m, [m](const at::Tensor& x) { return m->forward(x); }};
+  return {name, m, [m](const at::Tensor& x) { return m->forward(x); },
+          [m] { return blocks_of(m); }};
 }
 
 }  // namespace
@@ -197,6 +284,11 @@ Model make_model(const std::string& name, const ModelOptions& o) {
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("unknown model '" + name + "'; the models are: " + known);
+}
+
+torch::nn::Sequential as_sequential(const Model& model) {
+  if (!model.blocks) throw UsageError("model '" + model.name + "' has no block form");
+  return model.blocks();
 }
 
 int64_t parameter_count(const torch::nn::Module& module) {

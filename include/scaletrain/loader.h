@@ -1,0 +1,67 @@
+#pragma once
+// Batches prepared ahead of the training loop, by background threads.
+//
+//   Loader loader(batches_of(train_set), sampler.remaining(), {.batch_size = 128});
+//   while (auto b = loader.next()) step(b->images, b->labels);
+//
+// A Loader cuts a list of sample indices into batches and has `workers` threads build them
+// (gather rows, or decode and augment images) up to `prefetch` batches per worker ahead of the
+// consumer. Batches come out in order, and what a batch holds depends only on its indices and
+// on (seed, batch number) — never on which thread built it or when — so a run is repeatable and
+// a resumed run sees the same batches. workers = 0 builds each batch in next(). An exception in
+// a worker is raised again by next(). With pin_memory (CUDA only) batches are in page-locked
+// memory, ready for a non-blocking copy to the device.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace scaletrain {
+
+struct Dataset;
+class ImageFolder;
+
+struct Batch {
+  at::Tensor images;
+  at::Tensor labels;
+  int64_t index = 0;  // number of the batch in this loader
+};
+
+/// Builds the batch holding rows `indices`; `seed` drives any random augmentation.
+using BatchFn = std::function<Batch(const std::vector<int64_t>& indices, uint64_t seed)>;
+
+/// Rows of an in-memory data set (no augmentation).
+BatchFn batches_of(std::shared_ptr<const Dataset> dataset);
+/// Decoded, transformed images of a folder.
+BatchFn batches_of(std::shared_ptr<const ImageFolder> folder);
+
+struct LoaderOptions {
+  int64_t batch_size = 64;
+  int workers = 1;   // background threads; 0: build batches on the caller's thread
+  int prefetch = 2;  // batches each worker may hold ready
+  bool drop_last = false;
+  bool pin_memory = false;  // needs CUDA; ignored without it
+  uint64_t seed = 0;
+};
+
+class Loader {
+ public:
+  Loader(BatchFn build, std::vector<int64_t> indices, LoaderOptions options);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  /// The next batch in order, or nothing after the last.
+  std::optional<Batch> next();
+  int64_t num_batches() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace scaletrain

@@ -45,8 +45,13 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
             << std::setprecision(1) << "  time per epoch  " << per_epoch.str() << "\n"
             << "  throughput      " << std::setprecision(0) << r.samples_per_second
             << " samples/s\n"
+            << "  device          " << r.device << ", peak memory " << std::setprecision(1)
+            << static_cast<double>(r.peak_memory_bytes) / (1 << 20) << " MiB (rank 0)\n"
             << "  checkpoint      " << r.last_checkpoint << "\n"
-            << "  metrics         " << r.metrics_path << std::endl;
+            << "  weights         " << r.weights_path << " (torch.load in Python)\n"
+            << "  metrics         " << r.metrics_path
+            << (o.tensorboard ? " (tensorboard --logdir " + o.out_dir + ")" : std::string())
+            << std::endl;
 }
 
 }  // namespace
@@ -63,8 +68,21 @@ void add_train_command(CLI::App& app, Action& action) {
   auto& o = args->o;
   cmd->add_option("--model", o.model, "toy, mlp, lenet, resnet18, resnet50 or resnet101")
       ->capture_default_str();
-  cmd->add_option("--dataset", o.dataset, "fashion-mnist or synthetic")->capture_default_str();
-  cmd->add_option("--data-dir", o.data_dir, "Folder of the IDX .gz files")->capture_default_str();
+  cmd->add_option("--dataset", o.dataset,
+                  "fashion-mnist, synthetic, or folder (ImageNet-style train/ and val/)")
+      ->capture_default_str();
+  cmd->add_option("--data-dir", o.data_dir,
+                  "Folder of the IDX .gz files, or of train/ and val/ for --dataset folder")
+      ->capture_default_str();
+  cmd->add_option("--image-size", o.image_size, "Crop size of --dataset folder images")
+      ->capture_default_str();
+  cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--amp", o.amp, "Mixed precision: none, bf16 or fp16 (loss scaling)")
+      ->capture_default_str();
+  cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
+  cmd->add_option("--init-weights", o.init_weights,
+                  "Start from a state dict (e.g. Python's torch.save(model.state_dict()))");
+  cmd->add_flag("!--no-tensorboard", o.tensorboard, "No TensorBoard event file");
   cmd->add_option("--limit-train", o.limit_train, "Use only the first N training samples");
   cmd->add_option("--limit-test", o.limit_test, "Use only the first N test samples");
   cmd->add_option("--epochs", o.epochs)->capture_default_str();
@@ -95,9 +113,9 @@ void add_train_command(CLI::App& app, Action& action) {
       if (!inside_a_job()) {
         // Started by hand: become the launcher of this node's ranks.
         LaunchOptions lo;
-        lo.nproc_per_node = args->nproc == "auto"
-                                ? (cuda_device_count() > 0 ? cuda_device_count() : 2)
-                                : std::atoi(args->nproc.c_str());
+        const bool gpus = cuda_device_count() > 0 && args->o.device != "cpu";
+        lo.nproc_per_node = args->nproc == "auto" ? (gpus ? cuda_device_count() : 2)
+                                                  : std::atoi(args->nproc.c_str());
         validate(args->o, lo.nproc_per_node);
         lo.master_port = 0;
         lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
@@ -109,6 +127,8 @@ void add_train_command(CLI::App& app, Action& action) {
       }
       InitOptions io;
       io.backend = args->backend;
+      // CPU tensors need Gloo even where NCCL could be had.
+      if (io.backend == "auto" && args->o.device == "cpu") io.backend = "gloo";
       Dist d = init_process_group(io);
       TrainResult r = train(args->o, d);
       if (d.rank() == 0) print_summary(args->o, r, d);

@@ -38,6 +38,7 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache
 say "installing torch==$TORCH_VERSION (wheel only, CUDA 13 build) into $VENV"
 "${pip[@]}" --no-deps "torch==$TORCH_VERSION"
 "${pip[@]}" -r scripts/requirements.txt
+"${pip[@]}" -r scripts/requirements-tools.txt
 # The wheel's CUDA libraries: a machine with the CUDA 13 toolkit (as ours) already has cudart,
 # cuBLAS, cuDNN, NCCL...; only three libraries are then missing. Elsewhere take them all from PyPI.
 cuda_lib=""

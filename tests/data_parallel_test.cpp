@@ -10,6 +10,7 @@
 #include <torch/optim/sgd.h>
 
 #include "scaletrain/error.h"
+#include "scaletrain/models.h"
 
 namespace scaletrain {
 namespace {
@@ -54,6 +55,41 @@ TEST_P(DataParallelDevices, ThreeStepsEqualTheSingleModel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DataParallelDevices, ::testing::Values(1, 2, 3));
+
+// A zoo model's block chain cannot be cloned: replicas come from a factory and take the
+// primary's weights. Two SGD steps on cpu,cpu equal LeNet itself.
+TEST(DataParallel, FactoryReplicasOfAZooModelEqualTheModel) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto x = at::randn({2, 7, 1, 28, 28}, gen);
+  auto y = at::randint(10, {2, 7}, gen, at::kLong);
+  auto ce = [](const at::Tensor& out, const at::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  };
+  torch::manual_seed(4);
+  Model single = scaletrain::make_model("lenet");
+  torch::optim::SGD opt1(single.module->parameters(), 0.1);
+  int built = 0;
+  torch::manual_seed(4);  // the first replica is built with the same seed: the same weights
+  DataParallel dp(
+      [&] {
+        ++built;
+        return as_sequential(scaletrain::make_model("lenet"));
+      },
+      {at::kCPU, at::kCPU});
+  EXPECT_EQ(built, 2);
+  torch::optim::SGD opt2(dp.parameters(), 0.1);
+  for (int step = 0; step < 2; ++step) {
+    opt1.zero_grad();
+    ce(single.forward(x[step]), y[step]).backward();
+    opt1.step();
+    opt2.zero_grad();
+    dp.train_step(x[step], y[step], ce);
+    opt2.step();
+  }
+  auto a = single.module->parameters(), b = dp.parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), 1e-5);
+}
 
 TEST(DataParallel, ReplicasPersistAcrossSteps) {
   DataParallel dp(make_model(), {at::kCPU, at::kCPU});

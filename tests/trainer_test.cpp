@@ -9,11 +9,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
 #include "support/ranks.h"
+#include "support/subprocess.h"
 
 namespace scaletrain {
 namespace {
@@ -121,12 +123,18 @@ TEST_P(TrainBadInput, IsRefusedBeforeTraining) {
   EXPECT_EQ(r.output.find("epoch 1"), std::string::npos) << r.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, TrainBadInput,
-                         ::testing::Values(Bad{"--model resnet9000", "unknown model 'resnet9000'"},
-                                           Bad{"--dataset imagenet", "unknown data set 'imagenet'"},
-                                           Bad{"--batch-size 1",
-                                               "is smaller than the world size 2"},
-                                           Bad{"--out /proc/scaletrain", "is not writable"}));
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TrainBadInput,
+    ::testing::Values(Bad{"--model resnet9000", "unknown model 'resnet9000'"},
+                      Bad{"--dataset imagenet", "unknown data set 'imagenet'"},
+                      Bad{"--batch-size 1", "is smaller than the world size 2"},
+                      Bad{"--out /proc/scaletrain", "is not writable"},
+                      Bad{"--device tpu", "unknown --device 'tpu'"},
+                      Bad{"--amp fp8", "unknown --amp 'fp8'"},
+                      Bad{"--workers -1", "--workers -1 must be 0 or more"},
+                      Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
+                      Bad{"--init-weights /nonexistent.pt",
+                          "--init-weights '/nonexistent.pt': no such file"}));
 
 TEST(Train, LearnsOnRealFashionMnistSubset) {
   if (!fs::exists(std::string("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))) {
@@ -155,6 +163,135 @@ TEST(Train, LearnsOnRealFashionMnistSubset) {
   while (std::getline(metrics, line)) last = line;
   EXPECT_NE(last.find("\"kind\":\"epoch\""), std::string::npos) << last;
   EXPECT_NE(last.find("\"test_accuracy\""), std::string::npos) << last;
+  EXPECT_EQ(r.device, "cpu");
+  EXPECT_GT(r.peak_memory_bytes, 50 << 20);  // at least the data set (47 MB of floats)
+  // TensorBoard's reader finds the same epochs in the event file.
+  auto tb = run_command(std::string(VENV_DIR) + "/bin/python " +
+                        testing::script_path("read_tfevents.py") + " " + dir.path.string() +
+                        " 2>/dev/null");
+  ASSERT_EQ(tb.exit_code, 0) << tb.output;
+  auto acc = nlohmann::json::parse(tb.output.substr(tb.output.find('{')))["epoch/test_accuracy"];
+  ASSERT_EQ(acc.size(), 3u) << tb.output;
+  EXPECT_EQ(acc[2][0].get<int64_t>(), 72);
+  EXPECT_NEAR(acc[2][1].get<double>(), r.test_accuracy, 1e-6);
+}
+
+// One rank (a thread), synthetic data: the options every test below starts from.
+TrainOptions small(const fs::path& out) {
+  TrainOptions o;
+  o.dataset = "synthetic";
+  o.limit_train = 512;
+  o.limit_test = 128;
+  o.epochs = 1;
+  o.batch_size = 64;
+  o.progress = false;
+  o.out_dir = out.string();
+  o.resume = "none";
+  return o;
+}
+
+TrainResult train_alone(const TrainOptions& o) {
+  TrainResult r;
+  auto errors = testing::run_ranks(1, [&](Dist& d) { r = train(o, d); });
+  EXPECT_EQ(errors, (std::vector<std::string>{""}));
+  return r;
+}
+
+std::map<std::string, at::Tensor> weights_of(const std::string& path, const std::string& model,
+                                             ModelOptions mo = {}) {
+  Model m = make_model(model, mo);
+  load_weights(path, *m.module);
+  std::map<std::string, at::Tensor> out;
+  for (auto& p : m.module->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+// Batches built on loader threads are the batches built inline: the same weights, bitwise.
+TEST(Train, LoaderThreadsDoNotChangeTheResult) {
+  TempDir a("workers0"), b("workers3");
+  auto o = small(a.path);
+  o.workers = 0;
+  auto ra = train_alone(o);
+  o = small(b.path);
+  o.workers = 3;
+  auto rb = train_alone(o);
+  ASSERT_EQ(ra.global_step, 8);
+  auto wa = weights_of(ra.weights_path, "lenet"), wb = weights_of(rb.weights_path, "lenet");
+  for (auto& [k, v] : wa) EXPECT_TRUE(at::equal(v, wb[k])) << k;
+}
+
+TEST(Train, InitWeightsStartFromAStateDict) {
+  TempDir dir("init");
+  torch::manual_seed(42);
+  Model start = make_model("lenet");
+  const std::string w = (dir.path / "start.pt").string();
+  save_weights(w, *start.module);
+  auto o = small(dir.path / "run");
+  o.init_weights = w;
+  o.lr = 1e-30;  // a step that changes nothing measurable: the result is the start
+  o.momentum = 0;
+  o.weight_decay = 0;
+  auto r = train_alone(o);
+  auto got = weights_of(r.weights_path, "lenet");
+  for (auto& p : start.module->named_parameters()) {
+    EXPECT_TRUE(at::allclose(p.value(), got[p.key()], 0, 1e-7)) << p.key();
+  }
+}
+
+// bf16 autocast on the CPU: the run learns (MLP on real data) and differs from the fp32 run,
+// which shows that autocast was on.
+TEST(Train, Bf16AutocastLearns) {
+  if (!fs::exists(std::string("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))) {
+    GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  }
+  TempDir a("fp32"), b("bf16");
+  auto o = small(a.path);
+  o.dataset = "fashion-mnist";
+  o.model = "mlp";
+  o.limit_train = 4096;
+  o.limit_test = 1000;
+  auto r32 = train_alone(o);
+  o.out_dir = b.path.string();
+  o.amp = "bf16";
+  auto r16 = train_alone(o);
+  EXPECT_GT(r16.test_accuracy, 0.6);
+  EXPECT_NEAR(r16.test_accuracy, r32.test_accuracy, 0.05);
+  auto w32 = weights_of(r32.weights_path, "mlp"), w16 = weights_of(r16.weights_path, "mlp");
+  EXPECT_FALSE(at::equal(w32["fc1.weight"], w16["fc1.weight"]));
+}
+
+// An ImageNet-style folder end to end: classes from the folder names, RGB crops into LeNet.
+TEST(Train, ImageFolderEndToEnd) {
+  TempDir dir("folder");
+  for (const char* split : {"train", "val"}) {
+    for (int c = 0; c < 2; ++c) {
+      const fs::path d = dir.path / "data" / split / (c == 0 ? "red" : "blue");
+      fs::create_directories(d);
+      for (int i = 0; i < 8; ++i) {
+        std::vector<unsigned char> px(36 * 36 * 3, 0);
+        for (size_t k = 0; k < px.size(); k += 3)
+          px[k + (c == 0 ? 0 : 2)] = static_cast<unsigned char>(150 + 10 * i);
+        std::ofstream f(d / ("img" + std::to_string(i) + ".ppm"), std::ios::binary);
+        f << "P6\n36 36\n255\n";
+        f.write(reinterpret_cast<const char*>(px.data()), static_cast<std::streamsize>(px.size()));
+      }
+    }
+  }
+  auto o = small(dir.path / "run");
+  o.dataset = "folder";
+  o.data_dir = (dir.path / "data").string();
+  o.image_size = 28;
+  o.batch_size = 4;
+  o.epochs = 2;
+  o.workers = 2;
+  auto r = train_alone(o);
+  EXPECT_EQ(r.global_step, 2 * 4);
+  ModelOptions mo;
+  mo.in_channels = 3;
+  mo.num_classes = 2;
+  auto w = weights_of(r.weights_path, "lenet", mo);  // throws unless 3 channels and 2 classes
+  EXPECT_EQ(w["fc2.weight"].size(0), 2);
+  EXPECT_GE(r.test_accuracy, 0.0);
 }
 
 }  // namespace

@@ -41,4 +41,18 @@ std::optional<std::string> newest_valid_checkpoint(const std::string& dir);
 /// Checks a file's header and checksum without loading it; the reason when it is bad.
 std::optional<std::string> checkpoint_problem(const std::string& path);
 
+/// The model's weights (parameters and buffers) as a state dict for Python, with the Python
+/// model's keys ("conv1.weight", "bn1.running_mean", ...): a path ending in ".safetensors" gets
+/// the safetensors format (safetensors.torch.load_file), any other torch.save's format
+/// (torch.load, weights_only or not). Tensors are saved from the CPU; written atomically.
+void save_weights(const std::string& path, const torch::nn::Module& model);
+
+/// Loads a state dict into `model`, converting to the model's devices and dtypes: a file of
+/// save_weights(), a safetensors file (Python: safetensors.torch.save_file(model.state_dict(),
+/// path)), or torch.save of a plain dict (Python: torch.save(dict(model.state_dict()), path);
+/// LibTorch cannot read the OrderedDict of a bare state_dict(), and the error says so). Every
+/// key must match, with the same shape: otherwise Error naming the missing keys, the
+/// unexpected ones and the shape mismatches, and `model` is left unchanged.
+void load_weights(const std::string& path, torch::nn::Module& model);
+
 }  // namespace scaletrain

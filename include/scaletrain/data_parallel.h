@@ -28,6 +28,12 @@ class DataParallel {
   /// UsageError for an empty device list.
   DataParallel(torch::nn::Sequential model, std::vector<at::Device> devices);
 
+  /// For models that cannot be cloned (modules not derived from torch::nn::Cloneable, such as
+  /// the zoo's block chains): `make` builds each replica, the first is the primary, and the
+  /// others take its parameters and buffers.
+  ///   DataParallel dp([] { return as_sequential(make_model("resnet18")); }, devices);
+  DataParallel(const std::function<torch::nn::Sequential()>& make, std::vector<at::Device> devices);
+
   /// Outputs of the whole batch, scattered over the replicas and gathered on devices[0].
   at::Tensor forward(const at::Tensor& input);
 

@@ -46,6 +46,8 @@ struct LoaderOptions {
   bool drop_last = false;
   bool pin_memory = false;  // needs CUDA; ignored without it
   uint64_t seed = 0;
+  int64_t first_batch = 0;  // number of the first batch (a resumed epoch starts further on);
+                            // it counts in the augmentation seeds and in Batch::index
 };
 
 class Loader {

@@ -17,6 +17,9 @@
 // entropy, MSE with mean reduction). Inputs go to the first device, targets to the last.
 // BatchNorm sees each micro-batch separately (its statistics are per micro-batch, as in
 // torchgpipe without deferred batch norm): outputs then differ from the whole-batch module's.
+// With checkpointing, the recomputed forward updates BatchNorm's running statistics a second
+// time, and a layer drawing random numbers (dropout) draws new ones: use checkpointing with
+// deterministic layers, or accept both.
 // An exception on a stage thread is raised again on the caller's thread. Not thread-safe: one
 // caller at a time.
 
@@ -30,11 +33,17 @@ namespace scaletrain {
 
 enum class PipelineSchedule { kGPipe, k1F1B };
 
+/// Activation checkpointing, as torchgpipe names it: a checkpointed micro-batch's forward keeps
+/// only the stage's input; its backward runs the forward again, with the graph, first.
+/// kExceptLast checkpoints every micro-batch but the last (whose backward follows at once).
+enum class PipelineCheckpoint { kNever, kExceptLast, kAlways };
+
 struct PipelineOptions {
   std::vector<int> balance;         // layers per stage; their sum is the model's length
   std::vector<at::Device> devices;  // one per stage
   int chunks = 1;                   // micro-batches (the last ones may be smaller)
   PipelineSchedule schedule = PipelineSchedule::kGPipe;
+  PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
 };
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;

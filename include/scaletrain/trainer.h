@@ -8,7 +8,9 @@
 //   auto result = scaletrain::train(o, dist);
 //
 // Files under `out_dir`: ckpt-<step>.st (checkpoints, docs/checkpoint.md), metrics.jsonl (one
-// JSON object per logged step and per epoch, docs/training.md).
+// JSON object per logged step and per epoch, docs/training.md), events.out.tfevents.* (the same
+// metrics for TensorBoard), model.pt (the final weights as a state dict for Python's
+// torch.load).
 
 #include <cstdint>
 #include <string>
@@ -20,9 +22,11 @@ namespace scaletrain {
 
 struct TrainOptions {
   std::string model = "lenet";
-  std::string dataset = "fashion-mnist";  // or "synthetic"
+  std::string dataset = "fashion-mnist";  // "synthetic", or "folder": data_dir holds train/
+                                          // and val/, ImageNet-style (image_folder.h)
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  int64_t limit_train = 0;  // >0: use only the first N training samples
+  int64_t image_size = 224;  // folder data: crop size
+  int64_t limit_train = 0;   // >0: use only the first N training samples
   int64_t limit_test = 0;
   int epochs = 5;
   int64_t batch_size = 256;       // global: split evenly over the ranks
@@ -41,6 +45,12 @@ struct TrainOptions {
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
   int log_every = 50;           // steps between metric lines
   bool progress = true;         // progress bar / lines on rank 0
+  std::string device = "auto";  // "auto" (cuda:<local rank> when GPUs are visible, else cpu),
+                                // "cpu", "cuda" or "cuda:N"
+  std::string amp = "none";     // mixed precision: "none", "bf16", "fp16" (with loss scaling)
+  int workers = 1;              // loader threads per rank (0: load on the training thread)
+  std::string init_weights;     // a state dict (Python's torch.save) to start from
+  bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
 };
 
 struct TrainResult {
@@ -51,6 +61,9 @@ struct TrainResult {
   int64_t global_step = 0;
   std::string last_checkpoint;
   std::string metrics_path;
+  std::string weights_path;       // model.pt (rank 0)
+  std::string device;             // this rank's
+  int64_t peak_memory_bytes = 0;  // this rank's device: CUDA peak allocated, or CPU peak RSS
 };
 
 /// Checks the options before any work (unknown model or data set, a batch smaller than the

@@ -34,6 +34,15 @@ void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> comm
 
 const std::vector<Suite>& suites() {
   static const std::vector<Suite> all = {
+      {"mp-vs-single",
+       "seed 000: ResNet-50 on one device vs split over two vs pipelined, random data",
+       run_mp_vs_single},
+      {"split-sweep", "seed 000: pipelined ResNet-50, time per run over split sizes",
+       run_split_sweep},
+      {"dp-scaling",
+       "seed 003: ResNet-18 on Fashion-MNIST, seconds per epoch and accuracy on 1..N devices, "
+       "DDP and DataParallel",
+       run_dp_scaling},
       {"async",
        "seed 004: synchronised vs unsynchronised timing, all devices at once, "
        "device-to-host copies with and without non_blocking",
@@ -50,6 +59,11 @@ const std::vector<Suite>& suites() {
        run_ddp_overlap},
       {"pipeline-bubble", "GPipe and 1F1B on cpu,cpu: measured bubble vs (p-1)/(m+p-1)",
        run_pipeline_bubble},
+      {"pipeline-memory",
+       "peak activation memory of one pipelined step: GPipe vs 1F1B, activation checkpointing",
+       run_pipeline_memory},
+      {"loader", "Fashion-MNIST loader vs LeNet training throughput (target: loader >= 5x)",
+       run_loader},
   };
   return all;
 }

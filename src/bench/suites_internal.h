@@ -19,5 +19,10 @@ SuiteResult run_async(const SuiteOptions& o);
 SuiteResult run_ddp_vs_python(const SuiteOptions& o);
 SuiteResult run_ddp_overlap(const SuiteOptions& o);
 SuiteResult run_pipeline_bubble(const SuiteOptions& o);
+SuiteResult run_loader(const SuiteOptions& o);
+SuiteResult run_mp_vs_single(const SuiteOptions& o);
+SuiteResult run_split_sweep(const SuiteOptions& o);
+SuiteResult run_dp_scaling(const SuiteOptions& o);
+SuiteResult run_pipeline_memory(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

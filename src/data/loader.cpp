@@ -1,5 +1,7 @@
 #include "scaletrain/loader.h"
 
+#include <ATen/Parallel.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
@@ -51,11 +53,12 @@ struct Loader::State {
     std::vector<int64_t> part(indices.begin() + static_cast<long>(start),
                               indices.begin() + static_cast<long>(end));
     // One seed per (loader seed, batch), mixed so that neighbouring batches differ widely.
-    uint64_t z = o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(b) + 1;
+    const int64_t number = o.first_batch + b;
+    uint64_t z = o.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(number) + 1;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     Batch out = build(part, z ^ (z >> 31));
-    out.index = b;
+    out.index = number;
     if (o.pin_memory && at::globalContext().hasCUDA()) {
       out.images = out.images.pin_memory();
       out.labels = out.labels.pin_memory();
@@ -100,7 +103,10 @@ Loader::Loader(BatchFn build, std::vector<int64_t> indices, LoaderOptions o)
   const auto n = static_cast<int64_t>(s_->indices.size());
   s_->batches = o.drop_last ? n / o.batch_size : (n + o.batch_size - 1) / o.batch_size;
   for (int w = 0; w < o.workers; ++w) {
-    s_->threads.emplace_back([st = s_.get(), w] { st->work(w, st->o.workers); });
+    s_->threads.emplace_back([st = s_.get(), w] {
+      at::init_num_threads();  // the process's intra-op thread count, not OpenMP's default
+      st->work(w, st->o.workers);
+    });
   }
 }
 

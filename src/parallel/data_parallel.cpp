@@ -1,5 +1,7 @@
 #include "scaletrain/data_parallel.h"
 
+#include <ATen/Parallel.h>
+
 #include <exception>
 #include <thread>
 
@@ -16,6 +18,7 @@ void on_each(size_t n, const std::vector<at::Device>& devices,
   std::vector<std::thread> threads;
   for (size_t k = 0; k < n; ++k) {
     threads.emplace_back([&, k] {
+      at::init_num_threads();  // a new thread: take the process's intra-op thread count
       try {
         fn(k);
       } catch (...) {
@@ -46,6 +49,21 @@ DataParallel::DataParallel(torch::nn::Sequential model, std::vector<at::Device> 
     replicas_.push_back(
         std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone(devices_[k])));
   }
+}
+
+DataParallel::DataParallel(const std::function<torch::nn::Sequential()>& make,
+                           std::vector<at::Device> devices)
+    : devices_(std::move(devices)) {
+  if (devices_.empty()) throw UsageError("DataParallel needs at least one device");
+  for (size_t k = 0; k < devices_.size(); ++k) {
+    auto replica = make();
+    replica->to(devices_[k]);
+    if (k > 0 && replica->parameters().size() != replicas_[0]->parameters().size()) {
+      throw UsageError("DataParallel: the replica factory built models of different shapes");
+    }
+    replicas_.push_back(replica);
+  }
+  sync_replicas();
 }
 
 void DataParallel::sync_replicas() {

@@ -1,5 +1,7 @@
 #include "scaletrain/pipeline.h"
 
+#include <ATen/Parallel.h>
+
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -79,6 +81,20 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
   auto outputs = inputs;
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
 
+  const auto checkpointed = [&](size_t i) {
+    return options_.checkpoint == PipelineCheckpoint::kAlways ||
+           (options_.checkpoint == PipelineCheckpoint::kExceptLast &&
+            i + 1 < static_cast<size_t>(m));
+  };
+  // Forward of stage s on micro-batch i from its stored input; the last stage adds the loss.
+  auto forward = [&](size_t si, size_t i) {
+    outputs[si][i] = stages_[si]->forward(inputs[si][i]);
+    if (si + 1 == static_cast<size_t>(p)) {
+      const double share = static_cast<double>(xs[i].size(0)) / total;
+      losses[i] = loss_fn(outputs[si][i], ys[i].to(options_.devices[si])) * share;
+    }
+  };
+
   auto run = [&](int s, const PipeTask& t) {
     const auto si = static_cast<size_t>(s);
     const auto i = static_cast<size_t>(t.microbatch);
@@ -87,12 +103,14 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       at::Tensor in = s == 0 ? xs[i].to(dev) : outputs[si - 1][i].detach().to(dev);
       if (s > 0) in.requires_grad_(true);
       inputs[si][i] = in;
-      outputs[si][i] = stages_[si]->forward(in);
-      if (s == p - 1) {
-        const double share = static_cast<double>(xs[i].size(0)) / total;
-        losses[i] = loss_fn(outputs[si][i], ys[i].to(dev)) * share;
+      if (checkpointed(i)) {
+        at::NoGradGuard no_graph;  // keep the input only; backward recomputes
+        forward(si, i);
+      } else {
+        forward(si, i);
       }
     } else {
+      if (checkpointed(i)) forward(si, i);  // again, now recording the graph
       if (s == p - 1) {
         losses[i].backward();
       } else {
@@ -111,6 +129,9 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       const auto& cell = row[static_cast<size_t>(s)];
       if (!cell) continue;
       workers.emplace_back([&, s, task = *cell] {
+        // A new thread starts with OpenMP's default team size (every core); take the
+        // process's intra-op setting instead, or stages oversubscribe the cores.
+        at::init_num_threads();
         try {
           run(s, task);
         } catch (...) {

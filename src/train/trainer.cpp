@@ -1,6 +1,7 @@
 #include "scaletrain/trainer.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
@@ -14,12 +15,21 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
+#include "scaletrain/image_folder.h"
+#include "scaletrain/loader.h"
 #include "scaletrain/models.h"
 #include "scaletrain/sampler.h"
+#include "scaletrain/tensorboard.h"
+#include "scaletrain/version.h"
+
+#ifdef SCALETRAIN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace scaletrain {
 namespace {
@@ -31,24 +41,102 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::pair<Dataset, Dataset> load_data(const TrainOptions& o) {
-  Dataset tr, te;
-  if (o.dataset == "fashion-mnist") {
-    tr = load_fashion_mnist(o.data_dir, true);
-    te = load_fashion_mnist(o.data_dir, false);
-  } else {
-    tr = make_synthetic(o.limit_train > 0 ? o.limit_train : 2048, 1, 28, 28, 10, o.seed + 1);
-    te = make_synthetic(o.limit_test > 0 ? o.limit_test : 512, 1, 28, 28, 10, o.seed + 2);
+// A split of a data set as the loader sees it: how to build a batch, and its shape.
+struct Source {
+  BatchFn batches;
+  int64_t size = 0;
+  int64_t num_classes = 0;
+  int64_t channels = 1;
+};
+
+Source in_memory(Dataset d, int64_t limit) {
+  if (limit > 0 && limit < d.size()) {
+    d.images = d.images.narrow(0, 0, limit);
+    d.labels = d.labels.narrow(0, 0, limit);
   }
-  auto cut = [](Dataset& d, int64_t n) {
-    if (n > 0 && n < d.size()) {
-      d.images = d.images.narrow(0, 0, n);
-      d.labels = d.labels.narrow(0, 0, n);
-    }
-  };
-  cut(tr, o.limit_train);
-  cut(te, o.limit_test);
-  return {tr, te};
+  Source s{nullptr, d.size(), d.num_classes, d.images.size(1)};
+  s.batches = batches_of(std::make_shared<const Dataset>(std::move(d)));
+  return s;
+}
+
+// An image folder split; `limit` keeps a spread of it (every k-th image), so that every class
+// stays in.
+Source folder(const std::string& root, bool train, const TrainOptions& o, int64_t limit) {
+  ImageFolderOptions io;
+  io.train = train;
+  io.size = o.image_size;
+  io.resize = o.image_size * 8 / 7;  // 224 -> 256, as the ImageNet recipes do
+  auto f = std::make_shared<const ImageFolder>(root, io);
+  Source s{batches_of(f), f->size(), static_cast<int64_t>(f->classes().size()), 3};
+  if (limit > 0 && limit < f->size()) {
+    const int64_t n = f->size();
+    auto inner = s.batches;
+    s.batches = [inner, n, limit](const std::vector<int64_t>& idx, uint64_t seed) {
+      std::vector<int64_t> spread;
+      for (int64_t i : idx) spread.push_back(i * n / limit);
+      return inner(spread, seed);
+    };
+    s.size = limit;
+  }
+  return s;
+}
+
+std::pair<Source, Source> load_data(const TrainOptions& o) {
+  if (o.dataset == "fashion-mnist") {
+    return {in_memory(load_fashion_mnist(o.data_dir, true), o.limit_train),
+            in_memory(load_fashion_mnist(o.data_dir, false), o.limit_test)};
+  }
+  if (o.dataset == "folder") {
+    return {folder(o.data_dir + "/train", true, o, o.limit_train),
+            folder(o.data_dir + "/val", false, o, o.limit_test)};
+  }
+  return {
+      in_memory(make_synthetic(o.limit_train > 0 ? o.limit_train : 2048, 1, 28, 28, 10, o.seed + 1),
+                0),
+      in_memory(make_synthetic(o.limit_test > 0 ? o.limit_test : 512, 1, 28, 28, 10, o.seed + 2),
+                0)};
+}
+
+at::Device resolve_device(const std::string& name, const Dist& d) {
+  const int gpus = cuda_device_count();
+  if (name == "cpu" || (name == "auto" && gpus == 0)) return at::kCPU;
+  if (gpus == 0) {
+    throw UsageError("--device " + name + " on rank " + std::to_string(d.rank()) +
+                     ", but no GPU is visible; use --device cpu");
+  }
+  if (name == "auto" || name == "cuda")
+    return {at::kCUDA, static_cast<int8_t>(d.world.local_rank % gpus)};
+  at::Device dev(name);
+  if (dev.index() >= gpus) {
+    throw UsageError("--device " + name + ": this node has " + std::to_string(gpus) + " GPU(s)");
+  }
+  return dev;
+}
+
+int64_t peak_memory(const at::Device& dev) {
+#ifdef SCALETRAIN_WITH_CUDA
+  if (dev.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .peak;
+  }
+#endif
+  (void)dev;
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // the process's peak resident memory
+}
+
+LoaderOptions loader_options(int64_t batch, int workers, const at::Device& dev, uint64_t seed,
+                             int64_t first_batch) {
+  LoaderOptions lo;
+  lo.batch_size = batch;
+  lo.workers = workers;
+  lo.prefetch = 2;
+  lo.pin_memory = dev.is_cuda();
+  lo.seed = seed;
+  lo.first_batch = first_batch;
+  return lo;
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainOptions& o, Model& m) {
@@ -76,29 +164,29 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
 
 // Exact accuracy over the test set: every rank scores its sampler slice, padding excluded, and
 // the counts are summed.
-double evaluate(Model& m, const Dataset& test, const Dist& d, int64_t batch) {
+double evaluate(Model& m, const Source& test, const Dist& d, int64_t batch, const at::Device& dev,
+                int workers) {
   torch::NoGradGuard no_grad;
   m.module->eval();
-  DistributedSampler s({test.size(), d.size(), d.rank(), false, 0, false});
-  auto idx = s.indices();
-  int64_t correct = 0, counted = 0;
-  for (size_t start = 0; start < idx.size(); start += static_cast<size_t>(batch)) {
-    size_t end = std::min(idx.size(), start + static_cast<size_t>(batch));
-    std::vector<int64_t> part(idx.begin() + static_cast<long>(start),
-                              idx.begin() + static_cast<long>(end));
-    auto [x, y] = gather_batch(test, part);
-    auto hit = m.forward(x).argmax(1).eq(y);
-    for (size_t i = start; i < end; ++i) {
-      if (s.is_padding(static_cast<int64_t>(i))) continue;
-      correct += hit[static_cast<int64_t>(i - start)].item<bool>() ? 1 : 0;
+  DistributedSampler s({test.size, d.size(), d.rank(), false, 0, false});
+  Loader loader(test.batches, s.indices(), loader_options(batch, workers, dev, 0, 0));
+  int64_t correct = 0, counted = 0, position = 0;
+  while (auto b = loader.next()) {
+    auto hit = m.forward(b->images.to(dev, true)).argmax(1).eq(b->labels.to(dev, true)).cpu();
+    auto* h = hit.data_ptr<bool>();
+    for (int64_t i = 0; i < hit.size(0); ++i, ++position) {
+      if (s.is_padding(position)) continue;
+      correct += h[i] ? 1 : 0;
       ++counted;
     }
   }
   m.module->train();
   std::vector<at::Tensor> t{at::tensor({correct, counted}, at::kLong)};
+  if (d.backend_name == "nccl") t[0] = t[0].to(dev);
   wait_for(d.backend->allreduce(t), "all-reduce of the test accuracy", d);
-  return static_cast<double>(t[0][0].item<int64_t>()) /
-         static_cast<double>(t[0][1].item<int64_t>());
+  auto counts = t[0].cpu();
+  return static_cast<double>(counts[0].item<int64_t>()) /
+         static_cast<double>(counts[1].item<int64_t>());
 }
 
 void show_progress(int64_t epoch, int64_t done, int64_t total, double loss, double secs) {
@@ -134,8 +222,31 @@ int64_t kill_at_step() {
 
 void validate(const TrainOptions& o, int world) {
   make_model(o.model);  // throws for an unknown model
-  if (o.dataset != "fashion-mnist" && o.dataset != "synthetic") {
-    throw UsageError("unknown data set '" + o.dataset + "'; use fashion-mnist or synthetic");
+  if (o.dataset != "fashion-mnist" && o.dataset != "synthetic" && o.dataset != "folder") {
+    throw UsageError("unknown data set '" + o.dataset +
+                     "'; use fashion-mnist, synthetic or folder (--data-dir with train/ and val/)");
+  }
+  if (o.dataset == "folder") {
+    for (const char* split : {"/train", "/val"}) {
+      if (!fs::is_directory(o.data_dir + split)) {
+        throw UsageError("--dataset folder needs '" + o.data_dir + split +
+                         "' (one sub-folder per class); point --data-dir at the folder that "
+                         "holds train/ and val/");
+      }
+    }
+  }
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda" &&
+      o.device.rfind("cuda:", 0) != 0) {
+    throw UsageError("unknown --device '" + o.device + "'; use auto, cpu, cuda or cuda:N");
+  }
+  if (o.amp != "none" && o.amp != "bf16" && o.amp != "fp16") {
+    throw UsageError("unknown --amp '" + o.amp + "'; use none, bf16 or fp16");
+  }
+  if (o.workers < 0) {
+    throw UsageError("--workers " + std::to_string(o.workers) + " must be 0 or more");
+  }
+  if (!o.init_weights.empty() && !fs::exists(o.init_weights)) {
+    throw UsageError("--init-weights '" + o.init_weights + "': no such file");
   }
   if (o.batch_size < world) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) +
@@ -172,13 +283,25 @@ void validate(const TrainOptions& o, int world) {
 
 TrainResult train(const TrainOptions& o, const Dist& d) {
   validate(o, d.size());
+  const at::Device dev = resolve_device(o.device, d);
   torch::manual_seed(o.seed);
-  Model model = make_model(o.model);
   auto [train_set, test_set] = load_data(o);
+  ModelOptions mo;
+  mo.num_classes = train_set.num_classes;
+  mo.in_channels = train_set.channels;
+  Model model = make_model(o.model, mo);
+  if (!o.init_weights.empty()) load_weights(o.init_weights, *model.module);
+  model.module->to(dev);
   DistributedDataParallel ddp(model.module, d);
   auto opt = make_optimizer(o, model);
-  DistributedSampler sampler({train_set.size(), d.size(), d.rank(), true, o.seed, false});
+  const bool amp = o.amp != "none";
+  const at::ScalarType amp_dtype = o.amp == "fp16" ? at::kHalf : at::kBFloat16;
+  GradScalerOptions so;
+  so.enabled = o.amp == "fp16";  // bf16 has fp32's range: no scaling
+  GradScaler scaler(so);
+  DistributedSampler sampler({train_set.size, d.size(), d.rank(), true, o.seed, false});
   const int64_t per_rank = o.batch_size / d.size();
+  const int64_t eval_batch = o.dataset == "folder" ? 2 * per_rank : 1024;
 
   TrainingState state;
   state.model_name = o.model;
@@ -200,43 +323,54 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   r.metrics_path = o.out_dir + "/metrics.jsonl";
   std::ofstream metrics;
   if (d.rank() == 0) metrics.open(r.metrics_path, std::ios::app);
+  std::unique_ptr<EventWriter> tb;  // TensorBoard: the same figures as metrics.jsonl
+  if (d.rank() == 0 && o.tensorboard) tb = std::make_unique<EventWriter>(o.out_dir);
   const int64_t kill_step = kill_at_step();
   int64_t samples = 0;
   double train_secs = 0;
   for (int64_t epoch = state.epoch; epoch < o.epochs; ++epoch) {
     if (epoch != sampler.epoch()) sampler.set_epoch(epoch);
     set_lr(*opt, lr_at(o, epoch));
-    auto idx = sampler.remaining();
     const int64_t batches = (sampler.num_samples() + per_rank - 1) / per_rank;
     int64_t step_in_epoch = sampler.state().position / per_rank;
+    // Augmentation differs per epoch and rank, and a resumed epoch sees the same batches.
+    const uint64_t loader_seed =
+        (o.seed * 1000003 + static_cast<uint64_t>(epoch)) * 1009 + static_cast<uint64_t>(d.rank());
+    Loader loader(train_set.batches, sampler.remaining(),
+                  loader_options(per_rank, o.workers, dev, loader_seed, step_in_epoch));
     auto t0 = Clock::now();
     double loss_sum = 0;
     int64_t loss_n = 0;
-    for (size_t start = 0; start < idx.size(); start += static_cast<size_t>(per_rank)) {
-      size_t end = std::min(idx.size(), start + static_cast<size_t>(per_rank));
-      std::vector<int64_t> part(idx.begin() + static_cast<long>(start),
-                                idx.begin() + static_cast<long>(end));
-      auto [x, y] = gather_batch(train_set, part);
+    while (auto batch = loader.next()) {
+      const auto rows = batch->labels.size(0);
+      auto x = batch->images.to(dev, true);
+      auto y = batch->labels.to(dev, true);
       const bool last_micro =
           (step_in_epoch + 1) % o.accumulate == 0 || step_in_epoch + 1 == batches;
       at::Tensor loss;
       auto run = [&] {
-        auto out = ddp.forward([&] { return model.forward(x); });
-        loss = torch::nn::functional::cross_entropy(out, y);
-        (o.accumulate > 1 ? loss / o.accumulate : loss).backward();
+        at::Tensor out;
+        {
+          std::optional<Autocast> autocast;
+          if (amp) autocast.emplace(dev.type(), amp_dtype);
+          out = ddp.forward([&] { return model.forward(x); });
+        }
+        loss = torch::nn::functional::cross_entropy(out.to(at::kFloat), y);
+        scaler.scale(o.accumulate > 1 ? loss / o.accumulate : loss).backward();
       };
       if (last_micro) {
         run();
-        opt->step();
+        scaler.step(*opt);  // skips a step whose gradients overflowed (fp16)
+        scaler.update();
         ddp.zero_grad();  // keeps the gradients as views of the buckets
       } else {
         auto no_sync = ddp.no_sync();
         run();
       }
-      sampler.advance(static_cast<int64_t>(part.size()));
+      sampler.advance(rows);
       ++step_in_epoch;
       ++state.global_step;
-      samples += static_cast<int64_t>(part.size()) * d.size();
+      samples += rows * d.size();
       loss_sum += loss.item<double>();
       ++loss_n;
       if (d.rank() == 0 && o.log_every > 0 && state.global_step % o.log_every == 0) {
@@ -248,6 +382,10 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
                        .dump()
                 << "\n"
                 << std::flush;
+        if (tb) {
+          tb->add_scalar("train/loss", loss.item<double>(), state.global_step);
+          tb->add_scalar("train/lr", lr_at(o, epoch), state.global_step);
+        }
       }
       if (d.rank() == 0 && o.progress)
         show_progress(epoch, step_in_epoch, batches, loss_sum / loss_n, since(t0));
@@ -264,7 +402,7 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
     train_secs += secs;
     r.epoch_seconds.push_back(secs);
     r.final_loss = loss_n ? loss_sum / loss_n : 0;
-    r.test_accuracy = evaluate(model, test_set, d, 1024);
+    r.test_accuracy = evaluate(model, test_set, d, eval_batch, dev, o.workers);
     state.epoch = epoch + 1;
     state.step_in_epoch = 0;
     sampler.set_epoch(epoch + 1);
@@ -280,6 +418,11 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
                      .dump()
               << "\n"
               << std::flush;
+      if (tb) {
+        tb->add_scalar("epoch/loss", r.final_loss, state.global_step);
+        tb->add_scalar("epoch/test_accuracy", r.test_accuracy, state.global_step);
+        tb->add_scalar("epoch/seconds", secs, state.global_step);
+      }
       if (o.progress) {
         std::printf("epoch %lld: loss %.4f, test accuracy %.4f, %.1f s\n",
                     static_cast<long long>(epoch + 1), r.final_loss, r.test_accuracy, secs);
@@ -289,7 +432,7 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   }
   if (r.epoch_seconds.empty()) {
     // Resumed from a checkpoint of a finished run: nothing to train, report where it stands.
-    r.test_accuracy = evaluate(model, test_set, d, 1024);
+    r.test_accuracy = evaluate(model, test_set, d, eval_batch, dev, o.workers);
     r.last_checkpoint = from.value_or("");
     if (d.rank() == 0) {
       std::cout << "all " << o.epochs << " epochs were already trained in " << o.out_dir
@@ -297,6 +440,12 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
     }
   }
   ddp.join();
+  if (d.rank() == 0) {
+    r.weights_path = o.out_dir + "/model.pt";
+    save_weights(r.weights_path, *model.module);
+  }
+  r.device = dev.str();
+  r.peak_memory_bytes = peak_memory(dev);
   r.global_step = state.global_step;
   r.samples_per_second = train_secs > 0 ? static_cast<double>(samples) / train_secs : 0;
   return r;

@@ -1,0 +1,181 @@
+// Suites `mp-vs-single` and `split-sweep` (seed 000): ResNet-50 on random data, trained on one
+// device, split over two devices (model parallel: the seed's split, stem to layer2 | layer3 to
+// fc), and pipelined with micro-batches of `split size` samples. The seed runs this on two
+// GPUs; here the two devices are `cpu,cpu`, each stage one thread with one intra-op thread, so
+// each owns a core the way each GPU is a device of its own.
+
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+
+#include "scaletrain/models.h"
+#include "scaletrain/pipeline.h"
+#include "scaletrain/version.h"
+#include "suites_internal.h"
+
+namespace scaletrain::bench {
+namespace {
+
+struct Setup {
+  int64_t batch, image, classes;
+  int batches;  // optimizer steps per timed run, as the seed's num_batches
+  std::vector<at::Device> devices;
+};
+
+Setup setup_for(const SuiteOptions& o) {
+  Setup s;
+  const int gpus = cuda_device_count();
+  if (gpus >= 2) {
+    s.devices = {at::Device(at::kCUDA, 0), at::Device(at::kCUDA, 1)};
+  } else if (gpus == 1) {
+    s.devices = {at::Device(at::kCUDA, 0), at::Device(at::kCUDA, 0)};
+  } else {
+    s.devices = {at::kCPU, at::kCPU};
+  }
+  const bool small = o.quick || s.devices[0].is_cpu();
+  s.batch = small ? 24 : 120;  // the seed: 120 images of 224x224, 1000 classes, 3 batches
+  s.image = small ? 64 : 224;
+  s.classes = 1000;
+  s.batches = small ? 1 : 3;
+  return s;
+}
+
+// The seed's split of ResNet-50 in block terms: stem + layer1 (3) + layer2 (4) | the rest.
+constexpr int kFirstStageBlocks = 1 + 3 + 4;
+
+double time_run(const Setup& s, const std::vector<int>& balance,
+                const std::vector<at::Device>& devices, int chunks, const at::Tensor& x,
+                const at::Tensor& y) {
+  ModelOptions mo;
+  mo.in_channels = 3;
+  mo.num_classes = s.classes;
+  torch::manual_seed(0);
+  Model m = make_model("resnet50", mo);
+  PipelineOptions po;
+  po.balance = balance;
+  po.devices = devices;
+  po.chunks = chunks;
+  Pipeline pipe(as_sequential(m), po);
+  std::vector<at::Tensor> params;
+  for (auto& st : pipe.stages()) {
+    for (auto& p : st->parameters()) params.push_back(p);
+  }
+  torch::optim::SGD opt(params, 0.001);
+  auto loss = [](const at::Tensor& out, const at::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  for (int b = 0; b < s.batches; ++b) {
+    opt.zero_grad();
+    pipe.train_step(x, y, loss);
+    opt.step();
+  }
+  for (auto& d : devices) {
+    if (d.is_cuda()) torch::cuda::synchronize(d.index());
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Repetitions of one configuration, after a warm-up run.
+std::vector<double> repeat(int repeats, const std::function<double()>& run) {
+  run();
+  std::vector<double> out;
+  for (int r = 0; r < repeats; ++r) out.push_back(run());
+  return out;
+}
+
+std::string describe(const Setup& s) {
+  return "ResNet-50 (torchvision's layout, " + std::to_string(s.classes) + " classes), random " +
+         std::to_string(s.image) + "x" + std::to_string(s.image) + " images, batch " +
+         std::to_string(s.batch) + ", " + std::to_string(s.batches) +
+         " SGD step(s) per run; devices " + s.devices[0].str() + "," + s.devices[1].str() +
+         "; split: stem..layer2 | layer3..fc (the seed's).";
+}
+
+}  // namespace
+
+SuiteResult run_mp_vs_single(const SuiteOptions& o) {
+  const std::string title = "ResNet-50: single device vs model parallel vs pipelined (seed 000)";
+  SuiteResult r = new_result("mp-vs-single", title, "s",
+                             {Plot::Kind::kBars, title, "", "seconds per run", false, false}, o);
+  const Setup s = setup_for(o);
+  const int threads = at::get_num_threads();
+  if (s.devices[0].is_cpu()) at::set_num_threads(1);
+  auto x = at::randn({s.batch, 3, s.image, s.image});
+  auto y = at::randint(s.classes, {s.batch}, at::kLong);
+  const int blocks = 1 + 16 + 1;
+  const int split = s.batch / 6;  // the seed's split size 20 of 120
+  const int reps = o.quick ? std::min(o.repeats, 3) : o.repeats;
+  Sample single{"seconds", "single device", 0, {}};
+  Sample mp{"seconds", "model parallel", 1, {}};
+  Sample piped{"seconds", "pipelined (split " + std::to_string(split) + ")", 2, {}};
+  single.values = repeat(reps, [&] { return time_run(s, {blocks}, {s.devices[0]}, 1, x, y); });
+  mp.values = repeat(reps, [&] {
+    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, 1, x, y);
+  });
+  piped.values = repeat(reps, [&] {
+    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices,
+                    static_cast<int>(s.batch / split), x, y);
+  });
+  at::set_num_threads(threads);
+  r.samples = {single, mp, piped};
+  const double ts = stats(single.values).mean, tm = stats(mp.values).mean,
+               tp = stats(piped.values).mean;
+  char line[300];
+  std::snprintf(line, sizeof line,
+                "Model parallel takes %.2fx the single-device time (the seed: slower, since only "
+                "one device works at a time, plus copies); pipelining takes %.2fx of model "
+                "parallel's.",
+                tm / ts, tp / tm);
+  r.notes = {describe(s), line};
+  return r;
+}
+
+SuiteResult run_split_sweep(const SuiteOptions& o) {
+  const std::string title = "Pipelined ResNet-50: time per run vs split size (seed 000)";
+  SuiteResult r = new_result("split-sweep", title, "s",
+                             {Plot::Kind::kLines, title, "split size (samples per micro-batch)",
+                              "seconds per run", true, false},
+                             o);
+  const Setup s = setup_for(o);
+  const int threads = at::get_num_threads();
+  if (s.devices[0].is_cpu()) at::set_num_threads(1);
+  auto x = at::randn({s.batch, 3, s.image, s.image});
+  auto y = at::randint(s.classes, {s.batch}, at::kLong);
+  const int blocks = 1 + 16 + 1;
+  const std::vector<int> splits = s.batch == 120 ? std::vector<int>{1, 3, 5, 8, 10, 12, 20, 40, 60}
+                                                 : std::vector<int>{1, 2, 3, 4, 6, 8, 12};
+  const int reps = o.quick ? std::min(o.repeats, 2) : o.repeats;
+  double best = 1e30;
+  int best_split = 0;
+  for (int split : splits) {
+    const int chunks = static_cast<int>((s.batch + split - 1) / split);
+    Sample p{"pipelined", std::to_string(split), static_cast<double>(split), {}};
+    p.values = repeat(reps, [&] {
+      return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, chunks, x, y);
+    });
+    const double mean = stats(p.values).mean;
+    if (mean < best) best = mean, best_split = split;
+    r.samples.push_back(p);
+  }
+  Sample mp{
+      "model parallel (no pipelining)", std::to_string(s.batch), static_cast<double>(s.batch), {}};
+  mp.values = repeat(reps, [&] {
+    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, 1, x, y);
+  });
+  at::set_num_threads(threads);
+  r.samples.push_back(mp);
+  char line[300];
+  std::snprintf(line, sizeof line,
+                "Best split size %d: %.3f s per run, %.2fx faster than model parallel without "
+                "pipelining (%.3f s). Small splits pay per-micro-batch overhead; large ones leave "
+                "a device idle.",
+                best_split, best, stats(mp.values).mean / best, stats(mp.values).mean);
+  r.notes = {describe(s), line};
+  return r;
+}
+
+}  // namespace scaletrain::bench

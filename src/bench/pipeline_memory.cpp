@@ -1,0 +1,148 @@
+// Suite `pipeline-memory`: peak activation memory of GPipe vs 1F1B, with and without
+// activation checkpointing, for one training step of the same pipeline. Memory is measured, not
+// estimated: a counting allocator is put in front of LibTorch's CPU allocator for the run and
+// records the peak of the bytes held by tensors above what was held when the step began (the
+// weights and their gradients are allocated by a warm-up step first).
+// Expectation: GPipe holds the activations of all m micro-batches at once, 1F1B about p of
+// them (schedule.h's peak_in_flight), checkpointing only each stage's inputs.
+
+#include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "scaletrain/pipeline.h"
+#include "scaletrain/schedule.h"
+#include "suites_internal.h"
+
+namespace scaletrain::bench {
+namespace {
+
+// Counts the bytes of live CPU tensors allocated through it, and their peak.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    auto* ctx = new Context{base_->allocate(n), n, this};
+    const int64_t now = live_ += static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    void* data = ctx->inner.get();
+    const c10::Device device = ctx->inner.device();
+    return {data, ctx, &release, device};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  void reset_peak() { peak_ = live_.load(); }
+  int64_t live() const { return live_; }
+  int64_t peak() const { return peak_; }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    size_t bytes;
+    CountingAllocator* owner;
+  };
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    ctx->owner->live_ -= static_cast<int64_t>(ctx->bytes);
+    delete ctx;
+  }
+  c10::Allocator* base_;
+  std::atomic<int64_t> live_{0}, peak_{0};
+};
+
+// SetCPUAllocator only replaces an allocator set with a lower or equal priority.
+uint8_t next_priority() {
+  static uint8_t p = 100;
+  return ++p;
+}
+
+torch::nn::Sequential make_stack(int layers, int64_t width) {
+  torch::manual_seed(0);
+  torch::nn::Sequential s;
+  for (int i = 0; i < layers; ++i) {
+    s->push_back(torch::nn::Linear(width, width));
+    s->push_back(torch::nn::Tanh());
+  }
+  return s;
+}
+
+}  // namespace
+
+SuiteResult run_pipeline_memory(const SuiteOptions& o) {
+  const std::string title = "Peak activation memory of one step: GPipe vs 1F1B, checkpointing";
+  SuiteResult r =
+      new_result("pipeline-memory", title, "MiB",
+                 {Plot::Kind::kBars, title, "", "peak activation MiB", false, false}, o);
+  const int p = 2, m = 8, layers = 4;
+  const int64_t width = o.quick ? 512 : 1024, batch = o.quick ? 512 : 1024;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  c10::Allocator* base = c10::GetCPUAllocator();
+  CountingAllocator counting(base);
+  c10::SetCPUAllocator(&counting, next_priority());
+  auto x = at::randn({batch, width}), y = at::randn({batch, width});
+  auto mse = [](const at::Tensor& out, const at::Tensor& t) {
+    return torch::nn::functional::mse_loss(out, t);
+  };
+  struct Mode {
+    PipelineCheckpoint checkpoint;
+    const char* name;
+  };
+  const Mode modes[] = {{PipelineCheckpoint::kNever, "no checkpointing"},
+                        {PipelineCheckpoint::kExceptLast, "except last"},
+                        {PipelineCheckpoint::kAlways, "always"}};
+  double gpipe_plain = 0, one_f_plain = 0;
+  for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    const std::string series = sched == PipelineSchedule::kGPipe ? "GPipe" : "1F1B";
+    for (const auto& mode : modes) {
+      PipelineOptions po;
+      po.balance = {2 * layers, 2 * layers};
+      po.devices = {at::kCPU, at::kCPU};
+      po.chunks = m;
+      po.schedule = sched;
+      po.checkpoint = mode.checkpoint;
+      Pipeline pipe(make_stack(2 * layers, width), po);
+      pipe.train_step(x, y, mse);  // allocates the gradients
+      Sample s{series, mode.name, 0, {}};
+      for (int rep = 0; rep < std::max(1, std::min(o.repeats, 3)); ++rep) {
+        counting.reset_peak();
+        const int64_t before = counting.live();
+        pipe.train_step(x, y, mse);
+        s.values.push_back(static_cast<double>(counting.peak() - before) / (1 << 20));
+      }
+      if (mode.checkpoint == PipelineCheckpoint::kNever) {
+        (sched == PipelineSchedule::kGPipe ? gpipe_plain : one_f_plain) = stats(s.values).mean;
+      }
+      r.samples.push_back(s);
+    }
+  }
+  c10::SetCPUAllocator(base, next_priority());
+  at::set_num_threads(threads);
+  const int gp = peak_in_flight(gpipe_schedule(p, m), 0);
+  const int of = peak_in_flight(one_f_one_b_schedule(p, m), 0);
+  char line[400];
+  std::snprintf(line, sizeof line,
+                "1F1B's peak is %.2fx GPipe's (%.1f vs %.1f MiB). The schedules hold at most %d "
+                "(GPipe) and %d (1F1B) micro-batches in flight on the first stage, a ratio of "
+                "%.2f.",
+                one_f_plain / gpipe_plain, one_f_plain, gpipe_plain, gp, of,
+                static_cast<double>(of) / gp);
+  r.notes.push_back("p = " + std::to_string(p) + " stages of " + std::to_string(layers) +
+                    " Linear+Tanh layers of width " + std::to_string(width) + ", batch " +
+                    std::to_string(batch) + " in m = " + std::to_string(m) +
+                    " micro-batches, on cpu,cpu. Peak bytes held by tensors during a step, "
+                    "above those held before it, by a counting allocator.");
+  r.notes.push_back(line);
+  return r;
+}
+
+}  // namespace scaletrain::bench

@@ -1,0 +1,224 @@
+// State dicts shared with Python, in two formats:
+//  - torch.save's zip archive, read by torch.load (also with weights_only=True, its default):
+//    written with LibTorch's pickler with type tags off, so the pickle holds a plain dict of
+//    tensors and nothing but allowed globals; read with torch::pickle_load;
+//  - safetensors (a little-endian u64 header length, a JSON header naming each tensor's dtype,
+//    shape and byte range, then the bytes), written and read here.
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+
+namespace {
+
+// Parameters and buffers by their dotted names, as Module::state_dict() in Python lists them.
+std::vector<std::pair<std::string, at::Tensor>> state_of(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+std::string list(const std::vector<std::string>& names) {
+  std::string s;
+  for (size_t i = 0; i < names.size() && i < 5; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > 5) s += " and " + std::to_string(names.size() - 5) + " more";
+  return s;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+const std::vector<std::pair<std::string, at::ScalarType>>& safetensors_dtypes() {
+  static const std::vector<std::pair<std::string, at::ScalarType>> t = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},    {"BOOL", at::kBool}};
+  return t;
+}
+
+// torch.save's format, with a plain (untagged) dict so that weights_only loading accepts it.
+std::vector<char> torch_save_bytes(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, t] : state) dict.insert(name, t);
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler(
+      [&](const char* b, size_t n) { pickle.insert(pickle.end(), b, b + n); }, nullptr, nullptr,
+      nullptr, nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(dict);
+  pickler.stop();
+  std::vector<char> out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* b, size_t n) {
+    out.insert(out.end(), static_cast<const char*>(b), static_cast<const char*>(b) + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+  return out;
+}
+
+std::vector<char> safetensors_bytes(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  nlohmann::json header = nlohmann::json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  size_t offset = 0;
+  for (const auto& [name, t] : state) {
+    std::string dtype;
+    for (const auto& [n, st] : safetensors_dtypes()) {
+      if (st == t.scalar_type()) dtype = n;
+    }
+    if (dtype.empty()) {
+      throw Error("cannot save '" + name + "' as safetensors: unsupported dtype " +
+                  c10::toString(t.scalar_type()));
+    }
+    const size_t n = t.nbytes();
+    header[name] = {
+        {"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
+  const uint64_t len = h.size();
+  std::string buf(sizeof len, '\0');
+  std::memcpy(buf.data(), &len, sizeof len);
+  buf += h;
+  for (const auto& kv : state) {
+    const at::Tensor c = kv.second.contiguous();
+    buf.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
+  return {buf.begin(), buf.end()};
+}
+
+std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
+                                                   const std::vector<char>& bytes) {
+  auto bad = [&](const std::string& why) {
+    return Error("'" + path + "' is neither a torch.save archive nor a valid safetensors file (" +
+                 why + ")");
+  };
+  if (bytes.size() < 8) throw bad("too short");
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  if (len > bytes.size() - 8) throw bad("header length past the end");
+  nlohmann::json header =
+      nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(len), nullptr,
+                            /*allow_exceptions=*/false);
+  if (!header.is_object()) throw bad("header is not a JSON object");
+  const char* data = bytes.data() + 8 + len;
+  const size_t data_size = bytes.size() - 8 - len;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, info] : header.items()) {
+    if (name == "__metadata__") continue;
+    at::ScalarType st = at::kFloat;
+    bool known = false;
+    for (const auto& [n, t] : safetensors_dtypes()) {
+      if (info.value("dtype", "") == n) st = t, known = true;
+    }
+    if (!known)
+      throw bad("tensor '" + name + "' has unsupported dtype " + info.value("dtype", "?"));
+    const auto shape = info.at("shape").get<std::vector<int64_t>>();
+    const auto range = info.at("data_offsets").get<std::vector<size_t>>();
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(st));
+    if (range.size() != 2 || range[1] > data_size || range[1] - range[0] != t.nbytes())
+      throw bad("tensor '" + name + "' has a byte range that does not fit its shape");
+    std::memcpy(t.data_ptr(), data + range[0], t.nbytes());
+    out[name] = t;
+  }
+  return out;
+}
+
+}  // namespace
+
+void save_weights(const std::string& path, const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& [name, t] : state_of(model))
+    state.emplace_back(name, t.detach().cpu().contiguous());
+  const std::vector<char> bytes =
+      ends_with(path, ".safetensors") ? safetensors_bytes(state) : torch_save_bytes(state);
+  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!f.flush()) {
+      throw Error("cannot write model weights to '" + path + "'; check that the folder exists " +
+                  "and is writable");
+    }
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+void load_weights(const std::string& path, torch::nn::Module& model) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error("cannot read model weights '" + path + "': no such file or unreadable");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::map<std::string, at::Tensor> loaded;
+  if (bytes.size() >= 2 && bytes[0] == 'P' && bytes[1] == 'K') {  // a zip: torch.save's format
+    c10::IValue v;
+    try {
+      v = torch::jit::pickle_load(bytes);
+    } catch (const std::exception& e) {
+      // LibTorch's unpickler cannot rebuild an OrderedDict, the type of model.state_dict().
+      throw Error("cannot read the state dict in '" + path + "' (" +
+                  std::string(e.what()).substr(0, 120) +
+                  "...); in Python save it as a plain dict, torch.save(dict(model.state_dict()), "
+                  "path), or as safetensors, safetensors.torch.save_file(model.state_dict(), "
+                  "path)");
+    }
+    if (!v.isGenericDict()) {
+      throw Error("'" + path + "' holds a " + v.tagKind() +
+                  ", not a state dict; save dict(model.state_dict()) in Python");
+    }
+    for (const auto& kv : v.toGenericDict()) {
+      if (kv.key().isString() && kv.value().isTensor())
+        loaded[kv.key().toStringRef()] = kv.value().toTensor();
+    }
+  } else {
+    loaded = read_safetensors(path, bytes);
+  }
+  std::vector<std::string> missing, shapes;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  for (const auto& [name, t] : state_of(model)) {
+    auto it = loaded.find(name);
+    if (it == loaded.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    if (it->second.sizes() != t.sizes()) {
+      shapes.push_back(name + " (file " + c10::str(it->second.sizes()) + ", model " +
+                       c10::str(t.sizes()) + ")");
+    } else {
+      copies.emplace_back(t, it->second);
+    }
+    loaded.erase(it);
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& kv : loaded) unexpected.push_back(kv.first);
+  if (!missing.empty() || !unexpected.empty() || !shapes.empty()) {
+    std::string msg = "the weights in '" + path + "' do not fit the model:";
+    if (!missing.empty()) msg += " missing keys: " + list(missing) + ";";
+    if (!unexpected.empty()) msg += " unexpected keys: " + list(unexpected) + ";";
+    if (!shapes.empty()) msg += " shape mismatches: " + list(shapes) + ";";
+    throw Error(msg + " were they saved from another model or with other options?");
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) dst.copy_(src);
+}
+
+}  // namespace scaletrain

@@ -105,6 +105,23 @@ TEST(Pipeline, CheckpointedForwardRecordsNoGraph) {
   EXPECT_EQ(had_graph, (std::vector<bool>{false, false, true, true}));
 }
 
+// device_map="auto" on repeated CPU devices: the budgets force a split, and the placed
+// pipeline is still the model.
+TEST(Pipeline, PlacedByMemoryAndStillTheModel) {
+  // Layer bytes: Linear(8,16) 576, ReLU 0, Linear(16,16) 1088, Tanh 0, Linear(16,4) 272.
+  std::string report;
+  auto o = place_by_memory(make_model(), {{"cpu", 1700}, {"cpu", 1700}}, &report);
+  EXPECT_EQ(o.balance, (std::vector<int>{4, 1}));
+  ASSERT_EQ(o.devices.size(), 2u);
+  EXPECT_EQ(report,
+            "cpu: layers 0-3, 1664 B, 416 parameters\ncpu: layer 4, 272 B, 68 parameters\n");
+  auto x = at::randn({6, 8});
+  Pipeline pipe(make_model(), o);
+  torch::NoGradGuard g;
+  EXPECT_LE((pipe.forward(x) - make_model()->forward(x)).abs().max().item<double>(), 1e-6);
+  EXPECT_THROW(place_by_memory(make_model(), {{"cpu", 1000}}), UsageError);
+}
+
 TEST(Pipeline, MicrobatchSplitsCoverTheBatch) {
   auto parts = split_microbatches(at::arange(10), 4);
   ASSERT_EQ(parts.size(), 4u);

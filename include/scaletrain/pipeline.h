@@ -29,6 +29,8 @@
 #include <string>
 #include <vector>
 
+#include "scaletrain/placement.h"
+
 namespace scaletrain {
 
 enum class PipelineSchedule { kGPipe, k1F1B };
@@ -67,6 +69,15 @@ class Pipeline {
   std::vector<torch::nn::Sequential> stages_;
   PipelineOptions options_;
 };
+
+/// device_map="auto" for a Sequential (seed 001): each layer's parameter and buffer bytes are
+/// placed by place_layers() (placement.h) — GPUs first, each filled to its budget, then the
+/// CPU — and returned as PipelineOptions (balance and devices; chunks and schedule at their
+/// defaults). `report`, when given, receives one line per stage: its device, layers, bytes and
+/// parameter count.
+PipelineOptions place_by_memory(const torch::nn::Sequential& model,
+                                const std::vector<DeviceBudget>& budgets,
+                                std::string* report = nullptr);
 
 /// Splits a batch into `chunks` micro-batches along dimension 0 (sizes differ by at most one,
 /// larger first, as torch.chunk does not guarantee); fewer when the batch is smaller.

@@ -2,8 +2,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "scaletrain/error.h"
@@ -23,6 +25,34 @@ std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int chunks) 
     start += len;
   }
   return out;
+}
+
+PipelineOptions place_by_memory(const torch::nn::Sequential& model,
+                                const std::vector<DeviceBudget>& budgets, std::string* report) {
+  std::vector<int64_t> bytes, counts;
+  for (const auto& layer : model->children()) {
+    int64_t b = 0, n = 0;
+    for (const auto& t : layer->parameters()) b += static_cast<int64_t>(t.nbytes()), n += t.numel();
+    for (const auto& t : layer->buffers()) b += static_cast<int64_t>(t.nbytes());
+    bytes.push_back(b);
+    counts.push_back(n);
+  }
+  const Placement placed = place_layers(bytes, budgets);
+  PipelineOptions o;
+  o.balance = placed.balance;
+  for (const auto& d : placed.devices) o.devices.emplace_back(d);
+  if (report != nullptr) {
+    std::istringstream lines(placed.report());
+    std::string line;
+    size_t layer = 0;
+    report->clear();
+    for (size_t s = 0; std::getline(lines, line); ++s) {
+      int64_t params = 0;
+      for (int i = 0; i < placed.balance[s]; ++i) params += counts[layer++];
+      *report += line + ", " + std::to_string(params) + " parameters\n";
+    }
+  }
+  return o;
 }
 
 Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
@@ -60,9 +90,9 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   return at::cat(outs);
 }
 
-// Note [Pipeline runner]: the schedule's table is executed tick by tick; at each tick every
-// stage with a task runs it on its own thread, and the tick ends when all have. A stage's input
-// is the previous stage's output, detached and moved to its device, so that each stage's
+// Note [Pipeline runner]: the schedule's table gives each stage its order of tasks; each stage
+// runs them on its own thread, as soon as their data is there (Note [Stage threads]). A stage's
+// input is the previous stage's output, detached and moved to its device, so that each stage's
 // backward is its own autograd graph; the gradient of that input is what the previous stage's
 // backward starts from.
 at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
@@ -122,32 +152,66 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
     }
   };
 
+  // Note [Stage threads]: one thread per stage runs its column of the table in order, waiting
+  // only for its data — stage s's forward of micro-batch i for the previous stage's, its
+  // backward for the next stage's backward — not for a whole tick. A slow task (a backward
+  // costs about two forwards) then delays only what depends on it, instead of every stage.
+  std::vector<std::vector<PipeTask>> order(static_cast<size_t>(p));
   for (const auto& row : table) {
-    std::vector<std::thread> workers;
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(p));
-    for (int s = 0; s < p; ++s) {
-      const auto& cell = row[static_cast<size_t>(s)];
-      if (!cell) continue;
-      workers.emplace_back([&, s, task = *cell] {
-        // A new thread starts with OpenMP's default team size (every core); take the
-        // process's intra-op setting instead, or stages oversubscribe the cores.
-        at::init_num_threads();
-        try {
-          run(s, task);
-        } catch (...) {
-          errors[static_cast<size_t>(s)] = std::current_exception();
-        }
-      });
+    for (size_t s = 0; s < row.size(); ++s) {
+      if (row[s]) order[s].push_back(*row[s]);
     }
-    for (auto& w : workers) w.join();
-    for (int s = 0; s < p; ++s) {
-      if (!errors[static_cast<size_t>(s)]) continue;
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<char>> forward_done(static_cast<size_t>(p),
+                                              std::vector<char>(static_cast<size_t>(m), 0));
+  auto backward_done = forward_done;
+  bool failed = false;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(p));
+  auto ready = [&](size_t s, const PipeTask& t) {
+    const auto i = static_cast<size_t>(t.microbatch);
+    if (t.forward) return s == 0 || forward_done[s - 1][i] != 0;
+    return s + 1 == static_cast<size_t>(p) ? forward_done[s][i] != 0 : backward_done[s + 1][i] != 0;
+  };
+  std::vector<std::thread> workers;
+  for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
+    workers.emplace_back([&, s] {
+      // A new thread starts with OpenMP's default team size (every core); take the process's
+      // intra-op setting instead, or stages oversubscribe the cores.
+      at::init_num_threads();
       try {
-        std::rethrow_exception(errors[static_cast<size_t>(s)]);
-      } catch (const std::exception& e) {
-        throw Error("pipeline stage " + std::to_string(s) + " (" +
-                    options_.devices[static_cast<size_t>(s)].str() + ") failed: " + e.what());
+        for (const PipeTask& t : order[s]) {
+          {
+            std::unique_lock lock(mu);
+            cv.wait(lock, [&] { return failed || ready(s, t); });
+            if (failed) return;
+          }
+          run(static_cast<int>(s), t);
+          {
+            std::lock_guard lock(mu);
+            (t.forward ? forward_done : backward_done)[s][static_cast<size_t>(t.microbatch)] = 1;
+          }
+          cv.notify_all();
+        }
+      } catch (...) {
+        errors[s] = std::current_exception();
+        {
+          std::lock_guard lock(mu);
+          failed = true;
+        }
+        cv.notify_all();
       }
+    });
+  }
+  for (auto& w : workers) w.join();
+  for (int s = 0; s < p; ++s) {
+    if (!errors[static_cast<size_t>(s)]) continue;
+    try {
+      std::rethrow_exception(errors[static_cast<size_t>(s)]);
+    } catch (const std::exception& e) {
+      throw Error("pipeline stage " + std::to_string(s) + " (" +
+                  options_.devices[static_cast<size_t>(s)].str() + ") failed: " + e.what());
     }
   }
   at::Tensor sum = losses[0].detach().cpu();

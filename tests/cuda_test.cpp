@@ -5,7 +5,10 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 
+#include "scaletrain/data_parallel.h"
 #include "scaletrain/ddp.h"
+#include "scaletrain/pipeline.h"
+#include "scaletrain/trainer.h"
 #include "scaletrain/version.h"
 #include "support/ranks.h"
 
@@ -51,6 +54,81 @@ TEST(Cuda, DdpTwoRanksShareOneGpuOverGloo_CUDA) {
   ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
   EXPECT_TRUE(at::allclose(grads[0], reference->weight.grad().cpu(), 1e-5, 1e-5));
   EXPECT_TRUE(at::equal(grads[0], grads[1]));
+}
+
+torch::nn::Sequential small_model() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 16),
+                               torch::nn::Linear(16, 4));
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::mse_loss(out, y);
+}
+
+// Two stages on one GPU, each on a stream of its own: the gradients of the whole CPU model.
+TEST(Cuda, PipelineTwoStagesOnOneGpuWithStreams_CUDA) {
+  REQUIRE_GPU();
+  auto x = at::randn({10, 8}), y = at::randn({10, 4});
+  auto whole = small_model();
+  mse(whole->forward(x), y).backward();
+  for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
+    PipelineOptions o;
+    o.balance = {1, 2};
+    o.devices = {at::Device(at::kCUDA, 0), at::Device(at::kCUDA, 0)};
+    o.chunks = 3;
+    o.schedule = sched;
+    o.checkpoint = PipelineCheckpoint::kExceptLast;
+    Pipeline pipe(small_model(), o);
+    pipe.train_step(x, y, mse);
+    std::vector<at::Tensor> got;
+    for (auto& st : pipe.stages()) {
+      for (auto& p : st->parameters()) got.push_back(p.grad().cpu());
+    }
+    auto want = whole->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_LE((got[i] - want[i].grad()).abs().max().item<double>(), 1e-5) << i;
+    }
+  }
+}
+
+TEST(Cuda, DataParallelTwoReplicasOnOneGpu_CUDA) {
+  REQUIRE_GPU();
+  auto x = at::randn({9, 8}), y = at::randn({9, 4});
+  auto whole = small_model();
+  mse(whole->forward(x), y).backward();
+  const at::Device gpu(at::kCUDA, 0);
+  DataParallel dp(small_model(), {gpu, gpu});
+  dp.train_step(x.to(gpu), y.to(gpu), mse);
+  auto got = dp.parameters();
+  auto want = whole->parameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LE((got[i].grad().cpu() - want[i].grad()).abs().max().item<double>(), 1e-5) << i;
+  }
+}
+
+// The trainer on the GPU with fp16 autocast and loss scaling: it runs, on cuda:0, and reports
+// CUDA's peak allocated memory.
+TEST(Cuda, TrainerFp16OnGpu_CUDA) {
+  REQUIRE_GPU();
+  TrainOptions o;
+  o.dataset = "synthetic";
+  o.limit_train = 512;
+  o.limit_test = 128;
+  o.epochs = 1;
+  o.batch_size = 64;
+  o.progress = false;
+  o.device = "cuda";
+  o.amp = "fp16";
+  o.out_dir = ::testing::TempDir() + "/scaletrain_cuda_trainer";
+  o.resume = "none";
+  TrainResult r;
+  auto errors = testing::run_ranks(1, [&](Dist& d) { r = train(o, d); });
+  ASSERT_EQ(errors, std::vector<std::string>{""});
+  EXPECT_EQ(r.device, "cuda:0");
+  EXPECT_GT(r.peak_memory_bytes, 0);
+  EXPECT_EQ(r.global_step, 8);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "scaletrain/world.h"
 
@@ -56,6 +57,13 @@ Dist init_process_group(const InitOptions& options = {});
 /// Waits for a collective. A failure or a timeout becomes an Error naming the operation
 /// (`op`, e.g. "all-reduce of bucket 3"), this rank, the timeout and what to look for.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& dist);
+
+/// A process group of some of the ranks (torch.distributed.new_group): every rank of the world
+/// calls it with the same `ranks` and `name`; members get a Dist in which they are ranked by
+/// their position in `ranks`, others nullopt. Same backend kind as `dist`. Throws UsageError for
+/// a rank out of range or listed twice.
+std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
+                              const std::string& name);
 
 /// Makes one more backend over the same store (e.g. Gloo beside NCCL), with its own key prefix.
 c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,

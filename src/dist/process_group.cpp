@@ -10,7 +10,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -189,10 +191,12 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
   }
 }
 
-c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,
-                                              const std::string& prefix, milliseconds timeout) {
-  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, dist.store);
-  const World& w = dist.world;
+namespace {
+
+// A backend over `store` in which this process is `rank` of `size`.
+c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                               const World& w, int rank, int size,
+                                               const std::string& backend, milliseconds timeout) {
   if (backend == "gloo") {
     auto opts = c10d::ProcessGroupGloo::Options::create();
     opts->timeout = timeout;
@@ -202,7 +206,7 @@ c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::strin
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
           local_address_towards(w.master_addr, w.master_port)));
     }
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, w.rank, w.world_size, opts);
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
   }
   if (backend == "nccl") {
 #ifdef SCALETRAIN_WITH_NCCL
@@ -213,12 +217,41 @@ c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::strin
     }
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, w.rank, w.world_size, opts);
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #else
     throw Error("backend 'nccl' is not available: this scaletrain was built without CUDA");
 #endif
   }
   throw UsageError("unknown backend '" + backend + "'; use 'gloo', 'nccl' or 'auto'");
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,
+                                              const std::string& prefix, milliseconds timeout) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, dist.store);
+  return make_backend(store, dist.world, dist.world.rank, dist.world.world_size, backend, timeout);
+}
+
+std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
+                              const std::string& name) {
+  std::set<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= dist.size() || !seen.insert(r).second) {
+      throw UsageError("new_group '" + name + "': rank " + std::to_string(r) +
+                       " is out of range or repeated (world size " + std::to_string(dist.size()) +
+                       ")");
+    }
+  }
+  auto me = std::find(ranks.begin(), ranks.end(), dist.rank());
+  if (me == ranks.end()) return std::nullopt;
+  Dist g = dist;
+  g.world.rank = static_cast<int>(me - ranks.begin());
+  g.world.world_size = static_cast<int>(ranks.size());
+  g.store = c10::make_intrusive<c10d::PrefixStore>("group/" + name, dist.store);
+  g.backend = make_backend(g.store, dist.world, g.world.rank, g.world.world_size, dist.backend_name,
+                           dist.timeout);
+  return g;
 }
 
 Dist init_process_group(const InitOptions& options) {

@@ -5,8 +5,14 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
+
+#ifdef SCALETRAIN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
@@ -181,6 +187,13 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       // intra-op setting instead, or stages oversubscribe the cores.
       at::init_num_threads();
       try {
+#ifdef SCALETRAIN_WITH_CUDA
+        // Each CUDA stage works on a stream of its own, so two stages on one GPU overlap.
+        std::optional<c10::cuda::CUDAStreamGuard> stream;
+        if (options_.devices[s].is_cuda()) {
+          stream.emplace(c10::cuda::getStreamFromPool(false, options_.devices[s].index()));
+        }
+#endif
         for (const PipeTask& t : order[s]) {
           {
             std::unique_lock lock(mu);
@@ -188,6 +201,10 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
             if (failed) return;
           }
           run(static_cast<int>(s), t);
+#ifdef SCALETRAIN_WITH_CUDA
+          // The next stage reads what this task wrote, from another stream: finish it first.
+          if (stream) stream->current_stream().synchronize();
+#endif
           {
             std::lock_guard lock(mu);
             (t.forward ? forward_done : backward_done)[s][static_cast<size_t>(t.microbatch)] = 1;

@@ -1,0 +1,153 @@
+// The pipeline across ranks (threads of this process over loopback Gloo): gradients equal the
+// whole model's for 2 and 3 stages, GPipe and 1F1B, micro-batch counts that do and do not
+// divide the batch; and a data x pipeline grid of 4 ranks (2 replicas of 2 stages, DDP across
+// the replicas of each stage) equals the whole model on the whole batch. fp32, 1e-5.
+
+#include "scaletrain/dist_pipeline.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+#include <mutex>
+
+#include "scaletrain/ddp.h"
+#include "scaletrain/error.h"
+#include "support/ranks.h"
+
+namespace scaletrain {
+namespace {
+
+std::mutex model_mutex;  // rank threads share the global generator
+
+torch::nn::Sequential make_model() {
+  std::lock_guard lock(model_mutex);
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                               torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::mse_loss(out, y);
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+Batch batch(int64_t n) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  return {at::randn({n, 8}, gen), at::randn({n, 4}, gen)};
+}
+
+// Gradients of layers [begin, end) of the whole model after one backward on the whole batch.
+std::vector<at::Tensor> reference_grads(const Batch& b, size_t begin, size_t end) {
+  auto whole = make_model();
+  mse(whole->forward(b.x), b.y).backward();
+  std::vector<at::Tensor> out;
+  for (auto& p : slice(whole, begin, end)->parameters()) out.push_back(p.grad());
+  return out;
+}
+
+struct Case {
+  std::vector<size_t> cuts;  // layer boundaries: stage k holds [cuts[k], cuts[k+1])
+  int chunks;
+  PipelineSchedule schedule;
+};
+
+class DistPipelineTransparency : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
+  const Case c = GetParam();
+  const int p = static_cast<int>(c.cuts.size()) - 1;
+  const Batch b = batch(10);
+  std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(p));
+  double loss = 0;
+  auto errors = testing::run_ranks(p, [&](Dist& d) {
+    const auto s = static_cast<size_t>(d.rank());
+    DistPipelineOptions o;
+    for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
+    o.chunks = c.chunks;
+    o.schedule = c.schedule;
+    DistPipeline pipe(slice(make_model(), c.cuts[s], c.cuts[s + 1]), o, d);
+    auto l = pipe.train_step(s == 0 ? b.x : at::Tensor(),
+                             s + 1 == c.cuts.size() - 1 ? b.y : at::Tensor(), mse);
+    if (l.defined()) loss = l.item<double>();
+    for (auto& param : pipe.module()->parameters()) got[s].push_back(param.grad());
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
+  auto whole = make_model();
+  EXPECT_NEAR(loss, mse(whole->forward(b.x), b.y).item<double>(), 1e-5);
+  for (int s = 0; s < p; ++s) {
+    auto want =
+        reference_grads(b, c.cuts[static_cast<size_t>(s)], c.cuts[static_cast<size_t>(s) + 1]);
+    ASSERT_EQ(got[static_cast<size_t>(s)].size(), want.size()) << "stage " << s;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_TRUE(got[static_cast<size_t>(s)][i].defined()) << "stage " << s << " param " << i;
+      EXPECT_LE((got[static_cast<size_t>(s)][i] - want[i]).abs().max().item<double>(), 1e-5)
+          << "stage " << s << " param " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DistPipelineTransparency,
+                         ::testing::Values(Case{{0, 2, 5}, 1, PipelineSchedule::kGPipe},
+                                           Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
+                                           Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
+                                           Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
+                                           Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B}));
+
+// 4 ranks: rank = replica * 2 + stage. Replica r trains on half r of the batch; DDP averages
+// each stage's gradients over the two replicas: the whole model on the whole batch.
+TEST(DistPipeline, DataTimesPipelineGridOnFourRanks) {
+  const Batch b = batch(12);
+  const std::vector<size_t> cuts = {0, 2, 5};
+  std::vector<std::vector<at::Tensor>> got(4);
+  auto errors = testing::run_ranks(4, [&](Dist& d) {
+    const int replica = d.rank() / 2, stage = d.rank() % 2;
+    auto group = new_group(d, {stage, stage + 2}, "stage" + std::to_string(stage));
+    ASSERT_TRUE(group.has_value());
+    auto module =
+        slice(make_model(), cuts[static_cast<size_t>(stage)], cuts[static_cast<size_t>(stage) + 1]);
+    DistributedDataParallel ddp(module.ptr(), *group);
+    DistPipelineOptions o;
+    o.stage_ranks = {2 * replica, 2 * replica + 1};
+    o.chunks = 3;
+    o.schedule = PipelineSchedule::k1F1B;
+    o.ddp = &ddp;
+    DistPipeline pipe(module, o, d);
+    auto half = [&](const at::Tensor& t) { return t.narrow(0, 6 * replica, 6); };
+    pipe.train_step(stage == 0 ? half(b.x) : at::Tensor(), stage == 1 ? half(b.y) : at::Tensor(),
+                    mse);
+    for (auto& param : module->parameters())
+      got[static_cast<size_t>(d.rank())].push_back(param.grad().clone());
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(4));
+  for (int rank = 0; rank < 4; ++rank) {
+    const auto stage = static_cast<size_t>(rank % 2);
+    auto want = reference_grads(b, cuts[stage], cuts[stage + 1]);
+    ASSERT_EQ(got[static_cast<size_t>(rank)].size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_LE((got[static_cast<size_t>(rank)][i] - want[i]).abs().max().item<double>(), 1e-5)
+          << "rank " << rank << " param " << i;
+    }
+  }
+}
+
+TEST(DistPipeline, BadOptionsAreRefused) {
+  auto errors = testing::run_ranks(1, [&](Dist& d) {
+    DistPipelineOptions o;
+    o.stage_ranks = {1, 2};
+    EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
+    o.stage_ranks = {0};
+    o.chunks = 4;
+    DistPipeline pipe(make_model(), o, d);
+    EXPECT_THROW(pipe.train_step(at::randn({2, 8}), at::randn({2, 4}), mse), UsageError);
+    EXPECT_THROW(new_group(d, {0, 0}, "twice"), UsageError);
+  });
+  EXPECT_EQ(errors, std::vector<std::string>{""});
+}
+
+}  // namespace
+}  // namespace scaletrain

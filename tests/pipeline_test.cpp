@@ -122,6 +122,50 @@ TEST(Pipeline, PlacedByMemoryAndStillTheModel) {
   EXPECT_THROW(place_by_memory(make_model(), {{"cpu", 1000}}), UsageError);
 }
 
+// A model with one heavy layer: profiling finds it (by a wide margin: ~1000x the work of the
+// small ones) and the time balance gives it a stage of its own.
+TEST(Pipeline, BalanceByTimeIsolatesTheHeavyLayer) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m(torch::nn::Linear(32, 32), torch::nn::Linear(32, 32),
+                          torch::nn::Linear(32, 1024), torch::nn::Linear(1024, 1024),
+                          torch::nn::Linear(1024, 32));
+  auto sample = at::randn({256, 32});
+  auto prof = profile_layers(m, sample, 5);
+  ASSERT_EQ(prof.size(), 5u);
+  EXPECT_GT(prof[3].seconds, 5 * prof[0].seconds);
+  EXPECT_EQ(prof[2].activation_bytes, 256 * 1024 * 4);
+  EXPECT_EQ(prof[3].parameter_bytes, (1024 * 1024 + 1024) * 4);
+  for (auto& p : m->parameters()) EXPECT_FALSE(p.grad().defined());
+  auto balance = balance_by_time(m, sample, 3, 5);
+  ASSERT_EQ(balance.size(), 3u);
+  EXPECT_EQ(balance[0] + balance[1] + balance[2], 5);
+  // The stage holding layer 3 holds nothing else unless the rest fits in one stage.
+  int first = 0;
+  for (int b : balance) {
+    if (first <= 3 && 3 < first + b) {
+      EXPECT_LE(b, 2) << "layer 3 shares its stage";
+    }
+    first += b;
+  }
+  // By parameter bytes: 1056, 1056, 33792, 1049600, 32800 -> the big one alone.
+  EXPECT_EQ(balance_by_size(m, 3), (std::vector<int>{3, 1, 1}));
+}
+
+TEST(Pipeline, SplitSizeSetsTheMicrobatchCount) {
+  PipelineOptions o;
+  o.balance = {2, 3};
+  o.devices = {at::kCPU, at::kCPU};
+  o.split_size = 4;  // batch 10 -> 3 micro-batches of 4, 3, 3
+  Pipeline pipe(make_model(), o);
+  std::vector<int64_t> sizes;
+  pipe.train_step(at::randn({10, 8}), at::randn({10, 4}),
+                  [&](const at::Tensor& out, const at::Tensor& y) {
+                    sizes.push_back(out.size(0));
+                    return mse(out, y);
+                  });
+  EXPECT_EQ(sizes, (std::vector<int64_t>{4, 3, 3}));
+}
+
 TEST(Pipeline, MicrobatchSplitsCoverTheBatch) {
   auto parts = split_microbatches(at::arange(10), 4);
   ASSERT_EQ(parts.size(), 4u);

@@ -44,6 +44,8 @@ struct PipelineOptions {
   std::vector<int> balance;         // layers per stage; their sum is the model's length
   std::vector<at::Device> devices;  // one per stage
   int chunks = 1;                   // micro-batches (the last ones may be smaller)
+  int64_t split_size = 0;           // >0: micro-batches of this many samples instead (seed
+                                    // 000's split_size); the count follows the batch
   PipelineSchedule schedule = PipelineSchedule::kGPipe;
   PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
 };
@@ -66,9 +68,29 @@ class Pipeline {
   const std::vector<torch::nn::Sequential>& stages() const { return stages_; }
 
  private:
+  int chunks_for(int64_t batch) const;
   std::vector<torch::nn::Sequential> stages_;
   PipelineOptions options_;
 };
+
+/// One layer's measured cost, as balance_by_time() uses it.
+struct LayerProfile {
+  double seconds = 0;            // forward + backward, the fastest of the repeats
+  int64_t activation_bytes = 0;  // the layer's output for the sample
+  int64_t parameter_bytes = 0;   // its parameters and buffers
+};
+
+/// Runs `sample` through the layers `repeats` times (after one warm-up), each layer on a graph
+/// of its own so that its forward and its backward are timed alone. Leaves no gradients.
+std::vector<LayerProfile> profile_layers(const torch::nn::Sequential& model,
+                                         const at::Tensor& sample, int repeats = 3);
+
+/// The contiguous balance that minimises the slowest stage (schedule.h's balance_by_cost), with
+/// the profiled forward+backward time of each layer as its cost (torchgpipe's balance_by_time).
+std::vector<int> balance_by_time(const torch::nn::Sequential& model, const at::Tensor& sample,
+                                 int stages, int repeats = 3);
+/// The same with each layer's parameter bytes as its cost.
+std::vector<int> balance_by_size(const torch::nn::Sequential& model, int stages);
 
 /// device_map="auto" for a Sequential (seed 001): each layer's parameter and buffer bytes are
 /// placed by place_layers() (placement.h) — GPUs first, each filled to its budget, then the

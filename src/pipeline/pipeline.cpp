@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -61,6 +62,69 @@ PipelineOptions place_by_memory(const torch::nn::Sequential& model,
   return o;
 }
 
+int Pipeline::chunks_for(int64_t batch) const {
+  if (options_.split_size <= 0) return options_.chunks;
+  return static_cast<int>(
+      std::max<int64_t>(1, (batch + options_.split_size - 1) / options_.split_size));
+}
+
+std::vector<LayerProfile> profile_layers(const torch::nn::Sequential& model,
+                                         const at::Tensor& sample, int repeats) {
+  if (repeats < 1) throw UsageError("profile_layers needs at least one repeat");
+  using Clock = std::chrono::steady_clock;
+  std::vector<LayerProfile> out(model->size());
+  size_t k = 0;
+  for (const auto& layer : model->children()) {
+    for (const auto& t : layer->parameters())
+      out[k].parameter_bytes += static_cast<int64_t>(t.nbytes());
+    for (const auto& t : layer->buffers())
+      out[k].parameter_bytes += static_cast<int64_t>(t.nbytes());
+    ++k;
+  }
+  std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
+  for (int r = 0; r <= repeats; ++r) {  // the first pass warms up and is not counted
+    at::Tensor h = sample;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      // Each layer on its own graph: its backward is timed alone.
+      at::Tensor in = h.detach().requires_grad_(h.is_floating_point());
+      auto t0 = Clock::now();
+      at::Tensor y = layers[i].forward(in);
+      double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (y.requires_grad()) {
+        auto grad = at::ones_like(y);
+        t0 = Clock::now();
+        y.backward(grad);
+        secs += std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+      if (r > 0) {
+        // The fastest repeat: an interruption by another process only ever adds time.
+        out[i].seconds = r == 1 ? secs : std::min(out[i].seconds, secs);
+        out[i].activation_bytes = static_cast<int64_t>(y.nbytes());
+      }
+      h = y.detach();
+    }
+  }
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();  // leave no trace
+  return out;
+}
+
+std::vector<int> balance_by_time(const torch::nn::Sequential& model, const at::Tensor& sample,
+                                 int stages, int repeats) {
+  std::vector<double> costs;
+  for (const auto& p : profile_layers(model, sample, repeats)) costs.push_back(p.seconds);
+  return balance_by_cost(costs, stages);
+}
+
+std::vector<int> balance_by_size(const torch::nn::Sequential& model, int stages) {
+  std::vector<double> costs;
+  for (const auto& layer : model->children()) {
+    double b = 0;
+    for (const auto& t : layer->parameters()) b += static_cast<double>(t.nbytes());
+    costs.push_back(b);
+  }
+  return balance_by_cost(costs, stages);
+}
+
 Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
     : options_(std::move(options)) {
   int total = 0;
@@ -88,7 +152,7 @@ Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
 
 at::Tensor Pipeline::forward(const at::Tensor& input) {
   std::vector<at::Tensor> outs;
-  for (auto& mb : split_microbatches(input, options_.chunks)) {
+  for (auto& mb : split_microbatches(input, chunks_for(input.size(0)))) {
     at::Tensor h = mb;
     for (size_t s = 0; s < stages_.size(); ++s) h = stages_[s]->forward(h.to(options_.devices[s]));
     outs.push_back(h);
@@ -103,8 +167,9 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
 // backward starts from.
 at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
                                 const LossFn& loss_fn) {
-  const auto xs = split_microbatches(input, options_.chunks);
-  const auto ys = split_microbatches(target, options_.chunks);
+  const int chunks = chunks_for(input.size(0));
+  const auto xs = split_microbatches(input, chunks);
+  const auto ys = split_microbatches(target, chunks);
   const int p = static_cast<int>(stages_.size());
   const int m = static_cast<int>(xs.size());
   const double total = static_cast<double>(input.size(0));

@@ -83,6 +83,8 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--init-weights", o.init_weights,
                   "Start from a state dict (e.g. Python's torch.save(model.state_dict()))");
   cmd->add_flag("!--no-tensorboard", o.tensorboard, "No TensorBoard event file");
+  cmd->add_flag("!--no-channels-last", o.channels_last,
+                "Keep convolution weights and batches in the default (NCHW) memory layout");
   cmd->add_option("--limit-train", o.limit_train, "Use only the first N training samples");
   cmd->add_option("--limit-test", o.limit_test, "Use only the first N test samples");
   cmd->add_option("--epochs", o.epochs)->capture_default_str();

@@ -52,6 +52,12 @@ torch::nn::Sequential as_sequential(const Model& model);
 /// The names make_model() knows.
 std::vector<std::string> model_names();
 
+/// Puts every 4-D parameter and buffer (convolution weights) in channels-last memory (NHWC),
+/// the layout in which oneDNN's CPU convolutions run fastest; feed 4-D inputs as
+/// x.contiguous(at::MemoryFormat::ChannelsLast). Values, shapes and names do not change. Call it
+/// before wrapping the module in DDP, whose gradient buckets take the parameters' layout.
+void to_channels_last(torch::nn::Module& module);
+
 /// Number of elements of all parameters.
 int64_t parameter_count(const torch::nn::Module& module);
 

@@ -292,6 +292,7 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   Model model = make_model(o.model, mo);
   if (!o.init_weights.empty()) load_weights(o.init_weights, *model.module);
   model.module->to(dev);
+  if (o.channels_last) to_channels_last(*model.module);
   DistributedDataParallel ddp(model.module, d);
   auto opt = make_optimizer(o, model);
   const bool amp = o.amp != "none";
@@ -344,6 +345,7 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
     while (auto batch = loader.next()) {
       const auto rows = batch->labels.size(0);
       auto x = batch->images.to(dev, true);
+      if (o.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
       auto y = batch->labels.to(dev, true);
       const bool last_micro =
           (step_in_epoch + 1) % o.accumulate == 0 || step_in_epoch + 1 == batches;

@@ -104,9 +104,14 @@ TEST(Loader, WorkersStayWithinThePrefetchWindow) {
   auto o = opts(1, 2);
   o.prefetch = 3;
   Loader loader(count, shuffled(100), o);
+  // The workers start ahead of the consumer (waiting up to 10 s for a busy machine's
+  // scheduler), then stop at prefetch x workers = 6 batches.
+  for (int i = 0; i < 1000 && built.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(built.load(), 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_LE(built.load(), 6);
-  EXPECT_GE(built.load(), 1);
   loader.next();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_LE(built.load(), 7);

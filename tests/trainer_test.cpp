@@ -291,7 +291,6 @@ TEST(Train, ImageFolderEndToEnd) {
   mo.num_classes = 2;
   auto w = weights_of(r.weights_path, "lenet", mo);  // throws unless 3 channels and 2 classes
   EXPECT_EQ(w["fc2.weight"].size(0), 2);
-  EXPECT_GE(r.test_accuracy, 0.0);
 }
 
 }  // namespace

@@ -77,7 +77,6 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   if (channels_last) to_channels_last(*m.module);  // as `scaletrain train` does by default
   DDPOptions opts;
   opts.overlap = overlap;
-  if (kv.count("--uneven")) opts.detect_uneven_inputs = kv["--uneven"] != "0";
   DistributedDataParallel ddp(m.module, d, opts);
   torch::optim::SGD opt(m.module->parameters(),
                         torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
@@ -150,10 +149,9 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
       };
       auto theirs = [&] {
         const std::string csv = o.work_dir + "/python_" + tag + ".csv";
-        for (double v : run_ranks(o, n,
-                                  {python, script, "--csv", csv, "--steps", steps, "--repeats",
-                                   "1"},
-                                  csv, "python_" + tag)) {
+        for (double v :
+             run_ranks(o, n, {python, script, "--csv", csv, "--steps", steps, "--repeats", "1"},
+                       csv, "python_" + tag)) {
           runs["py" + std::to_string(n)].push_back(v);
         }
       };
@@ -186,7 +184,8 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
   r.notes.push_back(
       "Both sides: one thread per process (OMP_NUM_THREADS=1), gloo, SGD with "
       "momentum, data in memory; scaletrain as `scaletrain train` runs it (channels-last "
-      "convolutions), the Python peer as the seeds write it. The Python side is started by scaletrain's "
+      "convolutions), the Python peer as the seeds write it. The Python side is started by "
+      "scaletrain's "
       "launcher with torchrun's environment, as torchrun would start it.");
   return r;
 }

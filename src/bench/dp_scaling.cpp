@@ -128,7 +128,6 @@ SuiteResult run_dp_scaling(const SuiteOptions& o) {
     test.images = test.images.narrow(0, 0, c.limit_test);
     test.labels = test.labels.narrow(0, 0, c.limit_test);
   }
-  const int threads = at::get_num_threads();
   for (int n = 1; n <= max_devices; ++n) {
     Sample ddp{"DDP (processes)", std::to_string(n), static_cast<double>(n), {}};
     Sample dp{"DataParallel (one process)", std::to_string(n), static_cast<double>(n), {}};
@@ -144,9 +143,10 @@ SuiteResult run_dp_scaling(const SuiteOptions& o) {
           gpus > 0 ? std::vector<std::string>{} : std::vector<std::string>{"--device", "cpu"});
       ddp.values.push_back(a.seconds);
       ddp_acc = a.accuracy;
-      if (gpus == 0) at::set_num_threads(1);
-      Outcome b = dp_epoch(c, devices, train, test);
-      at::set_num_threads(threads);
+      Outcome b = [&] {
+        IntraOpThreads threads(gpus == 0 ? 1 : at::get_num_threads());
+        return dp_epoch(c, devices, train, test);
+      }();
       dp.values.push_back(b.seconds);
       dp_acc = b.accuracy;
     }

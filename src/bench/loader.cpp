@@ -4,7 +4,6 @@
 // Target: the loader delivers at least 5x what training consumes.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -44,8 +43,7 @@ SuiteResult run_loader(const SuiteOptions& o) {
   std::shuffle(order.begin(), order.end(), std::mt19937_64(0));
   order.resize(static_cast<size_t>(n));
 
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
+  IntraOpThreads one_thread(1);
   Model lenet = make_model("lenet");
   torch::optim::SGD opt(lenet.module->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   const int train_steps = o.quick ? 20 : 60;
@@ -81,7 +79,6 @@ SuiteResult run_loader(const SuiteOptions& o) {
     }
     training.values.push_back(static_cast<double>(seen) / since(t0));
   }
-  at::set_num_threads(threads);
   r.samples = {inline_loader, threaded, training};
   const double ratio = stats(threaded.values).mean / stats(training.values).mean;
   char line[200];

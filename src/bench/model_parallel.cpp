@@ -23,6 +23,7 @@ struct Setup {
   int64_t batch, image, classes;
   int batches;  // optimizer steps per timed run, as the seed's num_batches
   std::vector<at::Device> devices;
+  at::Tensor x, y;  // the random batch every configuration trains on
 };
 
 Setup setup_for(const SuiteOptions& o) {
@@ -40,15 +41,18 @@ Setup setup_for(const SuiteOptions& o) {
   s.image = small ? 64 : 224;
   s.classes = 1000;
   s.batches = small ? 1 : 3;
+  s.x = at::randn({s.batch, 3, s.image, s.image});
+  s.y = at::randint(s.classes, {s.batch}, at::kLong);
   return s;
 }
 
-// The seed's split of ResNet-50 in block terms: stem + layer1 (3) + layer2 (4) | the rest.
+// ResNet-50 as blocks: stem, 16 bottlenecks, head. The seed's split in block terms: stem +
+// layer1 (3) + layer2 (4) | the rest.
+constexpr int kBlocks = 1 + 16 + 1;
 constexpr int kFirstStageBlocks = 1 + 3 + 4;
 
 double time_run(const Setup& s, const std::vector<int>& balance,
-                const std::vector<at::Device>& devices, int chunks, const at::Tensor& x,
-                const at::Tensor& y) {
+                const std::vector<at::Device>& devices, int chunks) {
   ModelOptions mo;
   mo.in_channels = 3;
   mo.num_classes = s.classes;
@@ -70,13 +74,22 @@ double time_run(const Setup& s, const std::vector<int>& balance,
   auto t0 = std::chrono::steady_clock::now();
   for (int b = 0; b < s.batches; ++b) {
     opt.zero_grad();
-    pipe.train_step(x, y, loss);
+    pipe.train_step(s.x, s.y, loss);
     opt.step();
   }
   for (auto& d : devices) {
     if (d.is_cuda()) torch::cuda::synchronize(d.index());
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The whole model on the first device, or split the seed's way over both; `chunks`
+// micro-batches.
+double on_one_device(const Setup& s, int chunks) {
+  return time_run(s, {kBlocks}, {s.devices[0]}, chunks);
+}
+double on_two_devices(const Setup& s, int chunks) {
+  return time_run(s, {kFirstStageBlocks, kBlocks - kFirstStageBlocks}, s.devices, chunks);
 }
 
 // Repetitions of one configuration, after a warm-up run.
@@ -102,31 +115,20 @@ SuiteResult run_mp_vs_single(const SuiteOptions& o) {
   SuiteResult r = new_result("mp-vs-single", title, "s",
                              {Plot::Kind::kBars, title, "", "seconds per run", false, false}, o);
   const Setup s = setup_for(o);
-  const int threads = at::get_num_threads();
-  if (s.devices[0].is_cpu()) at::set_num_threads(1);
-  auto x = at::randn({s.batch, 3, s.image, s.image});
-  auto y = at::randint(s.classes, {s.batch}, at::kLong);
-  const int blocks = 1 + 16 + 1;
+  IntraOpThreads threads(s.devices[0].is_cpu() ? 1 : at::get_num_threads());
   const int split = s.batch / 6;  // the seed's split size 20 of 120
   const int reps = o.quick ? std::min(o.repeats, 3) : o.repeats;
   Sample single{"seconds", "single device", 0, {}};
   Sample mp{"seconds", "model parallel", 1, {}};
   Sample piped{"seconds", "pipelined (split " + std::to_string(split) + ")", 2, {}};
-  single.values = repeat(reps, [&] { return time_run(s, {blocks}, {s.devices[0]}, 1, x, y); });
-  mp.values = repeat(reps, [&] {
-    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, 1, x, y);
-  });
+  const int chunks = static_cast<int>(s.batch / split);
+  single.values = repeat(reps, [&] { return on_one_device(s, 1); });
+  mp.values = repeat(reps, [&] { return on_two_devices(s, 1); });
   // The same micro-batches on one device: what splitting the batch costs by itself, so that
   // pipelined vs this shows what overlapping the two stages gains.
   Sample single_split{"seconds", "single device, same micro-batches", 3, {}};
-  single_split.values = repeat(reps, [&] {
-    return time_run(s, {blocks}, {s.devices[0]}, static_cast<int>(s.batch / split), x, y);
-  });
-  piped.values = repeat(reps, [&] {
-    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices,
-                    static_cast<int>(s.batch / split), x, y);
-  });
-  at::set_num_threads(threads);
+  single_split.values = repeat(reps, [&] { return on_one_device(s, chunks); });
+  piped.values = repeat(reps, [&] { return on_two_devices(s, chunks); });
   r.samples = {single, mp, piped, single_split};
   const double ts = stats(single.values).mean, tm = stats(mp.values).mean,
                tp = stats(piped.values).mean, tss = stats(single_split.values).mean;
@@ -148,11 +150,7 @@ SuiteResult run_split_sweep(const SuiteOptions& o) {
                               "seconds per run", true, false},
                              o);
   const Setup s = setup_for(o);
-  const int threads = at::get_num_threads();
-  if (s.devices[0].is_cpu()) at::set_num_threads(1);
-  auto x = at::randn({s.batch, 3, s.image, s.image});
-  auto y = at::randint(s.classes, {s.batch}, at::kLong);
-  const int blocks = 1 + 16 + 1;
+  IntraOpThreads threads(s.devices[0].is_cpu() ? 1 : at::get_num_threads());
   const std::vector<int> splits = s.batch == 120 ? std::vector<int>{1, 3, 5, 8, 10, 12, 20, 40, 60}
                                                  : std::vector<int>{1, 2, 3, 4, 6, 8, 12};
   const int reps = o.quick ? std::min(o.repeats, 2) : o.repeats;
@@ -161,19 +159,14 @@ SuiteResult run_split_sweep(const SuiteOptions& o) {
   for (int split : splits) {
     const int chunks = static_cast<int>((s.batch + split - 1) / split);
     Sample p{"pipelined", std::to_string(split), static_cast<double>(split), {}};
-    p.values = repeat(reps, [&] {
-      return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, chunks, x, y);
-    });
+    p.values = repeat(reps, [&] { return on_two_devices(s, chunks); });
     const double mean = stats(p.values).mean;
     if (mean < best) best = mean, best_split = split;
     r.samples.push_back(p);
   }
   Sample mp{
       "model parallel (no pipelining)", std::to_string(s.batch), static_cast<double>(s.batch), {}};
-  mp.values = repeat(reps, [&] {
-    return time_run(s, {kFirstStageBlocks, blocks - kFirstStageBlocks}, s.devices, 1, x, y);
-  });
-  at::set_num_threads(threads);
+  mp.values = repeat(reps, [&] { return on_two_devices(s, 1); });
   r.samples.push_back(mp);
   char line[300];
   std::snprintf(line, sizeof line,

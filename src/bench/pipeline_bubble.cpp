@@ -4,7 +4,6 @@
 // on one stage is the baseline: a pipeline of p balanced stages ideally takes 1/p of it per step
 // plus the bubble, so measured bubble = 1 - T_one_stage / (p * T_pipeline).
 
-#include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
@@ -16,9 +15,8 @@
 #include "suites_internal.h"
 
 namespace scaletrain::bench {
-namespace {
 
-torch::nn::Sequential make_stack(int layers, int64_t width) {
+torch::nn::Sequential linear_tanh_stack(int layers, int64_t width) {
   torch::manual_seed(0);
   torch::nn::Sequential s;
   for (int i = 0; i < layers; ++i) {
@@ -27,6 +25,8 @@ torch::nn::Sequential make_stack(int layers, int64_t width) {
   }
   return s;
 }
+
+namespace {
 
 double time_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, int repeats,
                  std::vector<double>* all) {
@@ -52,8 +52,7 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   SuiteResult r =
       new_result("pipeline-bubble", title, "fraction",
                  {Plot::Kind::kLines, title, "micro-batches m", "bubble fraction", true, false}, o);
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
+  IntraOpThreads one_thread(1);
   const int p = 2, layers = 8;
   const int64_t width = o.quick ? 256 : 512, batch = o.quick ? 512 : 1024;
   auto x = at::randn({batch, width}), y = at::randn({batch, width});
@@ -62,10 +61,10 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   PipelineOptions one;
   one.balance = {2 * layers};
   one.devices = {at::kCPU};
-  Pipeline base(make_stack(layers, width), one);
+  Pipeline base(linear_tanh_stack(layers, width), one);
   for (int m : ms) {
     one.chunks = m;
-    Pipeline b(make_stack(layers, width), one);
+    Pipeline b(linear_tanh_stack(layers, width), one);
     base_times.push_back(time_step(b, x, y, o.repeats, nullptr));
   }
   for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
@@ -76,7 +75,7 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
       po.devices = {at::kCPU, at::kCPU};
       po.chunks = ms[k];
       po.schedule = sched;
-      Pipeline pipe(make_stack(layers, width), po);
+      Pipeline pipe(linear_tanh_stack(layers, width), po);
       std::vector<double> times;
       time_step(pipe, x, y, o.repeats, &times);
       Sample s{name + " measured", std::to_string(ms[k]), static_cast<double>(ms[k]), {}};
@@ -90,7 +89,6 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
                          static_cast<double>(m),
                          {bubble_fraction(p, m)}});
   }
-  at::set_num_threads(threads);
   r.notes.push_back("Model: " + std::to_string(2 * layers) + " Linear+Tanh layers of width " +
                     std::to_string(width) + ", batch " + std::to_string(batch) +
                     ", MSE loss; baseline: the same model as one stage with the same "

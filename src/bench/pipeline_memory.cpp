@@ -6,7 +6,6 @@
 // Expectation: GPipe holds the activations of all m micro-batches at once, 1F1B about p of
 // them (schedule.h's peak_in_flight), checkpointing only each stage's inputs.
 
-#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -65,15 +64,22 @@ uint8_t next_priority() {
   return ++p;
 }
 
-torch::nn::Sequential make_stack(int layers, int64_t width) {
-  torch::manual_seed(0);
-  torch::nn::Sequential s;
-  for (int i = 0; i < layers; ++i) {
-    s->push_back(torch::nn::Linear(width, width));
-    s->push_back(torch::nn::Tanh());
+// Puts a counting allocator in front of LibTorch's CPU allocator for a scope; the original is
+// back before the counter is destroyed, also when the suite throws.
+class CountingScope {
+ public:
+  CountingScope() : base_(c10::GetCPUAllocator()), counting_(base_) {
+    c10::SetCPUAllocator(&counting_, next_priority());
   }
-  return s;
-}
+  ~CountingScope() { c10::SetCPUAllocator(base_, next_priority()); }
+  CountingScope(const CountingScope&) = delete;
+  CountingScope& operator=(const CountingScope&) = delete;
+  CountingAllocator& counter() { return counting_; }
+
+ private:
+  c10::Allocator* base_;
+  CountingAllocator counting_;
+};
 
 }  // namespace
 
@@ -84,11 +90,9 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
                  {Plot::Kind::kBars, title, "", "peak activation MiB", false, false}, o);
   const int p = 2, m = 8, layers = 4;
   const int64_t width = o.quick ? 512 : 1024, batch = o.quick ? 512 : 1024;
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  c10::Allocator* base = c10::GetCPUAllocator();
-  CountingAllocator counting(base);
-  c10::SetCPUAllocator(&counting, next_priority());
+  IntraOpThreads one_thread(1);
+  CountingScope scope;
+  CountingAllocator& counting = scope.counter();
   auto x = at::randn({batch, width}), y = at::randn({batch, width});
   auto mse = [](const at::Tensor& out, const at::Tensor& t) {
     return torch::nn::functional::mse_loss(out, t);
@@ -110,7 +114,7 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
       po.chunks = m;
       po.schedule = sched;
       po.checkpoint = mode.checkpoint;
-      Pipeline pipe(make_stack(2 * layers, width), po);
+      Pipeline pipe(linear_tanh_stack(2 * layers, width), po);
       pipe.train_step(x, y, mse);  // allocates the gradients
       Sample s{series, mode.name, 0, {}};
       for (int rep = 0; rep < std::max(1, std::min(o.repeats, 3)); ++rep) {
@@ -125,8 +129,6 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
       r.samples.push_back(s);
     }
   }
-  c10::SetCPUAllocator(base, next_priority());
-  at::set_num_threads(threads);
   const int gp = peak_in_flight(gpipe_schedule(p, m), 0);
   const int of = peak_in_flight(one_f_one_b_schedule(p, m), 0);
   char line[400];

@@ -373,19 +373,20 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
       ++step_in_epoch;
       ++state.global_step;
       samples += rows * d.size();
-      loss_sum += loss.item<double>();
+      const double step_loss = loss.item<double>();  // one device sync per step, not three
+      loss_sum += step_loss;
       ++loss_n;
       if (d.rank() == 0 && o.log_every > 0 && state.global_step % o.log_every == 0) {
         metrics << nlohmann::json{{"kind", "step"},
                                   {"epoch", epoch + 1},
                                   {"step", state.global_step},
-                                  {"loss", loss.item<double>()},
+                                  {"loss", step_loss},
                                   {"lr", lr_at(o, epoch)}}
                        .dump()
                 << "\n"
                 << std::flush;
         if (tb) {
-          tb->add_scalar("train/loss", loss.item<double>(), state.global_step);
+          tb->add_scalar("train/loss", step_loss, state.global_step);
           tb->add_scalar("train/lr", lr_at(o, epoch), state.global_step);
         }
       }

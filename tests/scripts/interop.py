@@ -7,6 +7,7 @@ written in plain PyTorch, loading weights scaletrain saved, and saving weights f
 WEIGHTS ending in .safetensors use safetensors; others torch.save / torch.load (weights_only,
 its default).
 """
+import pathlib
 import sys
 
 import torch
@@ -14,19 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-
-class LeNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 3)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.fc1 = nn.Linear(800, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.avg_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+# The seed's LeNet as the Python DDP benchmark defines it: one definition for both.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "python"))
+from ddp_lenet import LeNet  # noqa: E402
 
 
 class BasicBlock(nn.Module):

@@ -16,6 +16,7 @@ print(torch.utils.cmake_prefix_path)
 print(torch.cuda.is_available())
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible")
 print(torch.version.cuda)
+import sys; print(sys.prefix)
 PY
 )
 echo "PyTorch ${info[0]} (CUDA ${info[4]}) at ${info[1]}"
@@ -35,9 +36,15 @@ if [ -d .deps/debs ] && ! [ -f /usr/include/gtest/gtest.h -a -f /usr/include/CLI
   export LD_LIBRARY_PATH="$PWD/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   extra+=(-DGLOO_INCLUDE_DIR="$PWD/.deps/root/usr/include")
 fi
+if [ -d .deps/fashion-mnist ] && ! [ -d /usr/share/datasets/fashion-mnist ]; then
+  mkdir -p /usr/share/datasets && cp -r .deps/fashion-mnist /usr/share/datasets/ ||
+    echo "warning: cannot install Fashion-MNIST into /usr/share/datasets; its tests will skip"
+fi
 gen=(-G Ninja); command -v ninja >/dev/null || gen=()
+# The interop tests use this Python (its torch, safetensors, tensorboard) in place of .venv.
+[ -x "${info[5]}/bin/python" ] || ln -sf "$(command -v "$PY")" "${info[5]}/bin/python" 2>/dev/null || true
 cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
-  "${extra[@]}"
+  -DSCALETRAIN_PYTHON_ENV="${info[5]}" "${extra[@]}"
 cmake --build "$BUILD" -j "$(nproc)"
 ctest --test-dir "$BUILD" --output-on-failure -j 4 "$@"
 echo "gpu-check: all tests passed on ${info[3]}"

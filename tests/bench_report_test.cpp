@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -67,6 +68,25 @@ TEST(BenchReport, WritesCsvJsonPngAndMarkdown) {
   std::string all((std::istreambuf_iterator<char>(report)), std::istreambuf_iterator<char>());
   EXPECT_NE(all.find("![Example](bars.png)"), std::string::npos);
   EXPECT_NE(all.find("![Example](lines.png)"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+// A machine without gnuplot (a GPU node with no package manager) keeps the plot's script and
+// data, named relative to the output folder; gnuplot run there later draws the same PNG.
+TEST(BenchReport, WithoutGnuplotLeavesAScriptThatDrawsLater) {
+  fs::path dir = fs::temp_directory_path() / ("scaletrain_bench_nognuplot_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  const std::string saved = std::getenv("PATH") != nullptr ? std::getenv("PATH") : "";
+  setenv("PATH", "/nonexistent", 1);
+  auto r = example(Plot::Kind::kLines);
+  write_suite(r, describe_machine("none", "2.11.0"), dir.string());
+  setenv("PATH", saved.c_str(), 1);
+  EXPECT_FALSE(fs::exists(dir / "lines.png"));
+  ASSERT_TRUE(fs::exists(dir / "lines.gp"));
+  ASSERT_TRUE(fs::exists(dir / "lines.png.dat"));
+  const std::string draw = "cd '" + dir.string() + "' && gnuplot lines.gp";
+  ASSERT_EQ(std::system(draw.c_str()), 0);
+  EXPECT_TRUE(is_png(dir / "lines.png"));
   fs::remove_all(dir);
 }
 

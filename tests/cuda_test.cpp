@@ -5,8 +5,14 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 
+#include <torch/optim/sgd.h>
+
+#include <filesystem>
+
+#include "scaletrain/checkpoint.h"
 #include "scaletrain/data_parallel.h"
 #include "scaletrain/ddp.h"
+#include "scaletrain/models.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/version.h"
@@ -129,6 +135,81 @@ TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   EXPECT_EQ(r.device, "cuda:0");
   EXPECT_GT(r.peak_memory_bytes, 0);
   EXPECT_EQ(r.global_step, 8);
+}
+
+// Weights and a full checkpoint written from cuda:0 load into a model on the CPU, bit for bit.
+TEST(Cuda, WeightsAndCheckpointFromGpuLoadOnCpu_CUDA) {
+  REQUIRE_GPU();
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_weights";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  torch::manual_seed(1);
+  Model gpu = make_model("lenet");
+  gpu.module->to(at::kCUDA);
+  torch::optim::SGD gpu_opt(gpu.module->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto x = at::randn({8, 1, 28, 28}, at::TensorOptions().device(at::kCUDA));
+  gpu.forward(x).sum().backward();
+  gpu_opt.step();
+  save_weights((dir / "w.pt").string(), *gpu.module);
+  save_weights((dir / "w.safetensors").string(), *gpu.module);
+  TrainingState state;
+  state.model_name = "lenet";
+  state.epoch = 1;
+  state.global_step = 1;
+  const std::string ckpt = save_checkpoint(dir.string(), state, *gpu.module, gpu_opt, 1);
+  std::vector<at::Tensor> want;
+  for (auto& p : gpu.module->parameters()) want.push_back(p.detach().cpu());
+  for (const std::string file : {"w.pt", "w.safetensors"}) {
+    Model cpu = make_model("lenet");
+    load_weights((dir / file).string(), *cpu.module);
+    auto got = cpu.module->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(got[i].device().is_cpu());
+      EXPECT_TRUE(at::equal(got[i], want[i])) << file << " parameter " << i;
+    }
+  }
+  Model cpu = make_model("lenet");
+  torch::optim::SGD cpu_opt(cpu.module->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto loaded = load_checkpoint(ckpt, *cpu.module, cpu_opt, "lenet");
+  EXPECT_EQ(loaded.global_step, 1);
+  auto got = cpu.module->parameters();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  fs::remove_all(dir);
+}
+
+// Seed 000's model parallel on one GPU: the small-image ResNet-18 as blocks, split over two
+// stages on cuda:0 (one chunk, two streams), gives the single-device model's output and
+// gradients. cuDNN's TF32 is off so that fp32 means fp32 on both sides.
+TEST(Cuda, ResNetModelParallelOnOneGpuEqualsOneDevice_CUDA) {
+  REQUIRE_GPU();
+  at::globalContext().setAllowTF32CuDNN(false);
+  at::globalContext().setAllowTF32CuBLAS(false);
+  torch::manual_seed(2);
+  Model whole = make_model("resnet18");
+  whole.module->to(at::kCUDA);
+  whole.module->eval();  // BatchNorm with running statistics: identical on both sides
+  torch::manual_seed(2);
+  Model split = make_model("resnet18");
+  split.module->eval();
+  auto x = at::randn({6, 1, 28, 28}, at::TensorOptions().device(at::kCUDA));
+  auto y = at::randn({6, 10}, at::TensorOptions().device(at::kCUDA));
+  mse(whole.forward(x), y).backward();
+  auto seq = as_sequential(split);
+  PipelineOptions o;
+  const int n = static_cast<int>(seq->size());
+  o.balance = {n / 2, n - n / 2};
+  o.devices = {at::Device(at::kCUDA, 0), at::Device(at::kCUDA, 0)};
+  Pipeline mp(seq, o);
+  auto loss = mp.train_step(x, y, mse);
+  EXPECT_NEAR(loss.item<double>(), mse(whole.forward(x), y).item<double>(), 1e-5);
+  auto got = split.module->parameters();
+  auto want = whole.module->parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_LE((got[i].grad() - want[i].grad()).abs().max().item<double>(), 1e-4) << i;
+  }
+  at::globalContext().setAllowTF32CuDNN(true);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -81,8 +82,32 @@ Machine describe_machine(const std::string& gpu, const std::string& libtorch) {
   return m;
 }
 
+namespace {
+
+bool on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::string dir = dirs.substr(start, end - start);
+    if (!dir.empty() && access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+}  // namespace
+
 void plot_png(const SuiteResult& r, const std::string& png_path) {
   const std::string data_path = png_path + ".dat";
+  // Without gnuplot (a GPU node with no package manager, say) the script and its data stay beside
+  // the would-be PNG, named relative to that folder, to be drawn on another machine.
+  const bool drawable = on_path("gnuplot");
+  const std::string png_name =
+      drawable ? png_path : fs::path(png_path).filename().string();
+  const std::string data_name = drawable ? data_path : png_name + ".dat";
   auto names = series_in_order(r);
   {
     std::ofstream d(data_path);
@@ -103,7 +128,7 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
       "set terminal pngcairo size 900,560 noenhanced font 'sans,10'\n"
       "set output {}\nset title {}\nset xlabel {}\nset ylabel {}\n"
       "set grid ytics\nset key top left\nset yrange [0:*]\n",
-      quote(png_path), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
+      quote(png_name), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
   if (r.plot.logx) {
     script += "set logscale x 2\n";
     // Byte counts read best as 4KB, 16MB...
@@ -124,9 +149,9 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
       plots += fmt::format(
           "'{}' index {} using ($2+{}):3:({}) with boxes title {}, '' index {} using ($2+{}):3:4 "
           "with yerrorbars lc rgb 'black' pt 0 notitle",
-          data_path, i, shift, width, quote(names[i]), i, shift);
+          data_name, i, shift, width, quote(names[i]), i, shift);
     } else {
-      plots += fmt::format("'{}' index {} using 2:3:4 with yerrorlines title {}", data_path, i,
+      plots += fmt::format("'{}' index {} using 2:3:4 with yerrorlines title {}", data_name, i,
                            quote(names[i]));
     }
   }
@@ -142,6 +167,19 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
     script += "set xtics (" + tics + ")\nset xrange [-0.6:" + std::to_string(i - 0.4) + "]\n";
   }
   script += "plot " + plots + "\n";
+  if (!drawable) {
+    const std::string gp_path = fs::path(png_path).replace_extension(".gp").string();
+    std::ofstream(gp_path) << script;
+    std::fprintf(stderr,
+                 "scaletrain bench: gnuplot is not installed, so %s was not drawn; its script and "
+                 "data are in %s; draw it with: cd %s && gnuplot %s\n",
+                 png_path.c_str(), gp_path.c_str(),
+                 fs::path(png_path).parent_path().empty()
+                     ? "."
+                     : fs::path(png_path).parent_path().string().c_str(),
+                 fs::path(gp_path).filename().string().c_str());
+    return;
+  }
   FILE* gp = popen("gnuplot 2>&1", "w");
   if (gp == nullptr) throw Error("cannot start gnuplot; install Debian's gnuplot-nox");
   fwrite(script.data(), 1, script.size(), gp);

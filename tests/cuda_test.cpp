@@ -114,8 +114,8 @@ TEST(Cuda, DataParallelTwoReplicasOnOneGpu_CUDA) {
   }
 }
 
-// The trainer on the GPU with fp16 autocast and loss scaling: it runs, on cuda:0, and reports
-// CUDA's peak allocated memory.
+// The trainer on the GPU with fp16 autocast and loss scaling, DDP over NCCL with world size 1:
+// it runs, on cuda:0, and reports CUDA's peak allocated memory.
 TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   REQUIRE_GPU();
   TrainOptions o;
@@ -130,7 +130,8 @@ TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   o.out_dir = ::testing::TempDir() + "/scaletrain_cuda_trainer";
   o.resume = "none";
   TrainResult r;
-  auto errors = testing::run_ranks(1, [&](Dist& d) { r = train(o, d); });
+  auto errors = testing::run_ranks(
+      1, [&](Dist& d) { r = train(o, d); }, std::chrono::seconds(60), "nccl");
   ASSERT_EQ(errors, std::vector<std::string>{""});
   EXPECT_EQ(r.device, "cuda:0");
   EXPECT_GT(r.peak_memory_bytes, 0);

@@ -44,7 +44,7 @@ std::vector<at::Tensor> params_of(const std::string& checkpoint) {
 }
 
 std::string train_cmd(const fs::path& out) {
-  return " train --dataset synthetic --limit-train 384 --limit-test 64 --epochs 2 "
+  return " train --device cpu --dataset synthetic --limit-train 384 --limit-test 64 --epochs 2 "
          "--batch-size 64 --checkpoint-every 2 --no-progress --out " +
          out.string();
 }

@@ -17,7 +17,8 @@ namespace scaletrain::testing {
 /// Returns each rank's error message ("" when it returned normally).
 inline std::vector<std::string> run_ranks(
     int n, const std::function<void(Dist&)>& body,
-    std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    std::chrono::milliseconds timeout = std::chrono::seconds(30),
+    const std::string& backend = "gloo") {
   at::set_num_threads(1);
   const int port = free_port();
   std::vector<std::string> errors(static_cast<size_t>(n));
@@ -34,6 +35,7 @@ inline std::vector<std::string> run_ranks(
         w.master_port = port;
         o.world = w;
         o.timeout = timeout;
+        o.backend = backend;  // Gloo unless a test asks for NCCL, also on a machine with GPUs
         o.rendezvous_timeout = std::chrono::seconds(30);
         Dist d = init_process_group(o);
         body(d);

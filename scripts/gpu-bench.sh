@@ -13,6 +13,10 @@ out=${1:?usage: scripts/gpu-bench.sh OUT_DIR [STEP ...]}
 shift
 mkdir -p "$out"
 bin="$BUILD/scaletrain"
+# Libraries that gpu-check.sh unpacked from .deps/debs, where the system lacks them.
+if [ -d .deps/root ]; then
+  export LD_LIBRARY_PATH="$PWD/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] ||

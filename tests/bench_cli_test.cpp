@@ -34,9 +34,13 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
   const std::string csv = slurp(out / (GetParam() + ".csv"));
   EXPECT_GT(std::count(csv.begin(), csv.end(), '\n'), 3) << csv;
   EXPECT_NE(slurp(out / (GetParam() + ".json")).find("\"mean\""), std::string::npos);
-  const std::string png = slurp(out / (GetParam() + ".png"));
-  ASSERT_GT(png.size(), 1000u);
-  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  if (testing::have_gnuplot()) {
+    const std::string png = slurp(out / (GetParam() + ".png"));
+    ASSERT_GT(png.size(), 1000u);
+    EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  } else {  // a machine without gnuplot gets the script that draws it
+    EXPECT_TRUE(fs::exists(out / (GetParam() + ".gp")));
+  }
   const std::string report = slurp(out / "report.md");
   EXPECT_NE(report.find("scaletrain bench " + GetParam() + " --quick"), std::string::npos)
       << report;

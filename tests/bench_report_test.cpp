@@ -1,4 +1,5 @@
 #include "scaletrain/bench.h"
+#include "support/subprocess.h"
 
 #include <gtest/gtest.h>
 
@@ -44,6 +45,7 @@ SuiteResult example(Plot::Kind kind) {
 }
 
 TEST(BenchReport, WritesCsvJsonPngAndMarkdown) {
+  if (!testing::have_gnuplot()) GTEST_SKIP() << "gnuplot is not installed (Debian's gnuplot-nox)";
   fs::path dir = fs::temp_directory_path() / ("scaletrain_bench_" + std::to_string(getpid()));
   fs::remove_all(dir);
   for (auto kind : {Plot::Kind::kBars, Plot::Kind::kLines}) {
@@ -84,6 +86,7 @@ TEST(BenchReport, WithoutGnuplotLeavesAScriptThatDrawsLater) {
   EXPECT_FALSE(fs::exists(dir / "lines.png"));
   ASSERT_TRUE(fs::exists(dir / "lines.gp"));
   ASSERT_TRUE(fs::exists(dir / "lines.png.dat"));
+  if (!testing::have_gnuplot()) GTEST_SKIP() << "gnuplot is not installed (Debian's gnuplot-nox)";
   const std::string draw = "cd '" + dir.string() + "' && gnuplot lines.gp";
   ASSERT_EQ(std::system(draw.c_str()), 0);
   EXPECT_TRUE(is_png(dir / "lines.png"));

@@ -17,11 +17,22 @@ bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
+TEST(Dist, AutoBackendIsNcclOnlyWithAGpuPerLocalProcess) {
+  EXPECT_EQ(resolve_backend("auto", 0, 1), "gloo");
+  EXPECT_EQ(resolve_backend("auto", 1, 1), "nccl");
+  EXPECT_EQ(resolve_backend("auto", 1, 2), "gloo");  // two ranks would share the GPU
+  EXPECT_EQ(resolve_backend("auto", 8, 8), "nccl");
+  EXPECT_EQ(resolve_backend("auto", 8, 4), "nccl");
+  EXPECT_EQ(resolve_backend("gloo", 8, 8), "gloo");
+  EXPECT_EQ(resolve_backend("nccl", 1, 2), "nccl");  // asked for: NCCL's own error follows
+}
+
 TEST(Dist, SingleProcessGroupAllReduces) {
   InitOptions o;
   World w;
   w.master_port = testing::free_port();
   o.world = w;
+  o.backend = "gloo";  // CPU tensors, on a machine with GPUs too
   Dist d = init_process_group(o);
   EXPECT_EQ(d.backend_name, "gloo");
   std::vector<at::Tensor> t{at::arange(4, at::kFloat)};

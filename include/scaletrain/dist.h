@@ -26,7 +26,8 @@
 namespace scaletrain {
 
 struct InitOptions {
-  /// "gloo", "nccl", or "auto": NCCL when CUDA is usable, else Gloo.
+  /// "gloo", "nccl", or "auto": NCCL when every local process can have a GPU of its own, else
+  /// Gloo (see resolve_backend()). Gloo also carries CUDA tensors (all-reduce, broadcast).
   std::string backend = "auto";
   /// A collective that waits longer than this fails with an error naming it and the rank.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
@@ -36,6 +37,10 @@ struct InitOptions {
   /// The world; by default discover_world() reads it from the environment.
   std::optional<World> world;
 };
+
+/// The backend "auto" stands for: "nccl" when there are GPUs and at least one per local process
+/// (NCCL refuses two ranks on one GPU), else "gloo". Other names are returned as they are.
+std::string resolve_backend(const std::string& backend, int gpus, int local_world_size);
 
 /// A joined process group. Holds the store and the backend alive; copyable (shared handles).
 struct Dist {

@@ -254,11 +254,18 @@ std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
   return g;
 }
 
+std::string resolve_backend(const std::string& backend, int gpus, int local_world_size) {
+  if (backend != "auto") return backend;
+  // NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so it needs a GPU per local
+  // process; with fewer GPUs the processes share them over Gloo.
+  return gpus > 0 && gpus >= local_world_size ? "nccl" : "gloo";
+}
+
 Dist init_process_group(const InitOptions& options) {
   Dist d;
   d.world = options.world ? *options.world : discover_world();
   d.backend_name = options.backend;
-  if (d.backend_name == "auto") d.backend_name = cuda_device_count() > 0 ? "nccl" : "gloo";
+  d.backend_name = resolve_backend(options.backend, cuda_device_count(), d.world.local_world_size);
   if (d.backend_name != "gloo" && d.backend_name != "nccl") {
     throw UsageError("unknown backend '" + options.backend + "'; use 'gloo', 'nccl' or 'auto'");
   }

@@ -60,4 +60,6 @@ std::string cli_path() { return SCALETRAIN_CLI; }
 
 std::string script_path(const std::string& name) { return std::string(TEST_SCRIPTS) + "/" + name; }
 
+bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
+
 }  // namespace scaletrain::testing

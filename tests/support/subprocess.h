@@ -19,6 +19,9 @@ int free_port();
 
 /// The path of the `scaletrain` binary under test, and of the tests' helper scripts.
 std::string cli_path();
+
+/// Whether gnuplot (which draws the bench plots) is on PATH.
+bool have_gnuplot();
 std::string script_path(const std::string& name);
 
 }  // namespace scaletrain::testing

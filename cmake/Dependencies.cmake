@@ -44,5 +44,13 @@ find_package(ZLIB REQUIRED)
 # functions, from the toolchain it was built with), and some of them crash when called from our
 # code (std::filesystem::remove_all jumps through a null pointer). The dynamic linker binds each
 # symbol to the first library in an executable's NEEDED list that defines it, so every
-# executable lists libstdc++ before LibTorch.
-add_link_options("LINKER:--push-state,--no-as-needed" -lstdc++ "LINKER:--pop-state")
+# executable lists libstdc++ before LibTorch. The shared library is named by its full path: a
+# bare -lstdc++ can find the static archive (toolchains or LibTorch configs that link libstdc++
+# statically), which adds nothing to NEEDED and leaves the symbols to LibTorch.
+execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
+  OUTPUT_VARIABLE SCALETRAIN_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE)
+if(NOT IS_ABSOLUTE "${SCALETRAIN_LIBSTDCXX}" OR NOT EXISTS "${SCALETRAIN_LIBSTDCXX}")
+  set(SCALETRAIN_LIBSTDCXX -lstdc++)
+endif()
+add_link_options("LINKER:--push-state,--no-as-needed" "${SCALETRAIN_LIBSTDCXX}"
+  "LINKER:--pop-state")

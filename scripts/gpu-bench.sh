@@ -6,7 +6,7 @@
 # `scaletrain bench` suite (full sizes). No STEP: all of them but ddp-vs-python (a CPU suite).
 # Everything lands in OUT_DIR: logs, the runs' metrics, the suites' CSV/JSON/report (and their
 # plots, or the gnuplot scripts to draw them where gnuplot is missing).
-set -euo pipefail
+set -uo pipefail  # a failing step is reported and the next one runs
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-gpu}
 out=${1:?usage: scripts/gpu-bench.sh OUT_DIR [STEP ...]}
@@ -21,6 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] ||
   steps=(train mp-vs-single split-sweep dp-scaling async allreduce pipeline-bubble pipeline-memory loader)
+failed=()
 for step in "${steps[@]}"; do
   start=$(date +%s)
   case $step in
@@ -34,5 +35,8 @@ for step in "${steps[@]}"; do
     ;;
   *) "$bin" bench "$step" --out "$out/bench" 2>&1 | tee -a "$out/bench.log" ;;
   esac
-  echo "gpu-bench: $step took $(($(date +%s) - start)) s" | tee -a "$out/steps.log"
+  rc=$?
+  echo "gpu-bench: $step took $(($(date +%s) - start)) s, exit code $rc" | tee -a "$out/steps.log"
+  [ $rc -eq 0 ] || failed+=("$step")
 done
+[ ${#failed[@]} -eq 0 ] || { echo "gpu-bench: failed: ${failed[*]}"; exit 1; }

@@ -15,4 +15,7 @@ std::string libtorch_version();
 bool built_with_cuda();
 int cuda_device_count();
 
+/// The name of CUDA device `index` ("NVIDIA H100 80GB HBM3"), "" when there is none.
+std::string cuda_device_name(int index);
+
 }  // namespace scaletrain

@@ -4,6 +4,10 @@
 
 #include "scaletrain/version.h"
 
+#ifdef SCALETRAIN_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 namespace scaletrain {
 
 std::string version() { return SCALETRAIN_VERSION; }
@@ -23,6 +27,16 @@ int cuda_device_count() {
   // libtorch_cuda is loaded; it reports 0 devices on a machine without a GPU.
   if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return 0;
   return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount());
+}
+
+std::string cuda_device_name(int index) {
+#ifdef SCALETRAIN_WITH_CUDA
+  cudaDeviceProp p{};
+  if (index >= 0 && index < cuda_device_count() && cudaGetDeviceProperties(&p, index) == cudaSuccess)
+    return p.name;
+#endif
+  (void)index;
+  return "";
 }
 
 }  // namespace scaletrain

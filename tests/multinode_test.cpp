@@ -105,6 +105,7 @@ TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {
     w.master_port = port;
     o.world = w;
     o.timeout = std::chrono::milliseconds(1500);
+    o.backend = "gloo";  // CPU tensors, on a machine with a GPU too
     Dist d = init_process_group(o);
     std::this_thread::sleep_for(std::chrono::seconds(3));  // never joins the all-reduce
   });
@@ -114,6 +115,7 @@ TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {
   w.master_port = port;
   o.world = w;
   o.timeout = std::chrono::milliseconds(1500);
+  o.backend = "gloo";
   Dist d = init_process_group(o);
   std::vector<at::Tensor> t{at::ones({8})};
   try {

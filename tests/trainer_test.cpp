@@ -146,6 +146,7 @@ TEST(Train, LearnsOnRealFashionMnistSubset) {
   o.limit_test = 1000;
   o.epochs = 3;
   o.progress = false;
+  o.device = "cpu";  // rank threads share one process: CUDA needs processes
   o.out_dir = dir.path.string();
   o.resume = "none";
   TrainResult r;
@@ -187,6 +188,7 @@ TrainOptions small(const fs::path& out) {
   o.progress = false;
   o.out_dir = out.string();
   o.resume = "none";
+  o.device = "cpu";  // bitwise comparisons: CPU kernels, also where a GPU is present
   return o;
 }
 

@@ -1,6 +1,7 @@
 #include "scaletrain/models.h"
 
 #include <gtest/gtest.h>
+#include <torch/nn/modules/conv.h>
 
 #include <set>
 
@@ -115,6 +116,68 @@ TEST(Models, BlockChainEqualsTheModel) {
   EXPECT_EQ(seq->named_children()[0].key(), "stem");
   EXPECT_EQ(seq->named_children()[16].key(), "layer4_2");
   EXPECT_EQ(seq->named_children()[17].key(), "head");
+}
+
+// The stem convolution's own weight gradient (Note [Stem conv]) against LibTorch's, for the
+// shapes and options it takes, in both memory formats, with and without an input gradient.
+TEST(Models, StemConvGradientsEqualLibTorchs) {
+  namespace nn = torch::nn;
+  struct Case {
+    nn::Conv2dOptions options;
+    int64_t size;
+  };
+  const std::vector<Case> cases = {
+      {nn::Conv2dOptions(1, 20, 3), 28},                                       // LeNet's conv1
+      {nn::Conv2dOptions(1, 64, 3).padding(1).bias(false), 28},                // ResNet-18 stem
+      {nn::Conv2dOptions(3, 8, 3).stride(2).padding({1, 2}).dilation(2), 17},  // odd options
+      {nn::Conv2dOptions(2, 5, {4, 2}), 12},                                   // K = 16
+  };
+  for (const auto& c : cases) {
+    for (bool channels_last : {false, true}) {
+      for (bool input_grad : {false, true}) {
+        torch::manual_seed(1);
+        nn::Conv2d conv(c.options);
+        auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+        if (channels_last) to_channels_last(*conv);
+        auto x = at::randn({6, c.options.in_channels(), c.size, c.size}).contiguous(fmt);
+        auto x_ref = x.clone().set_requires_grad(input_grad);
+        x.set_requires_grad(input_grad);
+        const std::string what = std::string(channels_last ? "NHWC" : "NCHW") +
+                                 (input_grad ? ", input grad" : "") + ", in_channels " +
+                                 std::to_string(c.options.in_channels());
+        auto y = conv2d(conv, x);
+        ASSERT_TRUE(y.grad_fn());
+        EXPECT_NE(y.grad_fn()->name().find("StemConv"), std::string::npos)
+            << what << ": took " << y.grad_fn()->name();
+        auto gy = at::randn_like(y);
+        y.backward(gy);
+        auto gw = conv->weight.grad().clone();
+        auto gb = conv->bias.defined() ? conv->bias.grad().clone() : at::Tensor();
+        conv->zero_grad();
+        auto y_ref = conv->forward(x_ref);
+        y_ref.backward(gy);
+        EXPECT_TRUE(at::equal(y, y_ref)) << what;
+        EXPECT_TRUE(at::allclose(gw, conv->weight.grad(), 1e-5, 1e-4))
+            << what << ": max diff " << (gw - conv->weight.grad()).abs().max().item<float>();
+        EXPECT_EQ(gw.strides(), conv->weight.strides()) << what;
+        if (gb.defined()) {
+          EXPECT_TRUE(at::allclose(gb, conv->bias.grad(), 1e-5, 1e-4)) << what;
+        }
+        if (input_grad) {
+          EXPECT_TRUE(at::equal(x.grad(), x_ref.grad())) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(Models, StemConvLeavesOtherConvolutionsToLibTorch) {
+  namespace nn = torch::nn;
+  nn::Conv2d wide(nn::Conv2dOptions(20, 50, 5));  // K = 500: oneDNN's own kernel is faster
+  EXPECT_EQ(conv2d(wide, at::randn({2, 20, 13, 13})).grad_fn()->name(), "ConvolutionBackward0");
+  nn::Conv2d stem(nn::Conv2dOptions(1, 4, 3));
+  torch::NoGradGuard no_grad;  // inference: no autograd node at all
+  EXPECT_FALSE(conv2d(stem, at::randn({2, 1, 8, 8})).grad_fn());
 }
 
 }  // namespace

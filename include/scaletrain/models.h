@@ -23,6 +23,10 @@
 #include <string>
 #include <vector>
 
+namespace torch::nn {
+class Conv2d;
+}
+
 namespace scaletrain {
 
 struct Model {
@@ -57,6 +61,16 @@ std::vector<std::string> model_names();
 /// x.contiguous(at::MemoryFormat::ChannelsLast). Values, shapes and names do not change. Call it
 /// before wrapping the module in DDP, whose gradient buckets take the parameters' layout.
 void to_channels_last(torch::nn::Module& module);
+
+/// `conv(x)`, with a faster weight gradient for the convolutions oneDNN handles worst on the CPU:
+/// those that read few input values per output (in_channels · kernel height · width ≤ 32, such
+/// as a stem over one-channel images), with groups 1 and zero padding. Their weight gradient
+/// runs as one batched matrix product over the unfolded input (im2col) instead of oneDNN's
+/// kernel, which reaches 2 GFLOP/s on a 1-channel 3×3 convolution. The forward and the input
+/// gradient are LibTorch's; on other devices and other convolutions this is `conv(x)`. Results
+/// equal `conv(x)`'s to float rounding (the sum runs in another order). See Note [Stem conv] in
+/// src/models/models.cpp.
+at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
 
 /// Number of elements of all parameters.
 int64_t parameter_count(const torch::nn::Module& module);

@@ -1,5 +1,10 @@
 #include "scaletrain/models.h"
 
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/im2col.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/pooling.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -12,6 +17,62 @@ namespace scaletrain {
 namespace {
 
 namespace F = torch::nn::functional;
+
+// Note [Stem conv]
+// ~~~~~~~~~~~~~~~~
+// On the CPU, oneDNN computes the weight gradient of a convolution with one input channel (a
+// stem over grey images: LeNet's conv1, the small-image ResNet-18's conv1) at about 2 GFLOP/s,
+// a sixth of LeNet's training step. That gradient is a small reduction: for each of the
+// K = C_in·kh·kw input taps and each output channel, the sum over the batch and the output
+// pixels of input tap × output gradient. With the input unfolded (im2col: [B, K, L], L output
+// pixels) and the output gradient seen as [B, L, C_out] (a view when it is channels-last), it
+// is bmm(cols, grad).sum(0): [K, C_out], 5x faster here. The unfolded input is K times the
+// input, so the path is kept to K <= 32. The forward and the input gradient stay LibTorch's.
+constexpr int64_t kStemMaxTaps = 32;
+
+struct StemConvFunction : torch::autograd::Function<StemConvFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            std::vector<int64_t> stride, std::vector<int64_t> padding,
+                            std::vector<int64_t> dilation) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return at::conv2d(x, weight, bias, stride, padding, dilation);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const auto stride = ctx->saved_data["stride"].toIntVector();
+    const auto padding = ctx->saved_data["padding"].toIntVector();
+    const auto dilation = ctx->saved_data["dilation"].toIntVector();
+    const at::Tensor& g = grads[0];  // [B, C_out, H_out, W_out]
+    const int64_t batch = g.size(0), c_out = g.size(1), pixels = g.size(2) * g.size(3);
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(0)) {
+      grad_x =
+          std::get<0>(at::convolution_backward(g, x, w, std::nullopt, stride, padding, dilation,
+                                               false, {0, 0}, 1, {true, false, false}));
+    }
+    if (ctx->needs_input_grad(1)) {
+      auto cols = at::im2col(x, {w.size(2), w.size(3)}, dilation, padding, stride);  // [B, K, L]
+      auto g_rows = g.permute({0, 2, 3, 1}).reshape({batch, pixels, c_out});  // [B, L, C_out]
+      auto k_by_out = at::bmm(cols, g_rows).sum(0);                           // [K, C_out]
+      grad_w = at::empty_like(w);
+      grad_w.copy_(k_by_out.t().reshape(w.sizes()));
+    }
+    // Gradient edges count tensor inputs only: the bias is edge 2 when there is one.
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
+      grad_b = g.sum({0, 2, 3});
+    }
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
 
 struct ToyModelImpl : torch::nn::Module {
   ToyModelImpl() {
@@ -40,7 +101,7 @@ struct LeNetImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     auto pool = F::AvgPool2dFuncOptions(2);
-    auto h = F::avg_pool2d(torch::relu(conv1(x)), pool);
+    auto h = F::avg_pool2d(torch::relu(conv2d(conv1, x)), pool);
     h = F::avg_pool2d(torch::relu(conv2(h)), pool);
     return fc2(torch::relu(fc1(h.flatten(1))));
   }
@@ -101,7 +162,7 @@ struct ResNet18SmallImpl : torch::nn::Module {
     fc = register_module("fc", nn::Linear(512, o.num_classes));
   }
   at::Tensor forward(const at::Tensor& x) {
-    auto h = torch::relu(bn1(conv1(x)));
+    auto h = torch::relu(bn1(conv2d(conv1, x)));
     for (auto& l : layers) h = l->forward(h);
     return fc(h.mean({2, 3}));
   }
@@ -220,7 +281,7 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
   return torch::nn::Sequential(
       {{"conv1", Block(Parts{{"conv1", m->conv1.ptr()}},
                        [m, pool](const at::Tensor& x) {
-                         return F::avg_pool2d(torch::relu(m->conv1(x)), pool);
+                         return F::avg_pool2d(torch::relu(conv2d(m->conv1, x)), pool);
                        })},
        {"conv2", Block(Parts{{"conv2", m->conv2.ptr()}},
                        [m, pool](const at::Tensor& x) {
@@ -234,9 +295,9 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
 
 torch::nn::Sequential blocks_of(const std::shared_ptr<ResNet18SmallImpl>& m) {
   torch::nn::Sequential seq;
-  seq->push_back("stem",
-                 Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
-                       [m](const at::Tensor& x) { return torch::relu(m->bn1(m->conv1(x))); }));
+  seq->push_back(
+      "stem", Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
+                    [m](const at::Tensor& x) { return torch::relu(m->bn1(conv2d(m->conv1, x))); }));
   push_layers(seq, m->layers);
   seq->push_back("head", Block(Parts{{"fc", m->fc.ptr()}}, [m](const at::Tensor& x) {
                    return m->fc(x.mean({2, 3}));
@@ -299,6 +360,25 @@ void to_channels_last(torch::nn::Module& module) {
   for (auto& b : module.buffers()) {
     if (b.dim() == 4) b.set_data(b.contiguous(at::MemoryFormat::ChannelsLast));
   }
+}
+
+at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x) {
+  const auto& o = conv->options;
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+  const at::Tensor& w = conv->weight;
+  const bool fast = x.device().is_cpu() && x.dim() == 4 && padding != nullptr && o.groups() == 1 &&
+                    std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()) &&
+                    w.requires_grad() && torch::GradMode::is_enabled() &&
+                    x.scalar_type() == w.scalar_type() &&
+                    !at::autocast::is_autocast_enabled(at::kCPU) &&
+                    w.size(1) * w.size(2) * w.size(3) <= kStemMaxTaps;
+  if (!fast) return conv->forward(x);
+  auto vec = [](const torch::ExpandingArray<2>& a) {
+    return std::vector<int64_t>(a->begin(), a->end());
+  };
+  std::optional<at::Tensor> bias;
+  if (conv->bias.defined()) bias = conv->bias;
+  return StemConvFunction::apply(x, w, bias, vec(o.stride()), vec(*padding), vec(o.dilation()));
 }
 
 int64_t parameter_count(const torch::nn::Module& module) {

@@ -1,6 +1,7 @@
 #include "scaletrain/models.h"
 
 #include <gtest/gtest.h>
+#include <torch/nn/functional/pooling.h>
 #include <torch/nn/modules/conv.h>
 
 #include <set>
@@ -178,6 +179,39 @@ TEST(Models, StemConvLeavesOtherConvolutionsToLibTorch) {
   nn::Conv2d stem(nn::Conv2dOptions(1, 4, 3));
   torch::NoGradGuard no_grad;  // inference: no autograd node at all
   EXPECT_FALSE(conv2d(stem, at::randn({2, 1, 8, 8})).grad_fn());
+}
+
+// The fused relu + 2x2 average pool (Note [Fused ReLU + pool]) against LibTorch's two ops: the
+// same values and input gradients, bit for bit, for even and odd sizes, on one and two threads.
+TEST(Models, FusedReluPoolEqualsLibTorchs) {
+  namespace F = torch::nn::functional;
+  const int threads = at::get_num_threads();
+  for (int t : {1, 2}) {
+    at::set_num_threads(t);
+    for (auto shape : std::vector<std::vector<int64_t>>{
+             {6, 20, 26, 26}, {6, 50, 9, 9}, {3, 5, 7, 8}, {1, 3, 2, 3}}) {
+      torch::manual_seed(2);
+      auto x = at::randn(shape).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+      auto x_ref = x.detach().clone().requires_grad_(true);
+      const std::string what = std::to_string(shape[1]) + "x" + std::to_string(shape[2]) + "x" +
+                               std::to_string(shape[3]) + ", " + std::to_string(t) + " thread(s)";
+      auto y = relu_avg_pool2x2(x);
+      EXPECT_NE(y.grad_fn()->name().find("ReluAvgPool"), std::string::npos) << what;
+      auto y_ref = F::avg_pool2d(torch::relu(x_ref), F::AvgPool2dFuncOptions(2));
+      ASSERT_EQ(y.sizes(), y_ref.sizes()) << what;
+      EXPECT_TRUE(at::equal(y, y_ref)) << what;
+      auto g = at::randn_like(y_ref);
+      y.backward(g);
+      y_ref.backward(g);
+      EXPECT_TRUE(at::equal(x.grad(), x_ref.grad()))
+          << what << ": max diff " << (x.grad() - x_ref.grad()).abs().max().item<float>();
+    }
+  }
+  at::set_num_threads(threads);
+  // Another layout takes LibTorch's ops, with the same result.
+  auto x = at::randn({2, 4, 6, 6});
+  EXPECT_TRUE(
+      at::equal(relu_avg_pool2x2(x), F::avg_pool2d(torch::relu(x), F::AvgPool2dFuncOptions(2))));
 }
 
 }  // namespace

@@ -72,6 +72,11 @@ void to_channels_last(torch::nn::Module& module);
 /// src/models/models.cpp.
 at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
 
+/// avg_pool2d(relu(x), 2) (2x2 windows, stride 2), fused into one pass each way for channels-last
+/// float tensors on the CPU (Note [Fused ReLU + pool] in src/models/models.cpp); other tensors
+/// take LibTorch's two ops. LeNet uses it after each convolution.
+at::Tensor relu_avg_pool2x2(const at::Tensor& x);
+
 /// Number of elements of all parameters.
 int64_t parameter_count(const torch::nn::Module& module);
 

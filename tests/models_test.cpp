@@ -7,6 +7,7 @@
 #include <set>
 
 #include "scaletrain/error.h"
+#include "scaletrain/intra_op_threads.h"
 
 namespace scaletrain {
 namespace {
@@ -185,9 +186,8 @@ TEST(Models, StemConvLeavesOtherConvolutionsToLibTorch) {
 // same values and input gradients, bit for bit, for even and odd sizes, on one and two threads.
 TEST(Models, FusedReluPoolEqualsLibTorchs) {
   namespace F = torch::nn::functional;
-  const int threads = at::get_num_threads();
   for (int t : {1, 2}) {
-    at::set_num_threads(t);
+    IntraOpThreads threads(t);
     for (auto shape : std::vector<std::vector<int64_t>>{
              {6, 20, 26, 26}, {6, 50, 9, 9}, {3, 5, 7, 8}, {1, 3, 2, 3}}) {
       torch::manual_seed(2);
@@ -207,7 +207,6 @@ TEST(Models, FusedReluPoolEqualsLibTorchs) {
           << what << ": max diff " << (x.grad() - x_ref.grad()).abs().max().item<float>();
     }
   }
-  at::set_num_threads(threads);
   // Another layout takes LibTorch's ops, with the same result.
   auto x = at::randn({2, 4, 6, 6});
   EXPECT_TRUE(

@@ -10,6 +10,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "scaletrain/error.h"
+#include "scaletrain/intra_op_threads.h"
 
 namespace scaletrain {
 namespace {
@@ -128,12 +129,7 @@ TEST(Pipeline, BalanceByTimeIsolatesTheHeavyLayer) {
   torch::manual_seed(0);
   // One intra-op thread: on a many-core machine the big layer is spread over every core and
   // the tiny ones are all overhead, which blurs the contrast the test relies on.
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  struct Restore {
-    int n;
-    ~Restore() { at::set_num_threads(n); }
-  } restore{threads};
+  IntraOpThreads one_thread(1);
   torch::nn::Sequential m(torch::nn::Linear(32, 32), torch::nn::Linear(32, 32),
                           torch::nn::Linear(32, 1024), torch::nn::Linear(1024, 1024),
                           torch::nn::Linear(1024, 32));

@@ -1,25 +1,12 @@
 #pragma once
 // The suite functions behind bench::suites() (one file per suite in src/bench/).
 
-#include <ATen/Parallel.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include "scaletrain/bench_suites.h"
+#include "scaletrain/intra_op_threads.h"
 
 namespace scaletrain::bench {
-
-/// Sets LibTorch's intra-op thread count for a scope and restores it after, also when the
-/// suite throws.
-class IntraOpThreads {
- public:
-  explicit IntraOpThreads(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
-  ~IntraOpThreads() { at::set_num_threads(saved_); }
-  IntraOpThreads(const IntraOpThreads&) = delete;
-  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
-
- private:
-  int saved_;
-};
 
 /// `layers` pairs of Linear(width, width) + Tanh, seeded: the pipeline suites' model of equal
 /// stages.

@@ -4,6 +4,7 @@
 #include <torch/nn/functional/pooling.h>
 #include <torch/nn/modules/conv.h>
 
+#include <map>
 #include <set>
 
 #include "scaletrain/error.h"
@@ -211,6 +212,56 @@ TEST(Models, FusedReluPoolEqualsLibTorchs) {
   auto x = at::randn({2, 4, 6, 6});
   EXPECT_TRUE(
       at::equal(relu_avg_pool2x2(x), F::avg_pool2d(torch::relu(x), F::AvgPool2dFuncOptions(2))));
+}
+
+// LeNet reads only the rows and columns its floor-rounding pools keep (Note [Unread border]): its
+// output and gradients equal the uncropped layers' (LibTorch's conv, relu, avg_pool), for both
+// input sizes LeNet takes and both memory formats, through the model and its block chain.
+TEST(Models, LeNetEqualsItsUncroppedLayers) {
+  namespace F = torch::nn::functional;
+  for (int64_t size : {28, 29}) {
+    for (bool channels_last : {false, true}) {
+      const std::string what = std::to_string(size) + (channels_last ? " NHWC" : " NCHW");
+      torch::manual_seed(3);
+      Model m = make_model("lenet");
+      auto x = at::randn({5, 1, size, size});
+      if (channels_last) {
+        to_channels_last(*m.module);
+        x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      }
+      auto p = m.module->named_parameters();
+      auto conv = [&](const at::Tensor& in, const std::string& name) {
+        return at::conv2d(in, p[name + ".weight"], p[name + ".bias"]);
+      };
+      auto pool = [](const at::Tensor& in) {
+        return F::avg_pool2d(torch::relu(in), F::AvgPool2dFuncOptions(2));
+      };
+      auto x_ref = x.clone().requires_grad_(true);
+      auto h = pool(conv(pool(conv(x_ref, "conv1")), "conv2")).flatten(1);
+      h = torch::relu(at::linear(h, p["fc1.weight"], p["fc1.bias"]));
+      auto ref = at::linear(h, p["fc2.weight"], p["fc2.bias"]);
+      auto g = at::randn_like(ref);
+      ref.backward(g);
+      std::map<std::string, at::Tensor> ref_grads;
+      for (auto& item : p) ref_grads[item.key()] = item.value().grad().clone();
+
+      auto seq = as_sequential(m);
+      for (int path = 0; path < 2; ++path) {
+        m.module->zero_grad();
+        auto xi = x.clone().requires_grad_(true);
+        auto out = path == 0 ? m.forward(xi) : seq->forward(xi);
+        const std::string where = what + (path == 0 ? ", model" : ", block chain");
+        ASSERT_EQ(out.sizes(), ref.sizes()) << where;
+        EXPECT_LE((out - ref).abs().max().item<float>(), 1e-5) << where;
+        out.backward(g);
+        for (auto& item : p) {
+          EXPECT_LE((item.value().grad() - ref_grads[item.key()]).abs().max().item<float>(), 1e-5)
+              << where << " " << item.key();
+        }
+        EXPECT_LE((xi.grad() - x_ref.grad()).abs().max().item<float>(), 1e-5) << where;
+      }
+    }
+  }
 }
 
 }  // namespace

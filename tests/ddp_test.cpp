@@ -99,6 +99,8 @@ double max_diff_from_single(int world, const Case& c) {
     auto model = make_model(d.rank());
     auto data = make_data(world, c.accumulate);
     DistributedDataParallel ddp(model, d, c.options);
+    // Threads of one process share /dev/shm: the fast path is taken whenever it is asked for.
+    EXPECT_EQ(ddp.uses_shared_memory(), world > 1 && c.options.shared_memory);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
@@ -147,7 +149,45 @@ TEST_P(DDPWorlds, EqualsSingleProcessWithTinyBucketsAndNoOverlap) {
   EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
 }
 
+// The same through Gloo alone (as between machines): shared memory off.
+TEST_P(DDPWorlds, EqualsSingleProcessOverGlooAlone) {
+  Case c;
+  c.options.find_unused_parameters = true;
+  c.options.shared_memory = false;
+  c.options.first_bucket_cap_mb = 1e-4;
+  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, DDPWorlds, ::testing::Values(1, 2, 3, 4));
+
+// Two ranks: a + b is b + a, so shared memory and Gloo agree to the bit.
+TEST(DDP, SharedMemoryAndGlooGiveTheSameBits) {
+  std::vector<std::vector<at::Tensor>> grads(2);
+  for (bool shm : {true, false}) {
+    auto errors = run_ranks(2, [&](Dist& d) {
+      auto model = make_model(0);
+      DDPOptions o;
+      o.find_unused_parameters = true;
+      o.shared_memory = shm;
+      o.first_bucket_cap_mb = 1e-4;  // several buckets
+      DistributedDataParallel ddp(model, d, o);
+      auto x = at::randn({4, kIn}, at::make_generator<at::CPUGeneratorImpl>(d.rank()));
+      ddp.forward([&] { return model->forward(x); }).pow(2).sum().backward();
+      if (d.rank() == 1) {
+        for (auto& p : model->parameters())
+          grads[shm ? 0 : 1].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+      }
+    });
+    ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    ASSERT_EQ(grads[0][i].defined(), grads[1][i].defined());
+    if (grads[0][i].defined()) {
+      EXPECT_TRUE(at::equal(grads[0][i], grads[1][i])) << i;
+    }
+  }
+}
 
 TEST(DDP, GradientAccumulationWithNoSync) {
   Case c;

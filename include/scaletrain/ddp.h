@@ -30,7 +30,13 @@
 // first exchanges one flag per rank ("I have a batch"), and a rank that ran out of data calls
 // join(). If some ranks joined while others still step, every rank throws an Error naming the
 // ranks that ran out and the step — no hang. Make inputs even with DistributedSampler (padding
-// or drop_last). Cost: one tiny all-gather per step.
+// or drop_last). Cost: one tiny all-gather per step (microseconds through shared memory).
+//
+// Same-machine ranks (Note [Shared-memory reduce] in src/base/shm.cpp): with shared_memory (the
+// default) and the Gloo backend, ranks that can all map one /dev/shm segment sum float32 CPU
+// gradient buckets and exchange the uneven-input flags through it, on the calling thread,
+// instead of through Gloo's sockets: ~0.2 ms instead of 2.4 ms for a 516 KB bucket. Every rank
+// gets the same bits. Where any rank cannot map it (another machine), all use the backend.
 
 #include <torch/nn/module.h>
 
@@ -59,6 +65,7 @@ struct DDPOptions {
   bool overlap = true;  // false: all-reduce only after backward (a baseline)
   bool detect_uneven_inputs = true;
   int check_replicas_every = 0;  // >0: replica drift check every N forwards
+  bool shared_memory = true;  // same-machine ranks reduce CPU float32 buckets through /dev/shm
 };
 
 class DistributedDataParallel {
@@ -108,6 +115,9 @@ class DistributedDataParallel {
   const std::vector<std::string>& parameter_names() const;
   torch::nn::Module& module() { return *module_; }
   const Dist& dist() const { return dist_; }
+  /// True when the gradient buckets and flags go through shared memory (DDPOptions::
+  /// shared_memory, every rank on this machine, Gloo, float32 CPU buckets).
+  bool uses_shared_memory() const;
 
   struct Reducer;  // Note [Reducer] in src/ddp/reducer.cpp
 

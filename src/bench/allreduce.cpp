@@ -1,4 +1,5 @@
-// Suite `allreduce`: message sizes from 4 KB up, over 2..N ranks on this host. Reports
+// Suite `allreduce`: message sizes from 4 KB up, over 2..N ranks on this host, through Gloo and
+// through the shared-memory path DDP takes on one machine. Reports
 // algorithm bandwidth (bytes / time) and bus bandwidth (algbw * 2(n-1)/n, what a ring moves per
 // link, as nccl-tests define it) against the host's memory-copy bandwidth, the ceiling for ranks
 // that share one memory.
@@ -10,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../dist/shared_group.h"
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
@@ -43,21 +45,32 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
   Dist d = init_process_group();
   std::ofstream csv;
   if (d.rank() == 0) csv.open(csv_path);
+  // The path DDP takes for ranks on one machine (Note [Shared-memory reduce]), 4 MB rounds.
+  auto shm = open_shared_group(d, "scaletrain/bench/allreduce", int64_t{1} << 20);
   for (int64_t bytes = 4 << 10; bytes <= max_bytes(quick); bytes *= 4) {
     std::vector<at::Tensor> t{at::ones({bytes / 4})};
+    const std::string what = "all-reduce of " + std::to_string(bytes) + " bytes";
     wait_for(d.backend->allreduce(t), "warm-up all-reduce", d);
     for (int i = 0; i < repeats; ++i) {
       wait_for(d.backend->barrier(), "barrier", d);
       auto t0 = std::chrono::steady_clock::now();
-      wait_for(d.backend->allreduce(t), "all-reduce of " + std::to_string(bytes) + " bytes", d);
-      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << "\n";
+      wait_for(d.backend->allreduce(t), what, d);
+      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << ",gloo\n";
+    }
+    if (!shm) continue;
+    shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), "warm-up all-reduce");
+    for (int i = 0; i < repeats; ++i) {
+      wait_for(d.backend->barrier(), "barrier", d);
+      auto t0 = std::chrono::steady_clock::now();
+      shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), what);
+      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << ",shm\n";
     }
   }
   return 0;
 }
 
 SuiteResult run_allreduce(const SuiteOptions& o) {
-  const std::string title = "All-reduce bus bandwidth (Gloo, ranks on one host)";
+  const std::string title = "All-reduce bus bandwidth (ranks on one host: Gloo, shared memory)";
   SuiteResult r = new_result(
       "allreduce", title, "GB/s",
       {Plot::Kind::kLines, title, "message size (bytes)", "bus bandwidth (GB/s)", true, false}, o);
@@ -75,12 +88,15 @@ SuiteResult run_allreduce(const SuiteOptions& o) {
     std::vector<Sample> samples;
     while (std::getline(in, line)) {
       std::stringstream ls(line);
-      std::string b, t;
+      std::string b, t, path;
       std::getline(ls, b, ',');
       std::getline(ls, t, ',');
+      std::getline(ls, path, ',');
       double bytes = std::stod(b), secs = std::stod(t);
-      if (samples.empty() || samples.back().x != b) {
-        samples.push_back({std::to_string(n) + " ranks", b, bytes, {}});
+      const std::string series =
+          std::to_string(n) + " ranks, " + (path == "shm" ? "shared memory" : "Gloo");
+      if (samples.empty() || samples.back().x != b || samples.back().series != series) {
+        samples.push_back({series, b, bytes, {}});
       }
       double algbw = bytes / secs / 1e9;
       samples.back().values.push_back(algbw * 2.0 * (n - 1) / n);

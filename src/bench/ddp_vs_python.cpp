@@ -69,6 +69,7 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   const int repeats = std::stoi(kv.count("--repeats") ? kv["--repeats"] : "5");
   const bool overlap = !kv.count("--overlap") || kv["--overlap"] != "0";
   const bool channels_last = !kv.count("--channels-last") || kv["--channels-last"] != "0";
+  const bool shared_memory = !kv.count("--shared-memory") || kv["--shared-memory"] != "0";
   Dist d = init_process_group();
   at::set_num_threads(1);
   Dataset data = load_fashion_mnist(kFashionMnistDir, true);
@@ -77,6 +78,7 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   if (channels_last) to_channels_last(*m.module);  // as `scaletrain train` does by default
   DDPOptions opts;
   opts.overlap = overlap;
+  opts.shared_memory = shared_memory;
   DistributedDataParallel ddp(m.module, d, opts);
   torch::optim::SGD opt(m.module->parameters(),
                         torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));

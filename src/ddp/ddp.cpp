@@ -82,14 +82,6 @@ void broadcast_coalesced(const Dist& d, const std::vector<at::Tensor>& tensors,
   }
 }
 
-// Output slots of an all-gather of one int per rank: distinct tensors (a vector filled with
-// copies of one tensor would alias a single buffer).
-std::vector<std::vector<at::Tensor>> flag_slots(int world) {
-  std::vector<at::Tensor> slots;
-  for (int r = 0; r < world; ++r) slots.push_back(at::empty({1}, at::kInt));
-  return {slots};
-}
-
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
@@ -118,9 +110,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers");
   }
   reducer_ = std::make_unique<Reducer>(dist_, options_, std::move(params), std::move(names));
+  reducer_->open_shared_memory(instance);
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
+
+bool DistributedDataParallel::uses_shared_memory() const { return reducer_->shm != nullptr; }
 
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const {
   return reducer_->assignment;
@@ -134,13 +129,11 @@ void DistributedDataParallel::pre_forward() {
   ++step_;
   if (options_.detect_uneven_inputs && dist_.size() > 1) {
     // Note [Uneven inputs]: "1" from every rank that still has a batch, "0" from join().
-    std::vector<at::Tensor> in{at::ones({1}, at::kInt)};
-    auto out = flag_slots(dist_.size());
-    wait_for(dist_.backend->allgather(out, in),
-             "uneven-input check of step " + std::to_string(step_), dist_);
+    const auto flags =
+        reducer_->exchange_flags(1, "uneven-input check of step " + std::to_string(step_));
     std::string joined;
     for (int r = 0; r < dist_.size(); ++r) {
-      if (out[0][static_cast<size_t>(r)].item<int>() == 0)
+      if (flags[static_cast<size_t>(r)] == 0)
         joined += (joined.empty() ? "" : ", ") + std::to_string(r);
     }
     if (!joined.empty()) {
@@ -188,12 +181,10 @@ DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->sync = previous_; }
 
 void DistributedDataParallel::join() {
   if (!options_.detect_uneven_inputs || dist_.size() == 1) return;
-  std::vector<at::Tensor> in{at::zeros({1}, at::kInt)};
-  auto out = flag_slots(dist_.size());
-  wait_for(dist_.backend->allgather(out, in), "join (uneven-input check)", dist_);
+  const auto flags = reducer_->exchange_flags(0, "join (uneven-input check)");
   std::string active;
   for (int r = 0; r < dist_.size(); ++r) {
-    if (out[0][static_cast<size_t>(r)].item<int>() != 0)
+    if (flags[static_cast<size_t>(r)] != 0)
       active += (active.empty() ? "" : ", ") + std::to_string(r);
   }
   if (!active.empty()) {

@@ -21,10 +21,12 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <thread>
 
+#include "../dist/shared_group.h"
 #include "reducer.h"
 #include "scaletrain/error.h"
 
@@ -173,6 +175,15 @@ void Reducer::mark_ready(size_t i) {
 void Reducer::launch(size_t k) {
   Bucket& b = buckets[k];
   b.flat.div_(dist.size());
+  b.launched = true;
+  if (shm && opts.comm_hook == CommHook::kNone && b.flat.is_cpu() &&
+      b.flat.scalar_type() == at::kFloat) {
+    // Synchronous: a sum through memory has no latency to hide behind the rest of backward.
+    shm->allreduce_sum(b.flat.mutable_data_ptr<float>(), b.flat.numel(),
+                       "all-reduce of gradient bucket " + std::to_string(k) + " of " +
+                           std::to_string(buckets.size()) + " (shared memory)");
+    return;
+  }
   std::vector<at::Tensor> t;
   if (opts.comm_hook == CommHook::kNone) {
     t = {b.flat};
@@ -181,7 +192,6 @@ void Reducer::launch(size_t k) {
     t = {b.wire};
   }
   b.work = dist.backend->allreduce(t);
-  b.launched = true;
 }
 
 void Reducer::finalize() {
@@ -197,6 +207,7 @@ void Reducer::finalize() {
   }
   for (size_t k = 0; k < buckets.size(); ++k) {
     Bucket& b = buckets[k];
+    if (!b.work) continue;  // reduced through shared memory
     wait_for(b.work,
              "all-reduce of gradient bucket " + std::to_string(k) + " of " +
                  std::to_string(buckets.size()),
@@ -217,6 +228,28 @@ void Reducer::finalize() {
     }
   }
   if (opts.find_unused_parameters) drop_globally_unused();
+}
+
+std::vector<int32_t> Reducer::exchange_flags(int32_t mine, const std::string& what) {
+  if (shm) return shm->allgather(mine, what);
+  std::vector<at::Tensor> in{at::full({1}, mine, at::kInt)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < dist.size(); ++r) out[0].push_back(at::empty({1}, at::kInt));
+  wait_for(dist.backend->allgather(out, in), what, dist);
+  std::vector<int32_t> flags;
+  for (auto& t : out[0]) flags.push_back(t.item<int32_t>());
+  return flags;
+}
+
+void Reducer::open_shared_memory(int instance) {
+  int64_t largest = 0;
+  for (auto& b : buckets) {
+    if (b.flat.is_cpu() && b.flat.scalar_type() == at::kFloat)
+      largest = std::max(largest, b.flat.numel());
+  }
+  if (!opts.shared_memory || largest == 0) return;
+  shm = open_shared_group(dist, "scaletrain/ddp/shm/" + std::to_string(instance),
+                          std::min<int64_t>(largest, int64_t{1} << 20));  // <= 4 MB per rank
 }
 
 void Reducer::drop_globally_unused() {

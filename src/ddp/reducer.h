@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "../base/shm.h"
 #include "scaletrain/bucket.h"
 #include "scaletrain/ddp.h"
 
@@ -49,6 +50,13 @@ struct DistributedDataParallel::Reducer {
   bool callback_queued = false;
   int64_t round = 0;  // forwards so far, for store keys
   std::mutex mu;
+  std::unique_ptr<SharedGroup> shm;  // same-machine ranks: Note [Shared-memory reduce]
+
+  /// Every rank's `mine`, through `shm` when there is one, else an all-gather on the backend.
+  std::vector<int32_t> exchange_flags(int32_t mine, const std::string& what);
+  /// Collective: maps one shared segment on every rank (instance-th DDP of this group), or on
+  /// none; for the Gloo backend and float32 CPU buckets only.
+  void open_shared_memory(int instance);
 
  private:
   void on_gradient(size_t i);

@@ -148,6 +148,15 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
                                   csv, "scaletrain_" + tag)) {
           runs["ours" + std::to_string(n)].push_back(v);
         }
+        if (n == 1) return;
+        // The same over Gloo alone, as between machines: what shared memory adds.
+        const std::string gloo_csv = o.work_dir + "/ddp_gloo_" + tag + ".csv";
+        for (double v : run_ranks(o, n,
+                                  {o.self_exe, "bench-worker", "ddp", "--csv", gloo_csv,
+                                   "--steps", steps, "--repeats", "1", "--shared-memory", "0"},
+                                  gloo_csv, "scaletrain_gloo_" + tag)) {
+          runs["gloo" + std::to_string(n)].push_back(v);
+        }
       };
       auto theirs = [&] {
         const std::string csv = o.work_dir + "/python_" + tag + ".csv";
@@ -175,20 +184,25 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
     mean["ours" + k] = stats(runs["ours" + k]).mean;
     mean["py" + k] = stats(runs["py" + k]).mean;
   }
+  r.samples.push_back({"scaletrain DDP (C++), Gloo only", "2 processes", 2.0, runs["gloo2"]});
+  mean["gloo2"] = stats(runs["gloo2"]).mean;
   char note[512];
   std::snprintf(note, sizeof(note),
                 "scaletrain / Python at 2 processes: %.2fx (at 1 process: %.2fx). Scaling "
                 "efficiency 1 -> 2 processes (throughput_2 / (2 x throughput_1)): scaletrain "
-                "%.2f, Python %.2f.",
+                "%.2f, Python %.2f. scaletrain over Gloo alone (no shared memory): %.2fx the "
+                "Python peer, scaling %.2f.",
                 mean["ours2"] / mean["py2"], mean["ours1"] / mean["py1"],
-                mean["ours2"] / (2 * mean["ours1"]), mean["py2"] / (2 * mean["py1"]));
+                mean["ours2"] / (2 * mean["ours1"]), mean["py2"] / (2 * mean["py1"]),
+                mean["gloo2"] / mean["py2"], mean["gloo2"] / (2 * mean["ours1"]));
   r.notes.push_back(note);
   r.notes.push_back(
-      "Both sides: one thread per process (OMP_NUM_THREADS=1), gloo, SGD with "
-      "momentum, data in memory; scaletrain as `scaletrain train` runs it (channels-last "
-      "convolutions), the Python peer as the seeds write it. The Python side is started by "
-      "scaletrain's "
-      "launcher with torchrun's environment, as torchrun would start it.");
+      "Both sides: one thread per process (OMP_NUM_THREADS=1), SGD with momentum, data in "
+      "memory, the Gloo process group; scaletrain as `scaletrain train` runs it (channels-last "
+      "convolutions; ranks on one machine sum gradients through shared memory, its default), "
+      "the Python peer as the seeds write it (DDP's all-reduce over Gloo). The Python side is "
+      "started by scaletrain's launcher with torchrun's environment, as torchrun would start "
+      "it.");
   return r;
 }
 
@@ -199,23 +213,35 @@ SuiteResult run_ddp_overlap(const SuiteOptions& o) {
                              {Plot::Kind::kBars, title, "", "samples per second", false, false}, o);
   const std::string steps = o.quick ? "3" : "10";
   const std::string batch = o.quick ? "16" : "64";
+  struct Config {
+    std::string tag, label, overlap, shared_memory;
+  };
+  // Overlap is a Gloo matter (sockets and worker threads to hide); through shared memory each
+  // bucket is summed in its hook, on the training thread (Note [Shared-memory reduce]).
+  const std::vector<Config> configs = {{"gloo_overlap", "Gloo, overlapped", "1", "0"},
+                                       {"gloo_after", "Gloo, after backward", "0", "0"},
+                                       {"shm", "shared memory (default)", "1", "1"}};
   std::map<std::string, double> mean;
-  for (const std::string overlap : {"1", "0"}) {
-    const std::string csv = o.work_dir + "/overlap_" + overlap + ".csv";
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const Config& c = configs[i];
+    const std::string csv = o.work_dir + "/overlap_" + c.tag + ".csv";
     auto v = run_ranks(o, 2,
                        {o.self_exe, "bench-worker", "ddp", "--model", "resnet18", "--csv", csv,
                         "--steps", steps, "--warmup", "1", "--repeats", std::to_string(o.repeats),
-                        "--batch-size", batch, "--overlap", overlap},
-                       csv, "overlap_" + overlap);
-    r.samples.push_back({"resnet18", overlap == "1" ? "overlapped" : "after backward",
-                         overlap == "1" ? 0.0 : 1.0, v});
-    mean[overlap] = stats(v).mean;
+                        "--batch-size", batch, "--overlap", c.overlap, "--shared-memory",
+                        c.shared_memory},
+                       csv, "overlap_" + c.tag);
+    r.samples.push_back({"resnet18", c.label, static_cast<double>(i), v});
+    mean[c.tag] = stats(v).mean;
   }
-  char note[256];
+  char note[320];
   std::snprintf(note, sizeof(note),
-                "Overlap saves %.1f%% of the step time (throughput %.1f vs %.1f samples/s, "
-                "global batch %s).",
-                100.0 * (1.0 - mean["0"] / mean["1"]), mean["1"], mean["0"], batch.c_str());
+                "Over Gloo, overlap saves %.1f%% of the step time (%.1f vs %.1f samples/s, "
+                "global batch %s); shared memory gives %.1f samples/s (%+.1f%% against Gloo "
+                "overlapped).",
+                100.0 * (1.0 - mean["gloo_after"] / mean["gloo_overlap"]), mean["gloo_overlap"],
+                mean["gloo_after"], batch.c_str(), mean["shm"],
+                100.0 * (mean["shm"] / mean["gloo_overlap"] - 1.0));
   r.notes.push_back(note);
   return r;
 }

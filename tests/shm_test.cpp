@@ -127,7 +127,7 @@ TEST(SharedGroup, TimeoutNamesTheRanksThatNeverArrived) {
       3, 16,
       [&](int rank, SharedGroup& g) {
         if (rank == 2) {
-          std::this_thread::sleep_for(1500ms);  // alive, but never joins
+          std::this_thread::sleep_for(3s);  // alive, but never joins (and leaves long after)
           return;
         }
         float x = 1;

@@ -77,8 +77,8 @@ TEST_P(SharedAllreduce, SumsInRankOrderOnEveryRank) {
         if (data[static_cast<size_t>(i)] != expect) {
           throw Error("rank " + std::to_string(rank) + " round " + std::to_string(round) +
                       " element " + std::to_string(i) + ": " +
-                      std::to_string(data[static_cast<size_t>(i)]) + " != " +
-                      std::to_string(expect));
+                      std::to_string(data[static_cast<size_t>(i)]) +
+                      " != " + std::to_string(expect));
         }
       }
     }

@@ -65,7 +65,7 @@ struct DDPOptions {
   bool overlap = true;  // false: all-reduce only after backward (a baseline)
   bool detect_uneven_inputs = true;
   int check_replicas_every = 0;  // >0: replica drift check every N forwards
-  bool shared_memory = true;  // same-machine ranks reduce CPU float32 buckets through /dev/shm
+  bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
 };
 
 class DistributedDataParallel {

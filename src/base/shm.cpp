@@ -6,9 +6,9 @@
 // of a ~85 ms CPU step. Through one shared segment the same all-reduce is a copy in, a sum, a
 // copy out and two barriers, on the caller's thread:
 //
-//   segment:  header | per-rank state (pid, gone, barriers passed, flags) | slot 0 .. slot n-1 | sum
-//   round:    copy my chunk to my slot -> barrier -> sum my 1/n of the chunk over the slots, in
-//             rank order, into "sum" -> barrier -> copy the whole "sum" back
+//   segment:  header | per rank: pid, gone, barriers passed, flags | slot 0 .. n-1 | sum
+//   round:    copy my chunk to my slot -> barrier -> sum my 1/n of the chunk over the slots,
+//             in rank order, into "sum" -> barrier -> copy the whole "sum" back
 //
 // Every element is added by one rank in rank order, so every rank gets the same bits. A rank
 // writes its slot again only after the second barrier of the round before, which every rank
@@ -35,8 +35,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <csignal>
 #include <climits>
+#include <csignal>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -161,8 +161,8 @@ std::unique_ptr<SharedGroup> SharedGroup::attach(const std::string& name, const 
   if (fd < 0) throw Error(sys_error("shm_open " + name + " (another machine?)"));
   struct stat st {};
   const size_t bytes = Layout::bytes(o.size, o.chunk_floats);
-  void* base = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes ? map(fd, bytes)
-                                                                                : nullptr;
+  void* base =
+      fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes ? map(fd, bytes) : nullptr;
   close(fd);
   if (!base) throw Error("shared segment " + name + " is not the size this group needs");
   const auto& h = Layout::header(base);
@@ -220,8 +220,9 @@ void SharedGroup::barrier(const std::string& what) {
       const int pid = rs.pid.load();
       std::string why;
       if (rs.gone.load() != 0) {
-        why = "left the group (its DistributedDataParallel was destroyed, e.g. by an error) "
-              "before joining it";
+        why =
+            "left the group (its DistributedDataParallel was destroyed, e.g. by an error) "
+            "before joining it";
       } else if (pid > 0 && pid != getpid() && kill(pid, 0) != 0 && errno == ESRCH) {
         why = "(pid " + std::to_string(pid) + ") exited before joining it";
       }
@@ -233,13 +234,13 @@ void SharedGroup::barrier(const std::string& what) {
       missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
     if (clock::now() > deadline) {
-      fail(what, "timed out after " +
-                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
-                                        options_.timeout)
-                                        .count()) +
-                     " s (collective timeout): rank(s) " + missing +
-                     " never joined it. Look for a rank that stalled or took another code "
-                     "path; raise InitOptions::timeout if the work is just slow.");
+      fail(what,
+           "timed out after " +
+               std::to_string(
+                   std::chrono::duration_cast<std::chrono::seconds>(options_.timeout).count()) +
+               " s (collective timeout): rank(s) " + missing +
+               " never joined it. Look for a rank that stalled or took another code "
+               "path; raise InitOptions::timeout if the work is just slow.");
     }
   }
 }

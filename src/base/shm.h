@@ -52,7 +52,7 @@ class SharedGroup {
   Options options_;
   void* base_;
   size_t bytes_;
-  uint64_t barriers_ = 0;  // barriers this rank has passed
+  uint64_t barriers_ = 0;   // barriers this rank has passed
   uint32_t exchanges_ = 0;  // allgathers so far (their slots alternate)
 };
 

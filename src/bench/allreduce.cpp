@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -49,21 +50,21 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
   auto shm = open_shared_group(d, "scaletrain/bench/allreduce", int64_t{1} << 20);
   for (int64_t bytes = 4 << 10; bytes <= max_bytes(quick); bytes *= 4) {
     std::vector<at::Tensor> t{at::ones({bytes / 4})};
-    const std::string what = "all-reduce of " + std::to_string(bytes) + " bytes";
-    wait_for(d.backend->allreduce(t), "warm-up all-reduce", d);
-    for (int i = 0; i < repeats; ++i) {
-      wait_for(d.backend->barrier(), "barrier", d);
-      auto t0 = std::chrono::steady_clock::now();
-      wait_for(d.backend->allreduce(t), what, d);
-      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << ",gloo\n";
-    }
-    if (!shm) continue;
-    shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), "warm-up all-reduce");
-    for (int i = 0; i < repeats; ++i) {
-      wait_for(d.backend->barrier(), "barrier", d);
-      auto t0 = std::chrono::steady_clock::now();
-      shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), what);
-      if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << ",shm\n";
+    // One warm-up, then `repeats` timed all-reduces, each started together after a barrier.
+    auto time = [&](const std::string& path, const std::function<void(const std::string&)>& op) {
+      op("warm-up all-reduce");
+      for (int i = 0; i < repeats; ++i) {
+        wait_for(d.backend->barrier(), "barrier", d);
+        auto t0 = std::chrono::steady_clock::now();
+        op("all-reduce of " + std::to_string(bytes) + " bytes");
+        if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << "," << path << "\n";
+      }
+    };
+    time("gloo", [&](const std::string& what) { wait_for(d.backend->allreduce(t), what, d); });
+    if (shm) {
+      time("shm", [&](const std::string& what) {
+        shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), what);
+      });
     }
   }
   return 0;

@@ -140,22 +140,17 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
   for (int round = 0; round < o.repeats; ++round) {
     for (int n : {1, 2}) {
       const std::string tag = std::to_string(n) + "_" + std::to_string(round);
-      auto ours = [&] {
-        const std::string csv = o.work_dir + "/ddp_" + tag + ".csv";
-        for (double v : run_ranks(o, n,
-                                  {o.self_exe, "bench-worker", "ddp", "--csv", csv, "--steps",
-                                   steps, "--repeats", "1"},
-                                  csv, "scaletrain_" + tag)) {
-          runs["ours" + std::to_string(n)].push_back(v);
-        }
-        if (n == 1) return;
-        // The same over Gloo alone, as between machines: what shared memory adds.
-        const std::string gloo_csv = o.work_dir + "/ddp_gloo_" + tag + ".csv";
-        for (double v : run_ranks(o, n,
-                                  {o.self_exe, "bench-worker", "ddp", "--csv", gloo_csv,
-                                   "--steps", steps, "--repeats", "1", "--shared-memory", "0"},
-                                  gloo_csv, "scaletrain_gloo_" + tag)) {
-          runs["gloo" + std::to_string(n)].push_back(v);
+      // `key`: "ours" (as `scaletrain train` runs) or "gloo" (shared memory off, as between
+      // machines: what shared memory adds).
+      auto ours = [&](const std::string& key) {
+        const std::string name = "scaletrain_" + key + "_" + tag;
+        const std::string csv = o.work_dir + "/" + name + ".csv";
+        for (double v :
+             run_ranks(o, n,
+                       {o.self_exe, "bench-worker", "ddp", "--csv", csv, "--steps", steps,
+                        "--repeats", "1", "--shared-memory", key == "ours" ? "1" : "0"},
+                       csv, name)) {
+          runs[key + std::to_string(n)].push_back(v);
         }
       };
       auto theirs = [&] {
@@ -166,13 +161,10 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
           runs["py" + std::to_string(n)].push_back(v);
         }
       };
-      if (round % 2 == 0) {
-        ours();
-        theirs();
-      } else {
-        theirs();
-        ours();
-      }
+      if (round % 2 == 1) theirs();
+      ours("ours");
+      if (n == 2) ours("gloo");
+      if (round % 2 == 0) theirs();
     }
   }
   std::map<std::string, double> mean;
@@ -225,12 +217,12 @@ SuiteResult run_ddp_overlap(const SuiteOptions& o) {
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
     const std::string csv = o.work_dir + "/overlap_" + c.tag + ".csv";
-    auto v = run_ranks(o, 2,
-                       {o.self_exe, "bench-worker", "ddp", "--model", "resnet18", "--csv", csv,
-                        "--steps", steps, "--warmup", "1", "--repeats", std::to_string(o.repeats),
-                        "--batch-size", batch, "--overlap", c.overlap, "--shared-memory",
-                        c.shared_memory},
-                       csv, "overlap_" + c.tag);
+    auto v = run_ranks(
+        o, 2,
+        {o.self_exe, "bench-worker", "ddp", "--model", "resnet18", "--csv", csv, "--steps", steps,
+         "--warmup", "1", "--repeats", std::to_string(o.repeats), "--batch-size", batch,
+         "--overlap", c.overlap, "--shared-memory", c.shared_memory},
+        csv, "overlap_" + c.tag);
     r.samples.push_back({"resnet18", c.label, static_cast<double>(i), v});
     mean[c.tag] = stats(v).mean;
   }

@@ -7,7 +7,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
 
-.PHONY: all setup configure build run test asan-test bench gpu-check format tidy clean
+.PHONY: all setup configure build run test test-isa asan-test bench gpu-check format tidy clean
 
 all: build
 
@@ -25,8 +25,15 @@ build: configure
 run: build
 	$(BUILD)/scaletrain train --out runs/lenet
 
+# Every test, then the numeric ones again under each CPU dispatch level below this machine's own
+# (scripts/test-isa.sh; Note [Tolerances] in tests/support/tolerance.h).
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
+	scripts/test-isa.sh --below-native $(BUILD)
+
+# The numeric tests under every CPU dispatch level this machine offers (default, avx2, avx512).
+test-isa: build
+	scripts/test-isa.sh $(BUILD)
 
 # Every test under AddressSanitizer + UndefinedBehaviorSanitizer, in its own build folder.
 asan-test:

@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
 #include "scaletrain/data_parallel.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/models.h"
@@ -18,6 +19,8 @@
 #include "scaletrain/version.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
+#include "support/tolerance.h"
+#include "support/zoo.h"
 
 namespace scaletrain {
 namespace {
@@ -40,30 +43,54 @@ TEST(Cuda, NcclAllReduceWorldOne_CUDA) {
 }
 
 // Two processes sharing one GPU over Gloo (NCCL refuses two ranks on one GPU, and rank threads
-// of one process cannot share CUDA's single autograd thread): one epoch of DDP training ends
-// with the weights of one process training on the same global batches.
+// of one process cannot share CUDA's single autograd thread): one DDP step of the trainer, from
+// weights the test wrote, on the 64 synthetic samples it makes, gives the exact SGD step, with 1
+// process and with 2 (Note [Tolerances]).
 TEST(Cuda, DdpTwoProcessesShareOneGpuOverGloo_CUDA) {
   REQUIRE_GPU();
   namespace fs = std::filesystem;
   const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_ddp_gloo";
   fs::remove_all(dir);
+  fs::create_directories(dir);
+  torch::manual_seed(5);
+  Model start = make_model("mlp");
+  save_weights((dir / "start.pt").string(), *start.module);
+  // The trainer's defaults: SGD lr 0.05, momentum 0.9 (a first step's buffer is the gradient),
+  // weight decay 5e-4; synthetic data of seed 0 + 1.
+  const double lr = 0.05, wd = 5e-4;
+  Dataset data = make_synthetic(64, 1, 28, 28, 10, 1);
+  auto zoo = testing::zoo_reference("mlp");
+  auto exact =
+      testing::exact_and_magnitudes(zoo.make, zoo.forward, testing::weights_of(*start.module),
+                                    data.images, testing::cross_entropy_gradient(data.labels));
+  // Terms: forward 785 + 257, the loss 18, backward 10, the batch of 64, DDP's average over 2,
+  // and the update's four roundings.
+  const double terms = 785 + 257 + 18 + 10 + 64 + 3 + 4;
   auto train_with = [&](int procs) {
     const fs::path out = dir / std::to_string(procs);
     auto r = testing::run_command(
         testing::cli_path() + " train --nproc-per-node " + std::to_string(procs) +
-            " --device cuda --backend gloo --model mlp --dataset synthetic --limit-train 512"
-            " --limit-test 64 --epochs 1 --batch-size 64 --no-progress --resume none --out " +
-            out.string() + " 2>&1",
+            " --device cuda --backend gloo --model mlp --dataset synthetic --limit-train 64"
+            " --limit-test 64 --epochs 1 --batch-size 64 --no-progress --resume none"
+            " --init-weights " +
+            (dir / "start.pt").string() + " --out " + out.string() + " 2>&1",
         180);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     Model m = make_model("mlp");
     load_weights((out / "model.pt").string(), *m.module);
     return m.module->parameters();
   };
-  auto one = train_with(1), two = train_with(2);
-  ASSERT_EQ(one.size(), two.size());
-  for (size_t i = 0; i < one.size(); ++i) {
-    EXPECT_LE((one[i] - two[i]).abs().max().item<double>(), 1e-5) << i;
+  for (int procs : {1, 2}) {
+    auto got = train_with(procs);
+    auto w0 = testing::weights_of(*start.module);
+    ASSERT_EQ(got.size(), w0.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      auto w = w0[i].to(at::kDouble);
+      auto want = w - lr * (exact.grads[i] + wd * w);
+      auto magnitude = w.abs() + lr * (exact.grad_magnitudes[i] + wd * w.abs());
+      EXPECT_TRUE(testing::within_rounding(got[i], want, magnitude, terms))
+          << procs << " process(es), parameter " << i;
+    }
   }
   fs::remove_all(dir);
 }
@@ -78,12 +105,42 @@ at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::mse_loss(out, y);
 }
 
-// Two stages on one GPU, each on a stream of its own: the gradients of the whole CPU model.
+at::Tensor run_sequential(torch::nn::Module& m, const at::Tensor& x) {
+  return static_cast<torch::nn::SequentialImpl&>(m).forward(x);
+}
+
+// The exact gradients of small_model() on (x, y), and the terms of its longest chain: forward
+// fan-ins 9, 17, 17, the loss 3, backward fan-outs 16, 16, the batch, and `extra` (micro-batch
+// or replica weights and sums).
+testing::Exact small_model_exact(const at::Tensor& x, const at::Tensor& y) {
+  return testing::exact_and_magnitudes([] { return small_model().ptr(); }, run_sequential,
+                                       testing::weights_of(*small_model()), x,
+                                       testing::mse_gradient(y));
+}
+double small_model_terms(int64_t rows, double extra) {
+  return 9 + 17 + 17 + 3 + 16 + 16 + static_cast<double>(rows) + extra;
+}
+
+// fp32 on the GPU is fp32: no TF32 in cuBLAS or cuDNN while a test compares with fp32 bounds.
+struct NoTF32 {
+  bool cublas = at::globalContext().allowTF32CuBLAS();
+  bool cudnn = at::globalContext().allowTF32CuDNN();
+  NoTF32() {
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+  }
+  ~NoTF32() {
+    at::globalContext().setAllowTF32CuBLAS(cublas);
+    at::globalContext().setAllowTF32CuDNN(cudnn);
+  }
+};
+
+// Two stages on one GPU, each on a stream of its own: the gradients of the whole model.
 TEST(Cuda, PipelineTwoStagesOnOneGpuWithStreams_CUDA) {
   REQUIRE_GPU();
+  NoTF32 fp32;
   auto x = at::randn({10, 8}), y = at::randn({10, 4});
-  auto whole = small_model();
-  mse(whole->forward(x), y).backward();
+  auto exact = small_model_exact(x, y);
   for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
     PipelineOptions o;
     o.balance = {1, 2};
@@ -97,27 +154,22 @@ TEST(Cuda, PipelineTwoStagesOnOneGpuWithStreams_CUDA) {
     for (auto& st : pipe.stages()) {
       for (auto& p : st->parameters()) got.push_back(p.grad().cpu());
     }
-    auto want = whole->parameters();
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_LE((got[i] - want[i].grad()).abs().max().item<double>(), 1e-5) << i;
-    }
+    testing::expect_gradients_within_rounding(got, exact, small_model_terms(10, 2 * 3),
+                                              sched == PipelineSchedule::kGPipe ? "GPipe" : "1F1B");
   }
 }
 
 TEST(Cuda, DataParallelTwoReplicasOnOneGpu_CUDA) {
   REQUIRE_GPU();
+  NoTF32 fp32;
   auto x = at::randn({9, 8}), y = at::randn({9, 4});
-  auto whole = small_model();
-  mse(whole->forward(x), y).backward();
+  auto exact = small_model_exact(x, y);
   const at::Device gpu(at::kCUDA, 0);
   DataParallel dp(small_model(), {gpu, gpu});
   dp.train_step(x.to(gpu), y.to(gpu), mse);
-  auto got = dp.parameters();
-  auto want = whole->parameters();
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE((got[i].grad().cpu() - want[i].grad()).abs().max().item<double>(), 1e-5) << i;
-  }
+  std::vector<at::Tensor> got;
+  for (auto& p : dp.parameters()) got.push_back(p.grad().cpu());
+  testing::expect_gradients_within_rounding(got, exact, small_model_terms(9, 2 * 2), "cuda,cuda");
 }
 
 // The trainer on the GPU with fp16 autocast and loss scaling, DDP over NCCL with world size 1:
@@ -186,37 +238,45 @@ TEST(Cuda, WeightsAndCheckpointFromGpuLoadOnCpu_CUDA) {
 }
 
 // Seed 000's model parallel on one GPU: the small-image ResNet-18 as blocks, split over two
-// stages on cuda:0 (one chunk, two streams), gives the single-device model's output and
-// gradients. cuDNN's TF32 is off so that fp32 means fp32 on both sides.
+// stages on cuda:0 (one chunk, two streams), gives the single-device model's loss and gradients:
+// both against the exact float64 ones (batch norm in eval mode, Note [Tolerances]).
 TEST(Cuda, ResNetModelParallelOnOneGpuEqualsOneDevice_CUDA) {
   REQUIRE_GPU();
-  at::globalContext().setAllowTF32CuDNN(false);
-  at::globalContext().setAllowTF32CuBLAS(false);
+  NoTF32 fp32;
   torch::manual_seed(2);
   Model whole = make_model("resnet18");
-  whole.module->to(at::kCUDA);
   whole.module->eval();  // BatchNorm with running statistics: identical on both sides
+  auto x = at::randn({6, 1, 28, 28}), y = at::randn({6, 10});
+  auto zoo = testing::zoo_reference("resnet18", {}, /*eval=*/true);
+  auto exact =
+      testing::exact_and_magnitudes(zoo.make, zoo.forward, testing::weights_of(*whole.module), x,
+                                    testing::mse_gradient(y), testing::buffers_of(*whole.module));
+  // Terms: the forward and backward chains of every weight, conv1's weight gradient over the
+  // batch's 6 x 28 x 28 output pixels, the loss.
+  const double terms = testing::forward_terms(*whole.module) +
+                       testing::backward_terms(*whole.module) + 6 * 28 * 28 + 3;
   torch::manual_seed(2);
   Model split = make_model("resnet18");
   split.module->eval();
-  auto x = at::randn({6, 1, 28, 28}, at::TensorOptions().device(at::kCUDA));
-  auto y = at::randn({6, 10}, at::TensorOptions().device(at::kCUDA));
-  mse(whole.forward(x), y).backward();
+  whole.module->to(at::kCUDA);
+  const at::Device gpu(at::kCUDA, 0);
+  auto lw = mse(whole.forward(x.to(gpu)), y.to(gpu));
+  lw.backward();
   auto seq = as_sequential(split);
   PipelineOptions o;
   const int n = static_cast<int>(seq->size());
   o.balance = {n / 2, n - n / 2};
-  o.devices = {at::Device(at::kCUDA, 0), at::Device(at::kCUDA, 0)};
+  o.devices = {gpu, gpu};
   Pipeline mp(seq, o);
-  auto loss = mp.train_step(x, y, mse);
-  EXPECT_NEAR(loss.item<double>(), mse(whole.forward(x), y).item<double>(), 1e-5);
-  auto got = split.module->parameters();
-  auto want = whole.module->parameters();
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_LE((got[i].grad() - want[i].grad()).abs().max().item<double>(), 1e-4) << i;
-  }
-  at::globalContext().setAllowTF32CuDNN(true);
+  auto loss = mp.train_step(x.to(gpu), y.to(gpu), mse);
+  auto value = testing::mse_value(exact, y);
+  EXPECT_TRUE(testing::within_rounding(loss, value.exact, value.magnitude, terms)) << "pipeline";
+  EXPECT_TRUE(testing::within_rounding(lw, value.exact, value.magnitude, terms)) << "one device";
+  std::vector<at::Tensor> got, one;
+  for (auto& p : split.module->parameters()) got.push_back(p.grad().cpu());
+  for (auto& p : whole.module->parameters()) one.push_back(p.grad().cpu());
+  testing::expect_gradients_within_rounding(got, exact, terms, "pipeline");
+  testing::expect_gradients_within_rounding(one, exact, terms, "one device");
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// DataParallel transparency: gradients and a few SGD steps with replicas on cpu,cpu,... equal
-// the single model on the whole batch (fp32, 1e-5).
+// DataParallel transparency: at each of a few SGD steps with replicas on cpu,cpu,..., the loss
+// and the primary's gradients are the single model's on the whole batch at the same weights
+// (Note [Tolerances]: each against the exact float64 value, with the bound of its arithmetic).
 
 #include "scaletrain/data_parallel.h"
 
@@ -11,6 +12,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
+#include "support/tolerance.h"
 
 namespace scaletrain {
 namespace {
@@ -25,39 +27,49 @@ at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::mse_loss(out, y);
 }
 
+at::Tensor run_sequential(torch::nn::Module& m, const at::Tensor& x) {
+  return static_cast<torch::nn::SequentialImpl&>(m).forward(x);
+}
+
 class DataParallelDevices : public ::testing::TestWithParam<int> {};
 
 TEST_P(DataParallelDevices, ThreeStepsEqualTheSingleModel) {
   const int n = GetParam();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   auto x = at::randn({3, 11, 6}, gen), y = at::randn({3, 11, 3}, gen);  // 11: uneven split
+  // Terms: forward fan-ins 7 and 13, the loss 3, backward fan-out 3, the batch of 11, and the
+  // replicas' weighted losses and summed gradients (2 per replica).
+  const double terms = 7 + 13 + 3 + 3 + 11 + 2 * n;
 
-  auto single = make_model();
-  torch::optim::SGD opt1(single->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   DataParallel dp(make_model(), std::vector<at::Device>(static_cast<size_t>(n), at::kCPU));
-  torch::optim::SGD opt2(dp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt(dp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto make = [] { return make_model().ptr(); };
   for (int step = 0; step < 3; ++step) {
-    opt1.zero_grad();
-    auto l1 = mse(single->forward(x[step]), y[step]);
-    l1.backward();
-    opt2.zero_grad();
-    auto l2 = dp.train_step(x[step], y[step], mse);
-    EXPECT_NEAR(l1.item<double>(), l2.item<double>(), 1e-6);
-    auto a = single->parameters(), b = dp.parameters();
-    for (size_t i = 0; i < a.size(); ++i) {
-      EXPECT_LE((a[i].grad() - b[i].grad()).abs().max().item<double>(), 1e-5) << step << " " << i;
-    }
-    opt1.step();
-    opt2.step();
+    const std::string where = "step " + std::to_string(step);
+    auto exact =
+        testing::exact_and_magnitudes(make, run_sequential, testing::weights_of(*dp.replicas()[0]),
+                                      x[step], testing::mse_gradient(y[step]));
+    opt.zero_grad();
+    auto loss = dp.train_step(x[step], y[step], mse);
+    auto value = testing::mse_value(exact, y[step]);
+    EXPECT_TRUE(testing::within_rounding(loss, value.exact, value.magnitude, terms)) << where;
+    std::vector<at::Tensor> grads;
+    for (auto& p : dp.parameters()) grads.push_back(p.grad());
+    testing::expect_gradients_within_rounding(grads, exact, terms, where);
+    opt.step();
   }
+  auto exact =
+      testing::exact_and_magnitudes(make, run_sequential, testing::weights_of(*dp.replicas()[0]),
+                                    x[0], testing::mse_gradient(y[0]));
   torch::NoGradGuard g;
-  EXPECT_LE((single->forward(x[0]) - dp.forward(x[0])).abs().max().item<double>(), 1e-5);
+  EXPECT_TRUE(
+      testing::within_rounding(dp.forward(x[0]), exact.output, exact.output_magnitude, terms));
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DataParallelDevices, ::testing::Values(1, 2, 3));
 
 // A zoo model's block chain cannot be cloned: replicas come from a factory and take the
-// primary's weights. Two SGD steps on cpu,cpu equal LeNet itself.
+// primary's weights. At each of two SGD steps on cpu,cpu the gradients are LeNet's own.
 TEST(DataParallel, FactoryReplicasOfAZooModelEqualTheModel) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   auto x = at::randn({2, 7, 1, 28, 28}, gen);
@@ -65,11 +77,11 @@ TEST(DataParallel, FactoryReplicasOfAZooModelEqualTheModel) {
   auto ce = [](const at::Tensor& out, const at::Tensor& t) {
     return torch::nn::functional::cross_entropy(out, t);
   };
-  torch::manual_seed(4);
-  Model single = scaletrain::make_model("lenet");
-  torch::optim::SGD opt1(single.module->parameters(), 0.1);
+  // Terms: LeNet's forward fan-ins (1448, see models_test), the loss (18), the backward's
+  // fan-outs (1569), conv1's weight gradient over 7 images of 26x26 outputs, the replicas (4).
+  const double terms = 1448 + 18 + 1569 + 7 * 26 * 26 + 4;
   int built = 0;
-  torch::manual_seed(4);  // the first replica is built with the same seed: the same weights
+  torch::manual_seed(4);
   DataParallel dp(
       [&] {
         ++built;
@@ -77,18 +89,18 @@ TEST(DataParallel, FactoryReplicasOfAZooModelEqualTheModel) {
       },
       {at::kCPU, at::kCPU});
   EXPECT_EQ(built, 2);
-  torch::optim::SGD opt2(dp.parameters(), 0.1);
+  torch::optim::SGD opt(dp.parameters(), 0.1);
   for (int step = 0; step < 2; ++step) {
-    opt1.zero_grad();
-    ce(single.forward(x[step]), y[step]).backward();
-    opt1.step();
-    opt2.zero_grad();
+    auto exact = testing::exact_and_magnitudes(
+        [] { return as_sequential(scaletrain::make_model("lenet")).ptr(); }, run_sequential,
+        testing::weights_of(*dp.replicas()[0]), x[step], testing::cross_entropy_gradient(y[step]));
+    opt.zero_grad();
     dp.train_step(x[step], y[step], ce);
-    opt2.step();
+    std::vector<at::Tensor> grads;
+    for (auto& p : dp.parameters()) grads.push_back(p.grad());
+    testing::expect_gradients_within_rounding(grads, exact, terms, "step " + std::to_string(step));
+    opt.step();
   }
-  auto a = single.module->parameters(), b = dp.parameters();
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), 1e-5);
 }
 
 TEST(DataParallel, ReplicasPersistAcrossSteps) {

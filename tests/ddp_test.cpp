@@ -1,5 +1,8 @@
-// DDP transparency: K steps of DDP over N ranks with per-rank batch B give the parameters of
-// single-process training with batch N*B over the same samples in the same order.
+// DDP transparency: at every one of K steps of DDP over N ranks with per-rank batch B, the
+// averaged gradient on every rank is the gradient of single-process training with batch N*B over
+// the same samples, at the weights the rank holds (Note [Tolerances]: each checked against the
+// exact float64 gradient, with the bound of its arithmetic), and every rank holds the same
+// weights, bit for bit, after the optimizer steps.
 
 #include "scaletrain/ddp.h"
 
@@ -13,6 +16,7 @@
 #include <mutex>
 
 #include "support/ranks.h"
+#include "support/tolerance.h"
 
 namespace scaletrain {
 namespace {
@@ -68,21 +72,10 @@ at::Tensor rows(const at::Tensor& t, int world, int accumulate, int s, int a, in
   return t.narrow(0, start + r * kPerRank, kPerRank);
 }
 
-std::vector<at::Tensor> train_single(int world, int accumulate, double lr) {
-  auto model = make_model(0);
-  auto data = make_data(world, accumulate);
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
-  for (int s = 0; s < kSteps; ++s) {
-    opt.zero_grad();
-    for (int a = 0; a < accumulate; ++a) {
-      auto out = model->forward(rows(data.x, world, accumulate, s, a, -1));
-      F::mse_loss(out, rows(data.y, world, accumulate, s, a, -1)).backward();
-    }
-    opt.step();
-  }
-  std::vector<at::Tensor> out;
-  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
-  return out;
+// All rows of step s, every micro-step and every rank.
+at::Tensor step_rows(const at::Tensor& t, int world, int accumulate, int s) {
+  const int64_t n = world * kPerRank * accumulate;
+  return t.narrow(0, s * n, n);
 }
 
 struct Case {
@@ -90,11 +83,29 @@ struct Case {
   DDPOptions options;
 };
 
-// Trains with DDP on every rank; returns the largest difference from single-process training.
-double max_diff_from_single(int world, const Case& c) {
+// Terms along the longest chain of TwoHeads' gradient (Note [Tolerances]): forward fan-ins
+// (body 8+1, each head 16+1, their sum 1), the loss (3), the backward's fan-out into the body
+// (two heads of 4, and their sum), the batch reduction of the body's weight gradient over every
+// row of the step, and DDP's division by the world and sum over the ranks.
+double terms(int world, const Case& c) {
+  const double rows = static_cast<double>(world * kPerRank * c.accumulate);
+  return (9 + 17 + 17 + 1) + 3 + (4 + 4 + 1) + rows + (1 + world);
+}
+
+// Trains with DDP on every rank for kSteps steps; at each step every rank's averaged gradients
+// are checked against the exact gradient of the whole step's batch at the rank's weights (with
+// `wire` the dtype of a compression hook), and after the last step every rank's weights are
+// compared with rank 0's bit for bit.
+void expect_transparent(int world, const Case& c, at::ScalarType wire = at::kFloat) {
   const double lr = 0.1;
-  auto expected = train_single(world, c.accumulate, lr);
-  std::vector<double> diffs(static_cast<size_t>(world), -1);
+  double k = terms(world, c);
+  double floor = 0;
+  if (wire != at::kFloat) {
+    // Each rank's share is rounded to the wire's type, then the world's shares are summed there.
+    k = testing::with_narrow_terms(k, world, wire);
+    if (wire == at::kHalf) floor = world * std::ldexp(1.0, -25);  // fp16's subnormal spacing
+  }
+  std::vector<std::vector<at::Tensor>> final_weights(static_cast<size_t>(world));
   auto errors = run_ranks(world, [&](Dist& d) {
     auto model = make_model(d.rank());
     auto data = make_data(world, c.accumulate);
@@ -104,6 +115,7 @@ double max_diff_from_single(int world, const Case& c) {
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
+      const auto weights = testing::weights_of(*model);
       for (int a = 0; a < c.accumulate; ++a) {
         auto x = rows(data.x, world, c.accumulate, s, a, d.rank());
         auto y = rows(data.y, world, c.accumulate, s, a, d.rank());
@@ -118,17 +130,30 @@ double max_diff_from_single(int world, const Case& c) {
           step();
         }
       }
+      std::vector<at::Tensor> grads;
+      for (auto& p : model->parameters()) grads.push_back(p.grad());
+      // The single-process loss sums `accumulate` micro-batch means over the whole step.
+      auto exact = testing::exact_and_magnitudes(
+          [] { return make_model(0); },
+          [](torch::nn::Module& m, const at::Tensor& x) {
+            return static_cast<TwoHeads&>(m).forward(x);
+          },
+          weights, step_rows(data.x, world, c.accumulate, s),
+          testing::mse_gradient(step_rows(data.y, world, c.accumulate, s), c.accumulate));
+      testing::expect_gradients_within_rounding(
+          grads, exact, k, "rank " + std::to_string(d.rank()) + ", step " + std::to_string(s),
+          at::kFloat, floor);
       opt.step();
     }
-    double m = 0;
-    auto params = model->parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      m = std::max(m, (params[i] - expected[i]).abs().max().item<double>());
-    }
-    diffs[static_cast<size_t>(d.rank())] = m;
+    final_weights[static_cast<size_t>(d.rank())] = testing::weights_of(*model);
   });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
-  return *std::max_element(diffs.begin(), diffs.end());
+  for (int r = 1; r < world; ++r) {
+    for (size_t i = 0; i < final_weights[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(final_weights[static_cast<size_t>(r)][i], final_weights[0][i]))
+          << "rank " << r << " parameter " << i << " drifted from rank 0's";
+    }
+  }
 }
 
 class DDPWorlds : public ::testing::TestWithParam<int> {};
@@ -136,7 +161,7 @@ class DDPWorlds : public ::testing::TestWithParam<int> {};
 TEST_P(DDPWorlds, EqualsSingleProcessTraining) {
   Case c;
   c.options.find_unused_parameters = true;  // head2 is never used
-  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+  expect_transparent(GetParam(), c);
 }
 
 TEST_P(DDPWorlds, EqualsSingleProcessWithTinyBucketsAndNoOverlap) {
@@ -144,9 +169,9 @@ TEST_P(DDPWorlds, EqualsSingleProcessWithTinyBucketsAndNoOverlap) {
   c.options.find_unused_parameters = true;
   c.options.first_bucket_cap_mb = 1e-4;  // ~100 bytes: one bucket per parameter or two
   c.options.bucket_cap_mb = 3e-4;
-  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+  expect_transparent(GetParam(), c);
   c.options.overlap = false;
-  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+  expect_transparent(GetParam(), c);
 }
 
 // The same through Gloo alone (as between machines): shared memory off.
@@ -155,7 +180,7 @@ TEST_P(DDPWorlds, EqualsSingleProcessOverGlooAlone) {
   c.options.find_unused_parameters = true;
   c.options.shared_memory = false;
   c.options.first_bucket_cap_mb = 1e-4;
-  EXPECT_LE(max_diff_from_single(GetParam(), c), 1e-5);
+  expect_transparent(GetParam(), c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, DDPWorlds, ::testing::Values(1, 2, 3, 4));
@@ -193,33 +218,30 @@ TEST(DDP, GradientAccumulationWithNoSync) {
   Case c;
   c.accumulate = 3;
   c.options.find_unused_parameters = true;
-  EXPECT_LE(max_diff_from_single(2, c), 1e-5);
+  expect_transparent(2, c);
 }
 
 TEST(DDP, WithoutGradientViews) {
   Case c;
   c.options.find_unused_parameters = true;
   c.options.gradient_as_bucket_view = false;
-  EXPECT_LE(max_diff_from_single(3, c), 1e-5);
+  expect_transparent(3, c);
 }
 
-// fp16 keeps 11 significant bits: gradients of size ~0.5 are rounded by up to ~2.5e-4 each
-// step, and 4 SGD steps at lr 0.1 with momentum 0.9 (a gain of at most 1+0.9+0.81+0.73 = 3.4)
-// move a parameter by at most ~1e-4 from the fp32 run; 1e-3 leaves room. bf16 keeps 8 bits:
-// 8x more, 1e-2.
+// Compression hooks: each rank's averaged share is rounded to fp16 (11 significant bits) or
+// bf16 (8) for the wire, and the shares are summed there; the bound adds those roundings.
 TEST(DDP, Fp16CompressionWithinItsPrecision) {
   Case c;
   c.options.find_unused_parameters = true;
   c.options.comm_hook = CommHook::kFp16;
-  double d = max_diff_from_single(2, c);
-  EXPECT_LE(d, 1e-3);
+  expect_transparent(2, c, at::kHalf);
 }
 
 TEST(DDP, Bf16CompressionWithinItsPrecision) {
   Case c;
   c.options.find_unused_parameters = true;
   c.options.comm_hook = CommHook::kBf16;
-  EXPECT_LE(max_diff_from_single(2, c), 1e-2);
+  expect_transparent(2, c, at::kBFloat16);
 }
 
 TEST(DDP, UnusedParametersKeepNoGradient) {
@@ -251,7 +273,8 @@ TEST(DDP, ParameterUsedOnOneRankOnlyIsAveraged) {
   ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
   auto model = make_model(0);
   model->forward(at::ones({2, kIn}), true).sum().backward();
-  EXPECT_TRUE(at::allclose(grads[0], model->head2->weight.grad() / 2, 1e-6, 1e-6));
+  // Rank 1 ran this very computation; adding rank 0's zero and halving are exact.
+  EXPECT_TRUE(at::equal(grads[0], model->head2->weight.grad() / 2));
   EXPECT_TRUE(at::equal(grads[0], grads[1]));
 }
 

@@ -9,6 +9,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/intra_op_threads.h"
+#include "support/tolerance.h"
 
 namespace scaletrain {
 namespace {
@@ -112,7 +113,8 @@ TEST(Models, BlockChainEqualsTheModel) {
     for (auto& p : seq->parameters()) EXPECT_TRUE(own.count(p.data_ptr())) << "a copied parameter";
     auto x = at::randn(c.input);
     torch::NoGradGuard no_grad;
-    EXPECT_TRUE(at::allclose(seq->forward(x), m.forward(x), 0, 1e-6));
+    EXPECT_TRUE(at::equal(seq->forward(x), m.forward(x)))  // the same kernels in the same order
+        << "the block chain computes another function";
   }
   Model r = make_model("resnet50", rgb);
   auto seq = as_sequential(r);
@@ -121,8 +123,10 @@ TEST(Models, BlockChainEqualsTheModel) {
   EXPECT_EQ(seq->named_children()[17].key(), "head");
 }
 
-// The stem convolution's own weight gradient (Note [Stem conv]) against LibTorch's, for the
-// shapes and options it takes, in both memory formats, with and without an input gradient.
+// The stem convolution's own weight gradient (Note [Stem conv]) against the exact (float64) one,
+// for the shapes and options it takes, in both memory formats, with and without an input
+// gradient; LibTorch's gradient is held to the same bound (Note [Tolerances]). The weight
+// gradient sums batch x output pixels products per element (+1 for the bias's sum).
 TEST(Models, StemConvGradientsEqualLibTorchs) {
   namespace nn = torch::nn;
   struct Case {
@@ -160,14 +164,29 @@ TEST(Models, StemConvGradientsEqualLibTorchs) {
         auto y_ref = conv->forward(x_ref);
         y_ref.backward(gy);
         EXPECT_TRUE(at::equal(y, y_ref)) << what;
-        EXPECT_TRUE(at::allclose(gw, conv->weight.grad(), 1e-5, 1e-4))
-            << what << ": max diff " << (gw - conv->weight.grad()).abs().max().item<float>();
         EXPECT_EQ(gw.strides(), conv->weight.strides()) << what;
-        if (gb.defined()) {
-          EXPECT_TRUE(at::allclose(gb, conv->bias.grad(), 1e-5, 1e-4)) << what;
-        }
         if (input_grad) {
           EXPECT_TRUE(at::equal(x.grad(), x_ref.grad())) << what;
+        }
+        auto exact = testing::exact_and_magnitudes(
+            [&] { return std::make_shared<nn::Conv2dImpl>(c.options); },
+            [](torch::nn::Module& m, const at::Tensor& in) {
+              return static_cast<nn::Conv2dImpl&>(m).forward(in);
+            },
+            testing::weights_of(*conv), x,
+            [&](const at::Tensor&, const at::Tensor&) {
+              auto g = gy.to(at::kDouble);
+              return testing::LossGradient{g, g.abs()};
+            });
+        const double terms = static_cast<double>(gy.numel() / gy.size(1)) + 1;
+        EXPECT_TRUE(testing::within_rounding(gw, exact.grads[0], exact.grad_magnitudes[0], terms))
+            << what << ", ours";
+        EXPECT_TRUE(testing::within_rounding(conv->weight.grad(), exact.grads[0],
+                                             exact.grad_magnitudes[0], terms))
+            << what << ", LibTorch's";
+        if (gb.defined()) {
+          EXPECT_TRUE(testing::within_rounding(gb, exact.grads[1], exact.grad_magnitudes[1], terms))
+              << what;
         }
       }
     }
@@ -216,49 +235,75 @@ TEST(Models, FusedReluPoolEqualsLibTorchs) {
 
 // LeNet reads only the rows and columns its floor-rounding pools keep (Note [Unread border]): its
 // output and gradients equal the uncropped layers' (LibTorch's conv, relu, avg_pool), for both
-// input sizes LeNet takes and both memory formats, through the model and its block chain.
+// input sizes LeNet takes and both memory formats, through the model and its block chain. Both
+// are held to the exact (float64) uncropped function's values (Note [Tolerances]).
 TEST(Models, LeNetEqualsItsUncroppedLayers) {
   namespace F = torch::nn::functional;
+  auto uncropped = [](torch::nn::Module& m, const at::Tensor& in) {
+    auto p = m.named_parameters();
+    auto conv = [&](const at::Tensor& t, const std::string& name) {
+      return at::conv2d(t, p[name + ".weight"], p[name + ".bias"]);
+    };
+    auto pool = [](const at::Tensor& t) {
+      return F::avg_pool2d(torch::relu(t), F::AvgPool2dFuncOptions(2));
+    };
+    auto h = pool(conv(pool(conv(in, "conv1")), "conv2")).flatten(1);
+    h = torch::relu(at::linear(h, p["fc1.weight"], p["fc1.bias"]));
+    return at::linear(h, p["fc2.weight"], p["fc2.bias"]);
+  };
+  const int64_t batch = 5;
   for (int64_t size : {28, 29}) {
+    // Terms along the longest chain: the forward's fan-ins (conv1 9+1, pool 4, conv2 500+1,
+    // pool 4, fc1 800+1, fc2 128+1), the backward's fan-outs down to conv1's input (fc2 10,
+    // fc1 128, pool 1, conv2 50x25, pool 1, conv1 20x9) and conv1's weight gradient, summed
+    // over the batch and its (size-2)^2 output pixels.
+    const double terms = (10 + 4 + 501 + 4 + 801 + 129) + (10 + 128 + 1 + 1250 + 1 + 180) +
+                         static_cast<double>(batch * (size - 2) * (size - 2));
     for (bool channels_last : {false, true}) {
       const std::string what = std::to_string(size) + (channels_last ? " NHWC" : " NCHW");
       torch::manual_seed(3);
       Model m = make_model("lenet");
-      auto x = at::randn({5, 1, size, size});
+      auto x = at::randn({batch, 1, size, size});
       if (channels_last) {
         to_channels_last(*m.module);
         x = x.contiguous(at::MemoryFormat::ChannelsLast);
       }
+      auto g = at::randn({batch, 10});
+      auto exact = testing::exact_and_magnitudes([] { return make_model("lenet").module; },
+                                                 uncropped, testing::weights_of(*m.module), x,
+                                                 [&](const at::Tensor&, const at::Tensor&) {
+                                                   auto gd = g.to(at::kDouble);
+                                                   return testing::LossGradient{gd, gd.abs()};
+                                                 });
       auto p = m.module->named_parameters();
-      auto conv = [&](const at::Tensor& in, const std::string& name) {
-        return at::conv2d(in, p[name + ".weight"], p[name + ".bias"]);
+      auto check = [&](const at::Tensor& out, const at::Tensor& x_grad, const std::string& where) {
+        ASSERT_EQ(out.sizes(), exact.output.sizes()) << where;
+        EXPECT_TRUE(testing::within_rounding(out, exact.output, exact.output_magnitude, terms))
+            << where << ", output";
+        size_t i = 0;
+        for (auto& item : p) {
+          EXPECT_TRUE(testing::within_rounding(item.value().grad(), exact.grads[i],
+                                               exact.grad_magnitudes[i], terms))
+              << where << " " << item.key();
+          ++i;
+        }
+        EXPECT_TRUE(
+            testing::within_rounding(x_grad, exact.input_grad, exact.input_grad_magnitude, terms))
+            << where << ", input gradient";
       };
-      auto pool = [](const at::Tensor& in) {
-        return F::avg_pool2d(torch::relu(in), F::AvgPool2dFuncOptions(2));
-      };
-      auto x_ref = x.clone().requires_grad_(true);
-      auto h = pool(conv(pool(conv(x_ref, "conv1")), "conv2")).flatten(1);
-      h = torch::relu(at::linear(h, p["fc1.weight"], p["fc1.bias"]));
-      auto ref = at::linear(h, p["fc2.weight"], p["fc2.bias"]);
-      auto g = at::randn_like(ref);
-      ref.backward(g);
-      std::map<std::string, at::Tensor> ref_grads;
-      for (auto& item : p) ref_grads[item.key()] = item.value().grad().clone();
-
+      {  // LibTorch's uncropped layers in float: the reference itself meets the bound.
+        auto x_ref = x.clone().requires_grad_(true);
+        auto ref = uncropped(*m.module, x_ref);
+        ref.backward(g);
+        check(ref, x_ref.grad(), what + ", uncropped layers");
+      }
       auto seq = as_sequential(m);
       for (int path = 0; path < 2; ++path) {
         m.module->zero_grad();
         auto xi = x.clone().requires_grad_(true);
         auto out = path == 0 ? m.forward(xi) : seq->forward(xi);
-        const std::string where = what + (path == 0 ? ", model" : ", block chain");
-        ASSERT_EQ(out.sizes(), ref.sizes()) << where;
-        EXPECT_LE((out - ref).abs().max().item<float>(), 1e-5) << where;
         out.backward(g);
-        for (auto& item : p) {
-          EXPECT_LE((item.value().grad() - ref_grads[item.key()]).abs().max().item<float>(), 1e-5)
-              << where << " " << item.key();
-        }
-        EXPECT_LE((xi.grad() - x_ref.grad()).abs().max().item<float>(), 1e-5) << where;
+        check(out, xi.grad(), what + (path == 0 ? ", model" : ", block chain"));
       }
     }
   }

@@ -9,11 +9,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
 #include "support/subprocess.h"
+#include "support/tolerance.h"
+#include "support/zoo.h"
 
 namespace scaletrain {
 namespace {
@@ -97,6 +100,23 @@ class PythonInterop : public ::testing::TestWithParam<std::tuple<std::string, st
   std::string file() const { return std::get<1>(GetParam()); }
 };
 
+// Both sides' outputs against the exact (float64) output of the model with these weights and
+// batch-norm statistics (Note [Tolerances]).
+void expect_exact_outputs(const Model& m, const at::Tensor& x,
+                          const std::vector<std::pair<std::string, at::Tensor>>& outputs) {
+  auto zoo = testing::zoo_reference(m.name, {}, /*eval=*/true);
+  auto exact = testing::exact_and_magnitudes(
+      zoo.make, zoo.forward, testing::weights_of(*m.module), x,
+      [](const at::Tensor& out, const at::Tensor&) {
+        return testing::LossGradient{at::zeros_like(out), at::zeros_like(out)};
+      },
+      testing::buffers_of(*m.module));
+  const double terms = testing::forward_terms(*m.module) + 16;  // + the final average pool
+  for (const auto& [who, y] : outputs) {
+    EXPECT_TRUE(testing::within_rounding(y, exact.output, exact.output_magnitude, terms)) << who;
+  }
+}
+
 TEST_P(PythonInterop, PythonLoadsOurWeightsAndGetsOurOutputs) {
   TempDir dir;
   Model m = warmed(model(), 3);
@@ -108,11 +128,13 @@ TEST_P(PythonInterop, PythonLoadsOurWeightsAndGetsOurOutputs) {
   }
   save_weights((dir.path / file()).string(), *m.module);
   write_io(dir.path / "io.pt", x, y);
-  auto r = testing::run_command(python() + " " + testing::script_path("interop.py") + " check " +
+  auto r = testing::run_command(python() + " " + testing::script_path("interop.py") + " run " +
                                 model() + " " + (dir.path / file()).string() + " " +
-                                (dir.path / "io.pt").string() + " 2>&1");
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("max abs difference"), std::string::npos) << r.output;
+                                (dir.path / "io.pt").string() + " " +
+                                (dir.path / "out.pt").string() + " 2>&1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto [unused, y_python] = read_io(dir.path / "out.pt");
+  expect_exact_outputs(m, x, {{"scaletrain", y}, {"Python", y_python}});
 }
 
 TEST_P(PythonInterop, WeLoadPythonsWeightsAndGetItsOutputs) {
@@ -125,9 +147,12 @@ TEST_P(PythonInterop, WeLoadPythonsWeightsAndGetItsOutputs) {
   load_weights((dir.path / file()).string(), *m.module);
   m.module->eval();
   auto [x, y] = read_io(dir.path / "io.pt");
-  torch::NoGradGuard no_grad;
-  const float diff = (m.forward(x) - y).abs().max().item<float>();
-  EXPECT_LE(diff, 1e-5f);
+  at::Tensor ours;
+  {
+    torch::NoGradGuard no_grad;
+    ours = m.forward(x);
+  }
+  expect_exact_outputs(m, x, {{"scaletrain", ours}, {"Python", y}});
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, PythonInterop,

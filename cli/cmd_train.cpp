@@ -109,6 +109,10 @@ void add_train_command(CLI::App& app, Action& action) {
                   "Processes when started by hand: a number or auto (every GPU, else 2)")
       ->capture_default_str();
   cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
+  cmd->add_option("--uneven-inputs", o.uneven_inputs,
+                  "Ranks with different batch counts: fail (within a step, naming them) or join "
+                  "(the others finish the epoch)")
+      ->capture_default_str();
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
   cmd->callback([args, &action, cmd] {
     action = [args, cmd] {

@@ -244,6 +244,78 @@ TEST(DDP, Bf16CompressionWithinItsPrecision) {
   expect_transparent(2, c, at::kBFloat16);
 }
 
+// UnevenInputs::kJoin (PyTorch's Join): ranks 0, 1, 2 have 2, 4 and 3 batches. At each step the
+// ranks that still step get the exact gradient over their rows, times A/N (A ranks stepping, N in
+// the world) when dividing by the initial world size, else the mean over their rows; the joined
+// ranks shadow the all-reduces; after join() every rank holds the last rank's weights, bit for
+// bit. Through shared memory and through Gloo alone, with the used-parameter map shadowed too.
+TEST(DDPJoin, UnevenRanksFinishTheirStepsAndEndEqual) {
+  const std::vector<int> steps = {2, 4, 3};
+  const int world = 3;
+  for (bool shm : {true, false}) {
+    for (bool initial : {true, false}) {
+      const std::string what = std::string(shm ? "shared memory" : "Gloo") +
+                               (initial ? ", / initial world" : ", / ranks stepping");
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+      auto x = at::randn({4, world, kPerRank, kIn}, gen),
+           y = at::randn({4, world, kPerRank, kOut}, gen);
+      std::vector<std::vector<at::Tensor>> final_weights(world);
+      auto errors = run_ranks(world, [&](Dist& d) {
+        auto model = make_model(0);
+        DDPOptions o;
+        o.find_unused_parameters = true;
+        o.shared_memory = shm;
+        o.uneven_inputs = UnevenInputs::kJoin;
+        o.divide_by_initial_world_size = initial;
+        DistributedDataParallel ddp(model, d, o);
+        torch::optim::SGD opt(model->parameters(), 0.1);
+        for (int s = 0; s < steps[static_cast<size_t>(d.rank())]; ++s) {
+          std::vector<at::Tensor> xs, ys;
+          for (int r = 0; r < world; ++r) {
+            if (steps[static_cast<size_t>(r)] > s) xs.push_back(x[s][r]), ys.push_back(y[s][r]);
+          }
+          const auto active = static_cast<double>(xs.size());
+          auto exact = testing::exact_and_magnitudes(
+              [] { return make_model(0); },
+              [](torch::nn::Module& m, const at::Tensor& in) {
+                return static_cast<TwoHeads&>(m).forward(in);
+              },
+              testing::weights_of(*model), at::cat(xs),
+              testing::mse_gradient(at::cat(ys), initial ? active / world : 1));
+          opt.zero_grad();
+          auto out = ddp.forward([&] { return model->forward(x[s][d.rank()]); });
+          F::mse_loss(out, y[s][d.rank()]).backward();
+          std::vector<at::Tensor> grads;
+          for (auto& p : model->parameters()) grads.push_back(p.grad());
+          testing::expect_gradients_within_rounding(
+              grads, exact, terms(static_cast<int>(active), Case{}) + 2,
+              what + ", rank " + std::to_string(d.rank()) + ", step " + std::to_string(s));
+          opt.step();
+        }
+        ddp.join();
+        final_weights[static_cast<size_t>(d.rank())] = testing::weights_of(*model);
+      });
+      ASSERT_EQ(errors, std::vector<std::string>(world, "")) << what;
+      for (int r = 0; r < world; ++r) {
+        for (size_t i = 0; i < final_weights[1].size(); ++i) {
+          EXPECT_TRUE(at::equal(final_weights[static_cast<size_t>(r)][i], final_weights[1][i]))
+              << what << ": rank " << r << " parameter " << i << " differs from rank 1's";
+        }
+      }
+    }
+  }
+}
+
+TEST(DDPJoin, ReplicaChecksAndJoinDoNotMix) {
+  auto errors = run_ranks(1, [&](Dist& d) {
+    DDPOptions o;
+    o.uneven_inputs = UnevenInputs::kJoin;
+    o.check_replicas_every = 10;
+    DistributedDataParallel ddp(make_model(0), d, o);
+  });
+  EXPECT_NE(errors[0].find("check_replicas_every"), std::string::npos) << errors[0];
+}
+
 TEST(DDP, UnusedParametersKeepNoGradient) {
   auto errors = run_ranks(2, [&](Dist& d) {
     auto model = make_model(0);

@@ -136,6 +136,30 @@ INSTANTIATE_TEST_SUITE_P(
                       Bad{"--init-weights /nonexistent.pt",
                           "--init-weights '/nonexistent.pt': no such file"}));
 
+// Issue: two ranks of `scaletrain train` with different --limit-train (or --batch-size) hung
+// for the 300 s collective timeout: the rank that ran out went on to evaluate()'s all-reduce
+// while the other waited in the next step's uneven-input check. A rank that runs out of batches
+// now joins at the end of its epoch, and every rank fails within seconds, naming the ranks.
+TEST(Train, UnevenInputsMidEpochFailWithinSecondsInsteadOfHanging) {
+  TempDir dir("uneven");
+  for (const char* differ :
+       {"--batch-size 32 --limit-train 128|--batch-size 32 --limit-train 256",
+        "--limit-train 256 --batch-size 64|--limit-train 256 --batch-size 32"}) {
+    const std::string d = differ;
+    const std::string rank0 = d.substr(0, d.find('|')), rank1 = d.substr(d.find('|') + 1);
+    auto r = run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 -- " +
+                             testing::script_path("rank_args.sh") + " '" + rank0 + "' '" + rank1 +
+                             "' " + cli_path() +
+                             " train --device cpu --dataset synthetic --limit-test 64 --epochs 2"
+                             " --no-progress --resume none --out " +
+                             (dir.path / "run").string(),
+                         120);
+    EXPECT_NE(r.exit_code, 0) << differ << "\n" << r.output;
+    EXPECT_LT(r.seconds, 60) << differ << ": took " << r.seconds << " s\n" << r.output;
+    EXPECT_NE(r.output.find("uneven inputs"), std::string::npos) << differ << "\n" << r.output;
+  }
+}
+
 TEST(Train, LearnsOnRealFashionMnistSubset) {
   if (!fs::exists(std::string("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))) {
     GTEST_SKIP() << "dataset-fashion-mnist is not installed";

@@ -26,11 +26,14 @@
 // leaves parameters without gradient fails with an error listing them per rank and naming
 // the option.
 //
-// Uneven inputs (Note [Uneven inputs]): with detect_uneven_inputs (default on), every forward
-// first exchanges one flag per rank ("I have a batch"), and a rank that ran out of data calls
-// join(). If some ranks joined while others still step, every rank throws an Error naming the
-// ranks that ran out and the step — no hang. Make inputs even with DistributedSampler (padding
-// or drop_last). Cost: one tiny all-gather per step (microseconds through shared memory).
+// Uneven inputs (Note [Uneven inputs]): every forward first exchanges one flag per rank ("I have
+// a batch"), and a rank that ran out of data calls join(). With UnevenInputs::kFail (the
+// default), if some ranks joined while others still step, every rank throws an Error naming the
+// ranks that ran out and the step — no hang. With kJoin (PyTorch's Join), joined ranks shadow
+// the others' collectives with zero gradients until every rank has joined, and join() ends by
+// broadcasting the weights of the last rank to join. Make inputs even with DistributedSampler
+// (padding or drop_last). Cost: one tiny all-gather per step (microseconds through shared
+// memory).
 //
 // Same-machine ranks (Note [Shared-memory reduce] in src/base/shm.cpp): with shared_memory (the
 // default) and the Gloo backend, ranks that can all map one /dev/shm segment sum float32 CPU
@@ -55,6 +58,16 @@ enum class CommHook {
   kBf16,  // bfloat16 on the wire
 };
 
+/// What DDP does when ranks run out of batches at different steps (Note [Uneven inputs]).
+enum class UnevenInputs {
+  kFail,  // every rank throws in that step, naming the ranks that ran out (the default)
+  kJoin,  // ranks that ran out shadow the others' all-reduces with zero gradients until all
+          // have joined (PyTorch's Join); join() then gives every rank the weights of the last
+          // rank to join. Optimizer state (momentum) of the joined ranks is not synchronised.
+  kOff,   // no per-step check (one all-gather less per step); uneven inputs then hang in the
+          // next collective until the collective timeout
+};
+
 struct DDPOptions {
   double bucket_cap_mb = 25;
   double first_bucket_cap_mb = 1;
@@ -63,7 +76,11 @@ struct DDPOptions {
   bool gradient_as_bucket_view = true;  // .grad is a view into its bucket: no copies
   CommHook comm_hook = CommHook::kNone;
   bool overlap = true;  // false: all-reduce only after backward (a baseline)
-  bool detect_uneven_inputs = true;
+  UnevenInputs uneven_inputs = UnevenInputs::kFail;
+  /// kJoin: a step that only some ranks took divides the summed gradients by the world size
+  /// (true, PyTorch's default: every sample weighs what it weighs in an even step) or by the
+  /// number of ranks that took it (false: the mean over the samples that were there).
+  bool divide_by_initial_world_size = true;
   int check_replicas_every = 0;  // >0: replica drift check every N forwards
   bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
 };
@@ -99,8 +116,9 @@ class DistributedDataParallel {
   };
   NoSync no_sync() { return NoSync(*this); }
 
-  /// Called by a rank that has no more batches (see "Uneven inputs"). Returns when every rank
-  /// has joined; throws when others are still stepping.
+  /// Called by a rank that has no more batches (see "Uneven inputs"), and by every rank at the
+  /// end of an epoch or of training. Returns when every rank has joined. kFail: throws on every
+  /// rank when others are still stepping; kJoin: shadows their steps until they join too.
   void join();
 
   /// Compares a checksum of every parameter and buffer across ranks; throws an Error naming the
@@ -124,12 +142,14 @@ class DistributedDataParallel {
  private:
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs);
+  void sync_after_join(const std::vector<int32_t>& before);
 
   std::shared_ptr<torch::nn::Module> module_;
   Dist dist_;
   DDPOptions options_;
   std::unique_ptr<Reducer> reducer_;
   int64_t step_ = 0;
+  std::vector<int32_t> last_flags_;  // the last uneven-input exchange (Note [Uneven inputs])
 };
 
 }  // namespace scaletrain

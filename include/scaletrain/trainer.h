@@ -53,6 +53,9 @@ struct TrainOptions {
   bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
   bool channels_last = true;    // convolution weights and image batches in NHWC memory
                                 // (to_channels_last in models.h): faster on CPU and GPU
+  std::string uneven_inputs = "fail";  // ranks with different batch counts (ddp.h's
+                                       // UnevenInputs): "fail" within a step, naming them, or
+                                       // "join" (the others finish the epoch)
 };
 
 struct TrainResult {

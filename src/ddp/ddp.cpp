@@ -61,9 +61,9 @@ void verify_same_model(const Dist& d, const std::vector<std::string>& mine, int 
   }
 }
 
-// Broadcasts tensors from rank 0, flattened into one message per dtype/device.
+// Broadcasts tensors from `root`, flattened into one message per dtype/device.
 void broadcast_coalesced(const Dist& d, const std::vector<at::Tensor>& tensors,
-                         const std::string& what) {
+                         const std::string& what, int root = 0) {
   std::map<std::string, std::vector<at::Tensor>> groups;
   for (auto& t : tensors) {
     groups[std::string(c10::toString(t.scalar_type())) + t.device().str()].push_back(t);
@@ -72,7 +72,10 @@ void broadcast_coalesced(const Dist& d, const std::vector<at::Tensor>& tensors,
     std::vector<at::Tensor> flat_parts;
     for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
     std::vector<at::Tensor> flat{at::cat(flat_parts)};
-    wait_for(d.backend->broadcast(flat), "broadcast of " + what + " from rank 0", d);
+    c10d::BroadcastOptions bo;
+    bo.rootRank = root;
+    wait_for(d.backend->broadcast(flat, bo),
+             "broadcast of " + what + " from rank " + std::to_string(root), d);
     int64_t offset = 0;
     at::NoGradGuard no_grad;
     for (auto& t : ts) {
@@ -98,6 +101,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   if (params.empty()) {
     throw UsageError("DistributedDataParallel: the module has no parameter that requires grad");
+  }
+  if (options_.uneven_inputs == UnevenInputs::kJoin && options_.check_replicas_every > 0) {
+    throw UsageError(
+        "DistributedDataParallel: check_replicas_every needs every rank at the same step, which "
+        "UnevenInputs::kJoin does not give; use one of the two, or call check_replicas() after "
+        "join()");
   }
   // DDP instances are built in the same order on every rank: number them per rank (in the
   // store, so that ranks sharing one process — threads in tests — count separately).
@@ -125,23 +134,43 @@ const std::vector<std::string>& DistributedDataParallel::parameter_names() const
   return reducer_->names;
 }
 
+namespace {
+
+// Note [Uneven inputs]: the flag each rank contributes to the exchange at the start of a step.
+constexpr int32_t kJoined = 0, kStepping = 1, kSteppingNoSync = 2;
+
+std::string ranks_where(const std::vector<int32_t>& flags, bool joined) {
+  std::string out;
+  for (size_t r = 0; r < flags.size(); ++r) {
+    if ((flags[r] == kJoined) == joined) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return out;
+}
+
+const char* kEvenFix =
+    "Give every rank the same number of batches (DistributedSampler pads, or drop_last cuts, the "
+    "data set to a multiple of the world size), or let the ranks with data finish: "
+    "DDPOptions::uneven_inputs = UnevenInputs::kJoin (scaletrain train --uneven-inputs join).";
+
+}  // namespace
+
 void DistributedDataParallel::pre_forward() {
   ++step_;
-  if (options_.detect_uneven_inputs && dist_.size() > 1) {
-    // Note [Uneven inputs]: "1" from every rank that still has a batch, "0" from join().
-    const auto flags =
-        reducer_->exchange_flags(1, "uneven-input check of step " + std::to_string(step_));
-    std::string joined;
-    for (int r = 0; r < dist_.size(); ++r) {
-      if (flags[static_cast<size_t>(r)] == 0)
-        joined += (joined.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (!joined.empty()) {
+  if (options_.uneven_inputs != UnevenInputs::kOff && dist_.size() > 1) {
+    // Note [Uneven inputs]: every rank with a batch says whether its backward will all-reduce;
+    // join() says "joined".
+    last_flags_ = reducer_->exchange_flags(reducer_->sync ? kStepping : kSteppingNoSync,
+                                           "uneven-input check of step " + std::to_string(step_));
+    const std::string joined = ranks_where(last_flags_, true);
+    if (!joined.empty() && options_.uneven_inputs == UnevenInputs::kFail) {
       throw Error("rank " + std::to_string(dist_.rank()) + ": uneven inputs: rank(s) " + joined +
                   " ran out of batches before step " + std::to_string(step_) +
-                  " while this rank still has data. Give every rank the same number of batches "
-                  "(DistributedSampler pads, or drop_last cuts, the data set to a multiple of "
-                  "the world size).");
+                  " while this rank still has data. " + kEvenFix);
+    }
+    if (options_.uneven_inputs == UnevenInputs::kJoin && !options_.divide_by_initial_world_size) {
+      int stepping = 0;
+      for (auto f : last_flags_) stepping += f != kJoined ? 1 : 0;
+      reducer_->divisor = stepping;
     }
   }
   if (options_.broadcast_buffers) {
@@ -180,21 +209,48 @@ DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
 DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->sync = previous_; }
 
 void DistributedDataParallel::join() {
-  if (!options_.detect_uneven_inputs || dist_.size() == 1) return;
-  const auto flags = reducer_->exchange_flags(0, "join (uneven-input check)");
-  std::string active;
-  for (int r = 0; r < dist_.size(); ++r) {
-    if (flags[static_cast<size_t>(r)] != 0)
-      active += (active.empty() ? "" : ", ") + std::to_string(r);
+  if (options_.uneven_inputs == UnevenInputs::kOff || dist_.size() == 1) return;
+  // Note [Uneven inputs]: the ranks still stepping exchange their flags at the start of each
+  // step; a joined rank answers each such exchange with "joined" and, under kJoin, takes part in
+  // that step's collectives (the buffer broadcast, and zeros for every bucket's all-reduce when
+  // the step synchronises) until an exchange finds every rank joined.
+  while (true) {
+    auto before = last_flags_;
+    last_flags_ = reducer_->exchange_flags(kJoined, "join (uneven-input check)");
+    const std::string active = ranks_where(last_flags_, false);
+    if (active.empty()) {
+      if (options_.uneven_inputs == UnevenInputs::kJoin) sync_after_join(before);
+      return;
+    }
+    if (options_.uneven_inputs == UnevenInputs::kFail) {
+      throw Error("rank " + std::to_string(dist_.rank()) +
+                  ": uneven inputs: this rank ran out of batches after step " +
+                  std::to_string(step_) + " while rank(s) " + active + " still have data. " +
+                  kEvenFix);
+    }
+    if (options_.broadcast_buffers) {
+      auto buffers = module_->buffers();
+      if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers");
+    }
+    bool synchronises = false;
+    for (auto f : last_flags_) synchronises |= f == kStepping;
+    if (synchronises) reducer_->shadow_backward();
   }
-  if (!active.empty()) {
-    throw Error("rank " + std::to_string(dist_.rank()) +
-                ": uneven inputs: this rank ran out of "
-                "batches after step " +
-                std::to_string(step_) + " while rank(s) " + active +
-                " still have data. Give every rank the same number of batches (DistributedSampler "
-                "pads, or drop_last cuts, the data set to a multiple of the world size).");
+}
+
+void DistributedDataParallel::sync_after_join(const std::vector<int32_t>& before) {
+  // The ranks that stepped in the last step before everyone joined hold the newest weights;
+  // every rank saw the same exchanges, so every rank picks the same one.
+  int authority = -1;
+  for (size_t r = 0; r < before.size(); ++r) {
+    if (before[r] != kJoined) authority = static_cast<int>(r);
   }
+  if (authority < 0) return;  // nobody stepped since the last join: nothing to bring in line
+  std::vector<at::Tensor> params;
+  for (auto& p : module_->parameters()) params.push_back(p);
+  broadcast_coalesced(dist_, params, "the weights after join", authority);
+  auto buffers = module_->buffers();
+  if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers after join", authority);
 }
 
 void DistributedDataParallel::check_replicas() {

@@ -35,7 +35,11 @@ namespace scaletrain {
 using Reducer = DistributedDataParallel::Reducer;
 
 Reducer::Reducer(Dist d, DDPOptions o, std::vector<at::Tensor> ps, std::vector<std::string> ns)
-    : dist(std::move(d)), opts(o), params(std::move(ps)), names(std::move(ns)) {
+    : dist(std::move(d)),
+      opts(o),
+      params(std::move(ps)),
+      names(std::move(ns)),
+      divisor(dist.size()) {
   std::vector<BucketParam> specs;
   for (auto& p : params) {
     specs.push_back({static_cast<int64_t>(p.numel() * p.element_size()),
@@ -172,12 +176,16 @@ void Reducer::mark_ready(size_t i) {
   }
 }
 
+bool Reducer::through_shared_memory(const Bucket& b) const {
+  return shm && opts.comm_hook == CommHook::kNone && b.flat.is_cpu() &&
+         b.flat.scalar_type() == at::kFloat;
+}
+
 void Reducer::launch(size_t k) {
   Bucket& b = buckets[k];
-  b.flat.div_(dist.size());
+  b.flat.div_(divisor);
   b.launched = true;
-  if (shm && opts.comm_hook == CommHook::kNone && b.flat.is_cpu() &&
-      b.flat.scalar_type() == at::kFloat) {
+  if (through_shared_memory(b)) {
     // Synchronous: a sum through memory has no latency to hide behind the rest of backward.
     shm->allreduce_sum(b.flat.mutable_data_ptr<float>(), b.flat.numel(),
                        "all-reduce of gradient bucket " + std::to_string(k) + " of " +
@@ -250,6 +258,29 @@ void Reducer::open_shared_memory(int instance) {
   if (!opts.shared_memory || largest == 0) return;
   shm = open_shared_group(dist, "scaletrain/ddp/shm/" + std::to_string(instance),
                           std::min<int64_t>(largest, int64_t{1} << 20));  // <= 4 MB per rank
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mu);
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const Bucket& b = buckets[k];
+    const std::string what = "all-reduce of gradient bucket " + std::to_string(k) + " of " +
+                             std::to_string(buckets.size()) + " (shadowed by a joined rank)";
+    if (through_shared_memory(b)) {
+      auto zeros = at::zeros_like(b.flat);
+      shm->allreduce_sum(zeros.mutable_data_ptr<float>(), zeros.numel(), what);
+      continue;
+    }
+    std::vector<at::Tensor> t{at::zeros_like(
+        b.flat, opts.comm_hook == CommHook::kNone
+                    ? b.flat.scalar_type()
+                    : (opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16))};
+    wait_for(dist.backend->allreduce(t), what, dist);
+  }
+  if (opts.find_unused_parameters) {
+    std::vector<at::Tensor> t{at::zeros({static_cast<int64_t>(params.size())}, at::kInt)};
+    wait_for(dist.backend->allreduce(t), "all-reduce of the used-parameter map (shadowed)", dist);
+  }
 }
 
 void Reducer::drop_globally_unused() {

@@ -48,7 +48,9 @@ struct DistributedDataParallel::Reducer {
   bool sync = true;        // false inside no_sync()
   bool expecting = false;  // a DDP forward happened; its backward is due
   bool callback_queued = false;
-  int64_t round = 0;  // forwards so far, for store keys
+  int64_t round = 0;    // forwards so far, for store keys
+  int64_t divisor = 1;  // buckets are divided by this before they are summed: the world size,
+                        // or the ranks that took the step (Note [Uneven inputs])
   std::mutex mu;
   std::unique_ptr<SharedGroup> shm;  // same-machine ranks: Note [Shared-memory reduce]
 
@@ -57,12 +59,16 @@ struct DistributedDataParallel::Reducer {
   /// Collective: maps one shared segment on every rank (instance-th DDP of this group), or on
   /// none; for the Gloo backend and float32 CPU buckets only.
   void open_shared_memory(int instance);
+  /// A joined rank's part in another rank's backward (Note [Uneven inputs]): every bucket's
+  /// all-reduce, in order, with zeros, and the used-parameter map's with zeros.
+  void shadow_backward();
 
  private:
   void on_gradient(size_t i);
   void attach(size_t i);
   void mark_ready(size_t i);
   void launch(size_t k);
+  bool through_shared_memory(const Bucket& b) const;
   void finalize();
   void drop_globally_unused();
   [[noreturn]] void report_missing(const std::vector<size_t>& missing);

@@ -262,6 +262,9 @@ void validate(const TrainOptions& o, int world) {
   if (o.epochs < 1 || o.accumulate < 1 || o.lr <= 0) {
     throw UsageError("--epochs, --accumulate and --lr must be positive");
   }
+  if (o.uneven_inputs != "fail" && o.uneven_inputs != "join") {
+    throw UsageError("unknown --uneven-inputs '" + o.uneven_inputs + "'; use fail or join");
+  }
   if (o.optimizer != "sgd" && o.optimizer != "adam") {
     throw UsageError("unknown optimizer '" + o.optimizer + "'; use sgd or adam");
   }
@@ -293,7 +296,9 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   if (!o.init_weights.empty()) load_weights(o.init_weights, *model.module);
   model.module->to(dev);
   if (o.channels_last) to_channels_last(*model.module);
-  DistributedDataParallel ddp(model.module, d);
+  DDPOptions ddp_options;
+  ddp_options.uneven_inputs = o.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
+  DistributedDataParallel ddp(model.module, d, ddp_options);
   auto opt = make_optimizer(o, model);
   const bool amp = o.amp != "none";
   const at::ScalarType amp_dtype = o.amp == "fp16" ? at::kHalf : at::kBFloat16;
@@ -401,6 +406,9 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
       }
       if (kill_step > 0 && state.global_step == kill_step && d.rank() == 0) raise(SIGKILL);
     }
+    // A rank whose batches ran out says so before anything else collective (Note [Uneven
+    // inputs] in ddp.h): with "fail" every rank stops here or in its next step, within a step.
+    ddp.join();
     const double secs = since(t0);
     train_secs += secs;
     r.epoch_seconds.push_back(secs);

@@ -65,12 +65,10 @@ void add_bench_command(CLI::App& app, Action& action) {
       o.self_exe = self_exe();
       o.work_dir = args->out + "/work";
       std::filesystem::create_directories(o.work_dir);
-      auto machine =
-          bench::describe_machine(
-              cuda_device_count() > 0
-                  ? std::to_string(cuda_device_count()) + "x " + cuda_device_name(0)
-                  : "none",
-              libtorch_version());
+      auto machine = bench::describe_machine(
+          cuda_device_count() > 0 ? std::to_string(cuda_device_count()) + "x " + cuda_device_name(0)
+                                  : "none",
+          libtorch_version());
       for (auto* s : chosen) {
         std::cout << "bench " << s->name << (o.quick ? " (quick)" : "") << " ..." << std::endl;
         auto result = s->run(o);

@@ -28,6 +28,19 @@ std::vector<int> parse_rank_list(const std::string& s) {
 
 }  // namespace
 
+int parse_nproc_per_node(const std::string& value, int auto_value) {
+  if (value == "auto") return auto_value;
+  try {
+    size_t used = 0;
+    const int n = std::stoi(value, &used);
+    if (used != value.size()) throw std::invalid_argument(value);
+    return n;
+  } catch (const std::exception&) {
+    throw UsageError("--nproc-per-node '" + value +
+                     "' is not a number or 'auto'; give the workers for this node, e.g. 2");
+  }
+}
+
 void add_run_command(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("run",
                                  "Start the workers of a program on this node, torchrun-style: "
@@ -71,17 +84,8 @@ void add_run_command(CLI::App& app, Action& action) {
   cmd->callback([args, &action] {
     action = [args] {
       LaunchOptions opts = args->o;
-      if (args->nproc == "auto") {
-        opts.nproc_per_node = auto_nproc_per_node();
-      } else {
-        try {
-          size_t used = 0;
-          opts.nproc_per_node = std::stoi(args->nproc, &used);
-          if (used != args->nproc.size()) throw std::invalid_argument(args->nproc);
-        } catch (const std::exception&) {
-          throw UsageError("--nproc-per-node '" + args->nproc + "' is not a number or 'auto'");
-        }
-      }
+      opts.nproc_per_node =
+          parse_nproc_per_node(args->nproc, args->nproc == "auto" ? auto_nproc_per_node() : 0);
       if (!args->ranks_filter.empty()) opts.show_ranks = parse_rank_list(args->ranks_filter);
       validate(opts);
       return launch(opts);

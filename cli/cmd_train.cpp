@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "commands.h"
+#include "scaletrain/checkpoint.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
@@ -109,6 +110,11 @@ void add_train_command(CLI::App& app, Action& action) {
                   "Processes when started by hand: a number or auto (every GPU, else 2)")
       ->capture_default_str();
   cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
+  cmd->add_option("--timeout", o.timeout_s,
+                  "Collective timeout in seconds: a rank waiting longer for the others in one "
+                  "collective fails, naming it (300: room for a slow first step or a big "
+                  "checkpoint; lower it to surface a lost rank sooner)")
+      ->capture_default_str();
   cmd->add_option("--uneven-inputs", o.uneven_inputs,
                   "Ranks with different batch counts: fail (within a step, naming them) or join "
                   "(the others finish the epoch)")
@@ -120,8 +126,11 @@ void add_train_command(CLI::App& app, Action& action) {
         // Started by hand: become the launcher of this node's ranks.
         LaunchOptions lo;
         const bool gpus = cuda_device_count() > 0 && args->o.device != "cpu";
-        lo.nproc_per_node = args->nproc == "auto" ? (gpus ? cuda_device_count() : 2)
-                                                  : std::atoi(args->nproc.c_str());
+        lo.nproc_per_node = parse_nproc_per_node(args->nproc, gpus ? cuda_device_count() : 2);
+        if (lo.nproc_per_node < 1) {
+          throw UsageError("--nproc-per-node " + args->nproc +
+                           " must be at least 1 (or 'auto': every GPU, else 2)");
+        }
         validate(args->o, lo.nproc_per_node);
         lo.master_port = 0;
         lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
@@ -129,10 +138,21 @@ void add_train_command(CLI::App& app, Action& action) {
         lo.command = {std::filesystem::read_symlink("/proc/self/exe", ec).string()};
         for (size_t i = 1; i < program_args().size(); ++i) lo.command.push_back(program_args()[i]);
         scaletrain::validate(lo);
-        return launch(lo);
+        const int status = launch(lo);
+        if (status >= 128) {  // interrupted (the launcher said by which signal)
+          auto last = newest_valid_checkpoint(args->o.out_dir);
+          std::cerr << "scaletrain train: interrupted; "
+                    << (last ? "the last checkpoint is " + *last +
+                                   ": run the same command again to resume from it"
+                             : std::string("no checkpoint was written yet in ") + args->o.out_dir)
+                    << std::endl;
+        }
+        return status;
       }
       InitOptions io;
       io.backend = args->backend;
+      validate(args->o, 1);  // the numbers, before any rendezvous (the world is checked in train)
+      io.timeout = std::chrono::milliseconds(static_cast<int64_t>(args->o.timeout_s * 1000));
       // CPU tensors need Gloo even where NCCL could be had.
       if (io.backend == "auto" && args->o.device == "cpu") io.backend = "gloo";
       Dist d = init_process_group(io);

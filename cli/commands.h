@@ -20,4 +20,8 @@ void add_train_command(CLI::App& app, Action& action);
 /// The tool's own command line (argv), for subcommands that start themselves again.
 const std::vector<std::string>& program_args();
 
+/// A --nproc-per-node value: a whole number (validated later against the machine), or "auto"
+/// for `auto_value`. Throws UsageError naming the value otherwise.
+int parse_nproc_per_node(const std::string& value, int auto_value);
+
 }  // namespace scaletrain::cli

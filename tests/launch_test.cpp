@@ -183,6 +183,67 @@ TEST(Launch, NoWorkerOutlivesLauncherOnSigkill) { check_no_survivor(SIGKILL); }
 // A shell's background child ignores SIGINT: teardown must escalate to SIGKILL for it.
 TEST(Launch, NoWorkerOutlivesLauncherOnSigint) { check_no_survivor(SIGINT); }
 
+// Issue: the failure summary named the guardian's pid (the worker's parent), not the worker's.
+TEST(Launch, FailureSummaryNamesTheWorkersOwnPid) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 -- sh -c 'echo mypid $$; exit 3'");
+  ASSERT_EQ(r.exit_code, 1) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("mypid ([0-9]+)"))) << r.output;
+  EXPECT_TRUE(contains(r.output, "pid " + m[1].str() + ") exited with code 3")) << r.output;
+}
+
+// Issue: a SIGINT'd launch exited 130 without a word. It says it was interrupted.
+TEST(Launch, InterruptedRunSaysSo) {
+  auto pids = temp_dir("interrupted");
+  auto r = run_command("PID_DIR=" + pids.string() + " " + cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 --grace-period 1 -- " +
+                       script_path("pid_and_sleep.sh") +
+                       " & launcher=$!; for i in $(seq 100); do [ $(ls " + pids.string() +
+                       " | wc -l) -ge 4 ] && break; sleep 0.05; done; kill -INT $launcher;"
+                       " wait $launcher");
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_TRUE(contains(r.output, "interrupted by SIGINT: stopped the 2 worker(s)")) << r.output;
+  fs::remove_all(pids);
+}
+
+// Issue: signals were ignored while workers were being started (a SIGINT 2 s into starting 500
+// workers took effect 10 s later). Starting stops at once, and the started workers are stopped.
+TEST(Launch, SigintWhileStartingWorkersStopsAtOnce) {
+  auto pids = temp_dir("starting");
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string cmd = "PID_DIR=" + pids.string() + " exec " + cli_path() +
+                            " run --nproc-per-node 400 --master-port 0 --grace-period 1 -- " +
+                            script_path("pid_and_sleep.sh") + " >/dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Wait for the first workers, then interrupt while the launcher is still starting the rest.
+  for (int i = 0; i < 400 && read_pids(pids).empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(launcher, SIGINT);
+  const auto t0 = std::chrono::steady_clock::now();
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 130) << status;
+  // Teardown: SIGINT, then SIGKILL after the 1 s grace period for the shells' children.
+  EXPECT_LT(secs, 6) << "the launcher took " << secs << " s to act on SIGINT";
+  const auto started = read_pids(pids);
+  EXPECT_LT(started.size(), 800u) << "it went on starting workers";
+  for (int i = 0; i < 40; ++i) {
+    bool any = false;
+    for (pid_t p : started) any |= alive(p);
+    if (!any) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (pid_t p : started) EXPECT_FALSE(alive(p)) << "process " << p << " outlived the launcher";
+  fs::remove_all(pids);
+}
+
 struct BadInput {
   std::string args;
   std::string message;
@@ -203,7 +264,14 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, LaunchBadInput,
     ::testing::Values(
         BadInput{"--nproc-per-node 0 -- " + script_path("pid_and_sleep.sh"),
-                 "--nproc-per-node 0 must be at least 1"},
+                 "--nproc-per-node 0 must be in [1, 1024]"},
+        // Issue: 100000 workers were started for 4 minutes before "Too many open files".
+        BadInput{"--nproc-per-node 100000 -- " + script_path("pid_and_sleep.sh"),
+                 "--nproc-per-node 100000 must be in [1, 1024]"},
+        BadInput{"--grace-period -1 -- " + script_path("pid_and_sleep.sh"),
+                 "--grace-period -1 must be 0 or more seconds"},
+        BadInput{"--grace-period nan -- " + script_path("pid_and_sleep.sh"),
+                 "--grace-period nan must be 0 or more seconds"},
         BadInput{"--nproc-per-node two -- " + script_path("pid_and_sleep.sh"),
                  "--nproc-per-node 'two' is not a number"},
         BadInput{"--nnodes 2 --node-rank 2 -- " + script_path("pid_and_sleep.sh"),
@@ -214,6 +282,18 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"--frobnicate -- " + script_path("pid_and_sleep.sh"), "--frobnicate"},
         BadInput{"--nnodes 2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
                  "works on one node only"}));
+
+// Issue: a worker count the launcher cannot open files for failed after starting thousands of
+// processes. It is refused, naming the limit, before any worker starts.
+TEST(LaunchBadInput, MoreWorkersThanTheFileLimitIsRefusedBeforeStarting) {
+  auto pids = temp_dir("fd_limit");
+  auto r = run_command("ulimit -n 64 && PID_DIR=" + pids.string() + " " + cli_path() +
+                       " run --nproc-per-node 100 -- " + script_path("pid_and_sleep.sh"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "may open at most 64 (ulimit -n)")) << r.output;
+  EXPECT_TRUE(fs::is_empty(pids)) << "a worker was started";
+  fs::remove_all(pids);
+}
 
 TEST(LaunchBadInput, BusyPortIsRefused) {
   // Hold a port with a listening socket, then ask the launcher for it.

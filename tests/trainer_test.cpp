@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
@@ -135,6 +136,96 @@ INSTANTIATE_TEST_SUITE_P(
                       Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
                       Bad{"--init-weights /nonexistent.pt",
                           "--init-weights '/nonexistent.pt': no such file"}));
+
+// Issue: NaN options printed a LibTorch backtrace, --lr inf trained NaN weights, negative limits
+// meant "all data", and --keep 0 / -1 and a folder as --init-weights were taken.
+INSTANTIATE_TEST_SUITE_P(
+    NonFiniteAndOutOfRangeValues, TrainBadInput,
+    ::testing::Values(Bad{"--lr nan", "--lr nan must be a positive finite number"},
+                      Bad{"--lr inf", "--lr inf must be a positive finite number"},
+                      Bad{"--lr -0.1", "--lr -0.1 must be a positive finite number"},
+                      Bad{"--momentum nan", "--momentum nan must be in [0, 1)"},
+                      Bad{"--weight-decay nan", "--weight-decay nan must be 0 or a positive"},
+                      Bad{"--gamma 0", "--gamma 0 must be a positive finite factor"},
+                      Bad{"--limit-train -5", "--limit-train -5 must be 0 (every sample) or more"},
+                      Bad{"--limit-test -1", "--limit-test -1 must be 0 (every sample) or more"},
+                      Bad{"--keep 0", "--keep 0 must be at least 1"},
+                      Bad{"--keep -1", "--keep -1 must be at least 1"},
+                      Bad{"--timeout 0", "--timeout 0 must be a positive number of seconds"},
+                      Bad{"--init-weights /tmp", "--init-weights '/tmp' is a folder"}));
+
+// Issue: --nproc-per-node 0 and abc died of SIGFPE (exit 136, no message).
+TEST(TrainBadNproc, ZeroOrNotANumberExitsTwoInsteadOfSigfpe) {
+  for (const char* n : {"0", "abc", "-3"}) {
+    auto r = run_command(cli_path() + " train --no-progress --nproc-per-node " + n);
+    EXPECT_EQ(r.exit_code, 2) << n << "\n" << r.output;
+    EXPECT_NE(r.output.find("--nproc-per-node"), std::string::npos) << r.output;
+  }
+}
+
+// Issue: --lr inf trained to the end and wrote a model.pt of NaN weights. A run whose gradients
+// turn non-finite stops at that step on every rank, naming it and the last checkpoint, and
+// writes nothing more: every file it leaves holds finite weights.
+TEST(Train, NonFiniteLossStopsNamingTheStepAndTheLastCheckpoint) {
+  TempDir dir("diverge");
+  auto r = run_command(cli_path() +
+                       " train --nproc-per-node 2 --device cpu --dataset synthetic --limit-train "
+                       "256 --limit-test 64 --batch-size 64 --epochs 2 --lr 1e30 --no-progress "
+                       "--checkpoint-every 1 --keep 5 --out " +
+                       dir.path.string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("training diverged at step 2 (epoch 1)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find((dir.path / "ckpt-1.st").string()), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir.path / "model.pt"));
+  EXPECT_FALSE(fs::exists(dir.path / "ckpt-2.st"));
+  for (auto& p : params_of((dir.path / "ckpt-1.st").string())) {
+    EXPECT_TRUE(at::isfinite(p).all().item<bool>());
+  }
+}
+
+// Issue: a SIGINT'd `scaletrain train` exited 130 silently. It says so, and where to resume.
+TEST(Train, InterruptedRunSaysWhereTheLastCheckpointIs) {
+  TempDir dir("interrupt");
+  const std::string ckpt = (dir.path / "ckpt-2.st").string();
+  auto r = run_command(cli_path() +
+                       " train --device cpu --dataset synthetic --limit-train 4096 --limit-test 64"
+                       " --epochs 5 --batch-size 64 --checkpoint-every 2 --no-progress --out " +
+                       dir.path.string() + " & t=$!; for i in $(seq 600); do [ -f " + ckpt +
+                       " ] && break; sleep 0.05; done; kill -INT $t; wait $t");
+  EXPECT_EQ(r.exit_code, 130) << r.output;
+  EXPECT_NE(r.output.find("interrupted by SIGINT"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("interrupted; the last checkpoint is " + dir.path.string() + "/ckpt-"),
+            std::string::npos)
+      << r.output;
+}
+
+// Issue: the collective timeout had no flag, so a lost rank took 5 minutes to surface. With
+// --timeout 3, a rank stopped (SIGSTOP, as a partition looks from the others) is named within
+// seconds.
+TEST(Train, TimeoutFlagBoundsTheWaitForALostRank) {
+  TempDir dir("timeout");
+  const std::string metrics = (dir.path / "metrics.jsonl").string();
+  // Rank 1's process: the one whose environment says RANK=1 and whose command is `train`.
+  const std::string find_rank1 =
+      "for p in $(pgrep -f ' train --timeout'); do tr '\\0' '\\n' < /proc/$p/environ 2>/dev/null"
+      " | grep -qx RANK=1 && echo $p; done";
+  auto r = run_command(
+      cli_path() +
+          " train --timeout 3 --nproc-per-node 2 --device cpu --dataset synthetic"
+          " --limit-train 65536 --limit-test 64 --batch-size 64 --epochs 1 --log-every 1"
+          " --no-progress --out " +
+          dir.path.string() + " & t=$!; for i in $(seq 600); do [ -s " + metrics +
+          " ] && break; sleep 0.05; done; victim=$(" + find_rank1 +
+          "); kill -STOP $victim; start=$(date +%s); wait $t; status=$?;"
+          " echo \"waited $(( $(date +%s) - start )) s\"; kill -KILL $victim 2>/dev/null; exit "
+          "$status",
+      120);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("timed out after 3 s"), std::string::npos) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("waited ([0-9]+) s"))) << r.output;
+  EXPECT_LE(std::stoi(m[1].str()), 20) << r.output;  // 3 s, a grace period, a loaded machine
+}
 
 // Issue: two ranks of `scaletrain train` with different --limit-train (or --batch-size) hung
 // for the 300 s collective timeout: the rank that ran out went on to evaluate()'s all-reduce

@@ -22,6 +22,9 @@ struct TrainingState {
   SamplerState sampler;
 };
 
+/// `dir/ckpt-<global_step>.st`, the file save_checkpoint() writes for that step.
+std::string checkpoint_path(const std::string& dir, int64_t global_step);
+
 /// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep`. Returns
 /// the path. Throws Error when the folder cannot be written.
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,

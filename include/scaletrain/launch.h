@@ -31,14 +31,20 @@ struct LaunchOptions {
   int tail_lines = 20;          // error-output lines quoted in the failure summary
 };
 
+/// The most workers one launcher starts on a node. Each worker is two processes (the program and
+/// its guardian) and two pipes; a count past this is a typo, not a job.
+constexpr int kMaxWorkersPerNode = 1024;
+
 /// Checks the options and resolves the automatic ones (free port, run id). Throws UsageError
-/// naming the bad value and the fix: nproc < 1, node_rank >= nnodes, a busy port, a program
-/// that does not exist... Starts nothing.
+/// naming the bad value and the fix: nproc < 1 or > kMaxWorkersPerNode, more workers than this
+/// process may open files or start processes for, node_rank >= nnodes, a busy port, a program
+/// that does not exist, a negative grace period... Starts nothing.
 void validate(LaunchOptions& options);
 
 /// Runs the job (validate() first). Returns the launcher's exit status: 0 when every worker
 /// of some attempt exited 0; 1 when the group failed more than max_restarts times; 128+N when
-/// the launcher itself got signal N.
+/// the launcher itself got signal N (SIGINT/SIGTERM are acted on at any moment, while workers
+/// are still being started too: the started ones are stopped and no more are started).
 int launch(const LaunchOptions& options);
 
 /// The default worker count for `--nproc-per-node auto`: one per visible NVIDIA GPU, else the

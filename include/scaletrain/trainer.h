@@ -53,6 +53,8 @@ struct TrainOptions {
   bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
   bool channels_last = true;    // convolution weights and image batches in NHWC memory
                                 // (to_channels_last in models.h): faster on CPU and GPU
+  double timeout_s = 300;       // collective timeout (InitOptions::timeout): how long a rank waits
+                                // for the others in one collective before failing, naming it
   std::string uneven_inputs = "fail";  // ranks with different batch counts (ddp.h's
                                        // UnevenInputs): "fail" within a step, naming them, or
                                        // "join" (the others finish the epoch)

@@ -13,9 +13,11 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -107,8 +109,9 @@ std::string random_run_id() {
 struct Worker {
   int local_rank = 0;
   int rank = 0;
-  pid_t pid = -1;
-  int out_fd = -1;  // read ends of its stdout and stderr pipes
+  pid_t pid = -1;          // the guardian (Note [Guardian]), leader of the worker's group
+  pid_t program_pid = -1;  // the program itself, the process the user knows
+  int out_fd = -1;         // read ends of its stdout and stderr pipes
   int err_fd = -1;
   std::string out_partial, err_partial;
   std::deque<std::string> err_tail;
@@ -181,8 +184,8 @@ std::vector<std::string> Group::worker_env(const Worker& w) const {
 }
 
 void Group::spawn(Worker& w) {
-  int out[2], err[2];
-  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+  int out[2], err[2], pid_pipe[2];
+  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(pid_pipe, O_CLOEXEC) != 0) {
     throw Error(fmt::format("cannot create pipes for rank {}: {}", w.rank, strerror(errno)));
   }
   std::vector<std::string> env = worker_env(w);
@@ -220,11 +223,21 @@ void Group::spawn(Worker& w) {
       dprintf(STDERR_FILENO, "cannot execute '%s': %s\n", argv[0], strerror(errno));
       _exit(127);
     }
+    // Tell the launcher which pid the program has: that is the one its summary names.
+    [[maybe_unused]] auto n = write(pid_pipe[1], &prog, sizeof(prog));
+    close(pid_pipe[1]);
     _exit(prog < 0 ? 126 : relay_exit_of(prog));
   }
   setpgid(pid, pid);  // also from the parent, so that kill_all never misses it
   close(out[1]);
   close(err[1]);
+  close(pid_pipe[1]);
+  pid_t prog = -1;
+  ssize_t got;
+  while ((got = read(pid_pipe[0], &prog, sizeof(prog))) < 0 && errno == EINTR) {
+  }
+  close(pid_pipe[0]);
+  w.program_pid = got == static_cast<ssize_t>(sizeof(prog)) ? prog : -1;
   w.pid = pid;
   w.out_fd = out[0];
   w.err_fd = err[0];
@@ -251,6 +264,12 @@ void Group::start() {
       w.err_log = std::make_unique<std::ofstream>(fmt::format("{}/rank_{}.stderr", dir, w.rank));
     }
     spawn(w);
+    // A SIGINT/SIGTERM while workers are still being started: start no more; supervise() stops
+    // the ones that run.
+    if (g_stop_signal.load() != 0) {
+      workers_.resize(static_cast<size_t>(i) + 1);
+      return;
+    }
   }
 }
 
@@ -365,7 +384,17 @@ int Group::supervise() {
   for (auto& w : workers_) {
     if (w.pid > 0) killpg(w.pid, SIGKILL);
   }
-  if (stopping_for_signal) return 128 + g_stop_signal.load();
+  if (stopping_for_signal) {
+    const int sig = g_stop_signal.load();
+    const std::string msg =
+        fmt::format("scaletrain run: interrupted by {}: stopped the {} worker(s) of attempt {}{}\n",
+                    signal_name(sig), workers_.size(), attempt_ + 1,
+                    static_cast<int>(workers_.size()) < o_.nproc_per_node
+                        ? fmt::format(" ({} of {} had started)", workers_.size(), o_.nproc_per_node)
+                        : "");
+    [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
+    return 128 + sig;
+  }
   if (culprit_ != nullptr) {
     report_failure(*culprit_);
     return 1;
@@ -380,7 +409,8 @@ void Group::report_failure(const Worker& w) const {
   std::string msg = fmt::format(
       "scaletrain run: worker group failed (attempt {} of {})\n"
       "  rank {} (local rank {}, node {}, pid {}) {}; the other workers were stopped.\n",
-      attempt_ + 1, o_.max_restarts + 1, w.rank, w.local_rank, o_.node_rank, w.pid, how);
+      attempt_ + 1, o_.max_restarts + 1, w.rank, w.local_rank, o_.node_rank,
+      w.program_pid > 0 ? w.program_pid : w.pid, how);
   if (w.err_tail.empty()) {
     msg += "  it printed nothing on its error output.\n";
   } else {
@@ -449,14 +479,50 @@ int auto_nproc_per_node() {
   return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
 }
 
+// File descriptors and processes the launcher needs for `o`: it keeps two pipes' read ends
+// per worker (and two log files with --log-dir), and each worker is two processes.
+void check_machine_limits(const LaunchOptions& o) {
+  const int64_t n = o.nproc_per_node;
+  const int64_t fds = 32 + n * (o.log_dir.empty() ? 2 : 4) + 4;  // + stdio, signal pipe, spawn
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_max != RLIM_INFINITY &&
+      static_cast<int64_t>(files.rlim_max) < fds) {
+    throw UsageError(fmt::format(
+        "--nproc-per-node {} needs about {} open files in the launcher, but this process may "
+        "open at most {} (ulimit -n); start fewer workers or raise the limit",
+        n, fds, files.rlim_max));
+  }
+  rlimit procs{};
+  if (geteuid() != 0 && getrlimit(RLIMIT_NPROC, &procs) == 0 && procs.rlim_cur != RLIM_INFINITY &&
+      static_cast<int64_t>(procs.rlim_cur) < 2 * n) {
+    throw UsageError(fmt::format(
+        "--nproc-per-node {} needs {} processes (each worker and its guardian), but this user may "
+        "run at most {} (ulimit -u); start fewer workers or raise the limit",
+        n, 2 * n, procs.rlim_cur));
+  }
+}
+
+// Raises the soft limit on open files to what the workers need (up to the hard limit, which
+// check_machine_limits() already compared).
+void raise_file_limit(const LaunchOptions& o) {
+  const auto want = static_cast<rlim_t>(32 + o.nproc_per_node * (o.log_dir.empty() ? 2 : 4) + 4);
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < want) {
+    files.rlim_cur = std::min(want, files.rlim_max);
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+}
+
 void validate(LaunchOptions& o) {
   if (o.command.empty()) {
     throw UsageError("no program to run: give it after '--', e.g. `scaletrain run -- ./train`");
   }
-  if (o.nproc_per_node < 1) {
-    throw UsageError(
-        fmt::format("--nproc-per-node {} must be at least 1 (or 'auto')", o.nproc_per_node));
+  if (o.nproc_per_node < 1 || o.nproc_per_node > kMaxWorkersPerNode) {
+    throw UsageError(fmt::format(
+        "--nproc-per-node {} must be in [1, {}] (or 'auto': one per GPU, else one per core)",
+        o.nproc_per_node, kMaxWorkersPerNode));
   }
+  check_machine_limits(o);
   if (o.nnodes < 1) throw UsageError(fmt::format("--nnodes {} must be at least 1", o.nnodes));
   if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
     throw UsageError(
@@ -466,9 +532,14 @@ void validate(LaunchOptions& o) {
   if (o.max_restarts < 0) {
     throw UsageError(fmt::format("--max-restarts {} must be 0 or more", o.max_restarts));
   }
-  if (o.rdzv_timeout_s <= 0) {
+  if (!(o.rdzv_timeout_s > 0) || !std::isfinite(o.rdzv_timeout_s)) {
     throw UsageError(
         fmt::format("--rdzv-timeout {} must be a positive number of seconds", o.rdzv_timeout_s));
+  }
+  if (!(o.grace_period_s >= 0) || !std::isfinite(o.grace_period_s)) {
+    throw UsageError(
+        fmt::format("--grace-period {} must be 0 or more seconds (between SIGTERM and SIGKILL)",
+                    o.grace_period_s));
   }
   if (o.master_port < 0 || o.master_port > 65535) {
     throw UsageError(fmt::format("--master-port {} is not a TCP port (0-65535)", o.master_port));
@@ -502,6 +573,7 @@ void validate(LaunchOptions& o) {
 }
 
 int launch(const LaunchOptions& o) {
+  raise_file_limit(o);
   SignalScope signals;
   for (int attempt = 0; attempt <= o.max_restarts; ++attempt) {
     spdlog::info(

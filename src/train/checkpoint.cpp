@@ -57,6 +57,10 @@ int64_t step_of(const fs::path& p) {
 
 }  // namespace
 
+std::string checkpoint_path(const std::string& dir, int64_t global_step) {
+  return dir + "/ckpt-" + std::to_string(global_step) + ".st";
+}
+
 std::string save_checkpoint(const std::string& dir, const TrainingState& s,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep) {
@@ -78,7 +82,7 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   ar.save_to(payload);
   const std::string body = payload.str();
 
-  const std::string final_path = dir + "/ckpt-" + std::to_string(s.global_step) + ".st";
+  const std::string final_path = checkpoint_path(dir, s.global_step);
   const std::string tmp = final_path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary);

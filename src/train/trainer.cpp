@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
@@ -209,6 +210,42 @@ void show_progress(int64_t epoch, int64_t done, int64_t total, double loss, doub
   }
 }
 
+// Note [Divergence]: a non-finite loss must stop the run before it writes anything. Under DDP
+// the averaged gradients are the same bits on every rank, so checking them (rather than each
+// rank's own loss) makes every rank stop at the same step; the weights are checked again
+// before every checkpoint and before model.pt, so no file ever holds NaN or inf weights. fp16
+// runs leave overflowing steps to the GradScaler, which skips them.
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flags;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.numel() > 0) flags.push_back(at::isfinite(t).all());
+  }
+  return flags.empty() || at::stack(flags).all().item<bool>();
+}
+
+std::vector<at::Tensor> gradients_of(const torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.grad());
+  return out;
+}
+
+[[noreturn]] void diverged(const std::string& what, int64_t step, int64_t epoch, double loss,
+                           const TrainOptions& o, const std::string& last_checkpoint,
+                           const Dist& d) {
+  std::ostringstream s;
+  s << "rank " << d.rank() << ": training diverged at step " << step << " (epoch " << epoch + 1
+    << "): " << what << " (the loss was " << loss << "). Nothing was written after that; ";
+  if (last_checkpoint.empty()) {
+    s << "no checkpoint of this run was written yet. ";
+  } else {
+    s << "the last checkpoint, written before, is " << last_checkpoint
+      << " (--resume it with a lower --lr). ";
+  }
+  s << "Lower --lr (now " << o.lr << ")"
+    << (o.amp == "fp16" ? "" : ", or check the data for inf/NaN values") << ".";
+  throw Error(s.str());
+}
+
 // Fault injection for the exact-resume test: SCALETRAIN_KILL_AT_STEP=N makes the first attempt
 // (TORCHELASTIC_RESTART_COUNT 0) of rank 0 kill itself with SIGKILL after global step N.
 int64_t kill_at_step() {
@@ -218,9 +255,49 @@ int64_t kill_at_step() {
   return std::atoll(at);
 }
 
+std::string shown(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+std::string shown(int64_t v) { return std::to_string(v); }
+
+// A numeric option outside its range: a UsageError naming the flag, the value and the range.
+// Written as "must be" conditions so that NaN, which fails every comparison, fails them too.
+template <typename T>
+void require(bool ok, const char* flag, T value, const char* range) {
+  if (!ok) throw UsageError(std::string(flag) + " " + shown(value) + " must be " + range);
+}
+
+void validate_numbers(const TrainOptions& o) {
+  require(o.lr > 0 && std::isfinite(o.lr), "--lr", o.lr, "a positive finite number, e.g. 0.05");
+  require(o.momentum >= 0 && o.momentum < 1, "--momentum", o.momentum,
+          "in [0, 1), e.g. 0.9 (0: plain SGD)");
+  require(o.weight_decay >= 0 && std::isfinite(o.weight_decay), "--weight-decay", o.weight_decay,
+          "0 or a positive finite number, e.g. 5e-4");
+  require(o.gamma > 0 && std::isfinite(o.gamma), "--gamma", o.gamma,
+          "a positive finite factor, e.g. 0.1");
+  require(o.timeout_s > 0 && std::isfinite(o.timeout_s), "--timeout", o.timeout_s,
+          "a positive number of seconds");
+  require(o.epochs >= 1, "--epochs", int64_t{o.epochs}, "at least 1");
+  require(o.accumulate >= 1, "--accumulate", int64_t{o.accumulate},
+          "at least 1 (batches per step)");
+  require(o.step_size >= 1, "--step-size", int64_t{o.step_size}, "at least 1 epoch");
+  require(o.keep >= 1, "--keep", int64_t{o.keep},
+          "at least 1: the newest checkpoint is what a resume starts from");
+  require(o.limit_train >= 0, "--limit-train", o.limit_train, "0 (every sample) or more");
+  require(o.limit_test >= 0, "--limit-test", o.limit_test, "0 (every sample) or more");
+  require(o.checkpoint_every >= 0, "--checkpoint-every", int64_t{o.checkpoint_every},
+          "0 (at the end of each epoch) or more steps");
+  require(o.log_every >= 0, "--log-every", int64_t{o.log_every}, "0 (no step lines) or more");
+  require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
+  require(o.workers >= 0, "--workers", int64_t{o.workers}, "0 or more");
+}
+
 }  // namespace
 
 void validate(const TrainOptions& o, int world) {
+  validate_numbers(o);
   make_model(o.model);  // throws for an unknown model
   if (o.dataset != "fashion-mnist" && o.dataset != "synthetic" && o.dataset != "folder") {
     throw UsageError("unknown data set '" + o.dataset +
@@ -242,11 +319,13 @@ void validate(const TrainOptions& o, int world) {
   if (o.amp != "none" && o.amp != "bf16" && o.amp != "fp16") {
     throw UsageError("unknown --amp '" + o.amp + "'; use none, bf16 or fp16");
   }
-  if (o.workers < 0) {
-    throw UsageError("--workers " + std::to_string(o.workers) + " must be 0 or more");
-  }
   if (!o.init_weights.empty() && !fs::exists(o.init_weights)) {
     throw UsageError("--init-weights '" + o.init_weights + "': no such file");
+  }
+  if (!o.init_weights.empty() && fs::is_directory(o.init_weights)) {
+    throw UsageError("--init-weights '" + o.init_weights +
+                     "' is a folder; give the weights file in it (a state dict saved by "
+                     "torch.save or safetensors, or a model.pt of scaletrain)");
   }
   if (o.batch_size < world) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) +
@@ -258,9 +337,6 @@ void validate(const TrainOptions& o, int world) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) +
                      " does not split evenly over " + std::to_string(world) +
                      " ranks; use a multiple of the world size");
-  }
-  if (o.epochs < 1 || o.accumulate < 1 || o.lr <= 0) {
-    throw UsageError("--epochs, --accumulate and --lr must be positive");
   }
   if (o.uneven_inputs != "fail" && o.uneven_inputs != "join") {
     throw UsageError("unknown --uneven-inputs '" + o.uneven_inputs + "'; use fail or join");
@@ -367,6 +443,10 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
       };
       if (last_micro) {
         run();
+        if (!so.enabled && !all_finite(gradients_of(*model.module))) {
+          diverged("the gradients hold NaN or inf", state.global_step + 1, epoch,
+                   loss.item<double>(), o, r.last_checkpoint, d);
+        }
         scaler.step(*opt);  // skips a step whose gradients overflowed (fp16)
         scaler.update();
         ddp.zero_grad();  // keeps the gradients as views of the buckets
@@ -401,8 +481,12 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
         state.epoch = epoch;
         state.step_in_epoch = step_in_epoch;
         state.sampler = sampler.state();
-        if (d.rank() == 0)
-          r.last_checkpoint = save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+        if (!all_finite(model.module->parameters())) {
+          diverged("the weights hold NaN or inf", state.global_step, epoch, step_loss, o,
+                   r.last_checkpoint, d);
+        }
+        if (d.rank() == 0) save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+        r.last_checkpoint = checkpoint_path(o.out_dir, state.global_step);
       }
       if (kill_step > 0 && state.global_step == kill_step && d.rank() == 0) raise(SIGKILL);
     }
@@ -418,8 +502,13 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
     state.step_in_epoch = 0;
     sampler.set_epoch(epoch + 1);
     state.sampler = sampler.state();
+    if (!all_finite(model.module->parameters())) {
+      diverged("the weights hold NaN or inf", state.global_step, epoch, r.final_loss, o,
+               r.last_checkpoint, d);
+    }
+    if (d.rank() == 0) save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+    r.last_checkpoint = checkpoint_path(o.out_dir, state.global_step);
     if (d.rank() == 0) {
-      r.last_checkpoint = save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
       metrics << nlohmann::json{{"kind", "epoch"},
                                 {"epoch", epoch + 1},
                                 {"step", state.global_step},
@@ -451,6 +540,10 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
     }
   }
   ddp.join();
+  if (!all_finite(model.module->parameters())) {
+    diverged("the weights hold NaN or inf", state.global_step, o.epochs - 1, r.final_loss, o,
+             r.last_checkpoint, d);
+  }
   if (d.rank() == 0) {
     r.weights_path = o.out_dir + "/model.pt";
     save_weights(r.weights_path, *model.module);

@@ -48,7 +48,11 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
             << " samples/s\n"
             << "  device          " << r.device << ", peak memory " << std::setprecision(1)
             << static_cast<double>(r.peak_memory_bytes) / (1 << 20) << " MiB (rank 0)\n"
-            << "  checkpoint      " << r.last_checkpoint << "\n"
+            << "  checkpoint      "
+            << (!r.last_checkpoint.empty() && std::filesystem::exists(r.last_checkpoint)
+                    ? r.last_checkpoint
+                    : std::string("(none written)"))
+            << "\n"
             << "  weights         " << r.weights_path << " (torch.load in Python)\n"
             << "  metrics         " << r.metrics_path
             << (o.tensorboard ? " (tensorboard --logdir " + o.out_dir + ")" : std::string())
@@ -105,6 +109,9 @@ void add_train_command(CLI::App& app, Action& action) {
                   "Steps between checkpoints (0: epochs)");
   cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
   cmd->add_option("--resume", o.resume, "auto, none, or a checkpoint file")->capture_default_str();
+  cmd->add_flag("--overwrite", o.overwrite,
+                "--out holds another run: delete its checkpoints, metrics, event files, model.pt "
+                "and run.json, and start afresh");
   cmd->add_option("--log-every", o.log_every, "Steps between metric lines")->capture_default_str();
   cmd->add_option("--nproc-per-node", args->nproc,
                   "Processes when started by hand: a number or auto (every GPU, else 2)")

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
       "processes and machines.",
       "scaletrain"};
   app.require_subcommand(1);
+  // A repeated option takes its last value, as Python's argparse (and so torchrun) does.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.set_version_flag(
       "--version",
       [] {

@@ -213,6 +213,7 @@ TEST(Cuda, WeightsAndCheckpointFromGpuLoadOnCpu_CUDA) {
   save_weights((dir / "w.pt").string(), *gpu.module);
   save_weights((dir / "w.safetensors").string(), *gpu.module);
   TrainingState state;
+  state.run_id = "gpu";
   state.model_name = "lenet";
   state.epoch = 1;
   state.global_step = 1;

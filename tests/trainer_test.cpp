@@ -46,8 +46,30 @@ std::vector<at::Tensor> params_of(const std::string& checkpoint) {
 
 std::string train_cmd(const fs::path& out) {
   return " train --device cpu --dataset synthetic --limit-train 384 --limit-test 64 --epochs 2 "
-         "--batch-size 64 --checkpoint-every 2 --no-progress --out " +
+         "--batch-size 64 --checkpoint-every 2 --log-every 1 --no-progress --out " +
          out.string();
+}
+
+// The (step, loss) of every step line of a metrics file.
+std::vector<std::pair<int64_t, double>> step_lines(const fs::path& metrics) {
+  std::vector<std::pair<int64_t, double>> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "step") out.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
+  }
+  return out;
+}
+
+std::map<std::string, std::string> contents_of(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (auto& e : fs::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().filename().string()] =
+        std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  return out;
 }
 
 class ExactResume : public ::testing::TestWithParam<int> {};
@@ -69,6 +91,9 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   auto y = params_of((killed.path / "ckpt-12.st").string());
   ASSERT_EQ(x.size(), y.size());
   for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << "parameter " << i;
+  // The resumed run's loss curve is the straight run's: the killed attempt's lines past the
+  // checkpoint are dropped, and the redone steps log the same losses.
+  EXPECT_EQ(step_lines(killed.path / "metrics.jsonl"), step_lines(straight.path / "metrics.jsonl"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Processes, ExactResume, ::testing::Values(1, 2));
@@ -78,6 +103,7 @@ TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   Model m = make_model("lenet");
   torch::optim::SGD opt(m.module->parameters(), 0.1);
   TrainingState s;
+  s.run_id = "test";
   s.model_name = "lenet";
   for (int64_t step : {1, 2, 3}) {
     s.global_step = step;
@@ -100,11 +126,97 @@ TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   EXPECT_FALSE(newest_valid_checkpoint(dir.path.string()).has_value());
 }
 
+// Issue: pruning to --keep by step number deleted another run's newer... or this run's own
+// checkpoints. Pruning keeps the newest `keep` of the same run and never touches another's.
+TEST(Checkpoint, PruningTouchesOnlyItsOwnRun) {
+  TempDir dir("ckpt_runs");
+  Model m = make_model("toy");
+  torch::optim::SGD opt(m.module->parameters(), 0.1);
+  TrainingState s;
+  s.model_name = "toy";
+  s.run_id = "old";
+  for (int64_t step : {100, 101, 102}) {
+    s.global_step = step;
+    save_checkpoint(dir.path.string(), s, *m.module, opt, 3);
+  }
+  s.run_id = "new";
+  for (int64_t step : {1, 2, 3}) {
+    s.global_step = step;
+    save_checkpoint(dir.path.string(), s, *m.module, opt, 2);
+  }
+  for (int64_t step : {100, 101, 102, 2, 3}) {
+    EXPECT_TRUE(fs::exists(dir.path / ("ckpt-" + std::to_string(step) + ".st"))) << step;
+  }
+  EXPECT_FALSE(fs::exists(dir.path / "ckpt-1.st"));
+  EXPECT_EQ(checkpoint_run((dir.path / "ckpt-3.st").string()), "new");
+  EXPECT_EQ(checkpoint_run((dir.path / "ckpt-100.st").string()), "old");
+  s.run_id = "bad id/";
+  EXPECT_THROW(save_checkpoint(dir.path.string(), s, *m.module, opt, 2), UsageError);
+}
+
+// Issue: `--resume none --out DIR` over a finished run deleted every checkpoint of the new run
+// (pruned by step against the old run's higher steps), continued the old metrics.jsonl, and
+// printed a checkpoint that no longer existed. Such a folder is refused, untouched; --overwrite
+// deletes the old run's files first and the new run's files are its own.
+TEST(Train, ReusedOutputFolderNeverLosesOrMixesRuns) {
+  TempDir dir("reused");
+  const std::string out = (dir.path / "run").string();
+  auto a = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" + " --keep 3");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto before = contents_of(out);
+  ASSERT_TRUE(before.count("ckpt-12.st")) << a.output;
+  const std::string old_id = *checkpoint_run(out + "/ckpt-12.st");
+
+  auto refused = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" +
+                             " --resume none --epochs 1 --keep 3");
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("holds another run (ckpt-10.st, ckpt-12.st, ckpt-8.st and "),
+            std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("--overwrite"), std::string::npos) << refused.output;
+  EXPECT_EQ(contents_of(out), before) << "a refused run changed the folder";
+
+  auto fresh = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" +
+                           " --resume none --overwrite --epochs 1 --keep 3");
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  for (const char* gone : {"ckpt-8.st", "ckpt-10.st", "ckpt-12.st"}) {
+    EXPECT_FALSE(fs::exists(out + "/" + gone)) << gone;
+  }
+  for (const char* kept : {"ckpt-2.st", "ckpt-4.st", "ckpt-6.st", "model.pt", "run.json"}) {
+    EXPECT_TRUE(fs::exists(out + "/" + kept)) << kept;
+  }
+  EXPECT_NE(*checkpoint_run(out + "/ckpt-6.st"), old_id);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(out + "/run.json"))["run_id"],
+            *checkpoint_run(out + "/ckpt-6.st"));
+  auto lines = step_lines(out + "/metrics.jsonl");
+  ASSERT_EQ(lines.size(), 6u) << "the old run's lines were kept";
+  EXPECT_EQ(lines.front().first, 1);
+  EXPECT_NE(fresh.output.find("checkpoint      " + out + "/ckpt-6.st"), std::string::npos)
+      << fresh.output;
+}
+
+// A launcher's restart of the same run that died before its first checkpoint is that run
+// starting over, not another run: it is not refused, and its metrics start again.
+TEST(Train, RestartBeforeTheFirstCheckpointStartsOver) {
+  TempDir dir("restart_early");
+  auto r = run_command("SCALETRAIN_KILL_AT_STEP=2 " + cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 --max-restarts 1 -- " + cli_path() +
+                       " train --device cpu --dataset synthetic --limit-train 256 --limit-test 64"
+                       " --epochs 1 --batch-size 64 --log-every 1 --no-progress --out " +
+                       dir.path.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("was killed by SIGKILL"), std::string::npos) << r.output;
+  auto lines = step_lines(dir.path / "metrics.jsonl");
+  ASSERT_EQ(lines.size(), 4u);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(lines[static_cast<size_t>(i)].first, i + 1);
+}
+
 TEST(Checkpoint, AnotherModelIsRefused) {
   TempDir dir("ckpt_model");
   Model toy = make_model("toy");
   torch::optim::SGD opt(toy.module->parameters(), 0.1);
   TrainingState s;
+  s.run_id = "test";
   s.model_name = "toy";
   auto path = save_checkpoint(dir.path.string(), s, *toy.module, opt, 1);
   Model lenet = make_model("lenet");
@@ -233,6 +345,7 @@ TEST(Train, TimeoutFlagBoundsTheWaitForALostRank) {
 // now joins at the end of its epoch, and every rank fails within seconds, naming the ranks.
 TEST(Train, UnevenInputsMidEpochFailWithinSecondsInsteadOfHanging) {
   TempDir dir("uneven");
+  int run = 0;
   for (const char* differ :
        {"--batch-size 32 --limit-train 128|--batch-size 32 --limit-train 256",
         "--limit-train 256 --batch-size 64|--limit-train 256 --batch-size 32"}) {
@@ -243,7 +356,7 @@ TEST(Train, UnevenInputsMidEpochFailWithinSecondsInsteadOfHanging) {
                              "' " + cli_path() +
                              " train --device cpu --dataset synthetic --limit-test 64 --epochs 2"
                              " --no-progress --resume none --out " +
-                             (dir.path / "run").string(),
+                             (dir.path / std::to_string(run++)).string(),
                          120);
     EXPECT_NE(r.exit_code, 0) << differ << "\n" << r.output;
     EXPECT_LT(r.seconds, 60) << differ << ": took " << r.seconds << " s\n" << r.output;

@@ -15,6 +15,8 @@
 namespace scaletrain {
 
 struct TrainingState {
+  std::string run_id;  // the run the checkpoint belongs to (Note [Run identity] in training.md):
+                       // letters, digits, '-' and '_'; pruning never touches another run's files
   std::string model_name;
   int64_t epoch = 0;          // the epoch in progress
   int64_t step_in_epoch = 0;  // batches of it already done
@@ -25,8 +27,10 @@ struct TrainingState {
 /// `dir/ckpt-<global_step>.st`, the file save_checkpoint() writes for that step.
 std::string checkpoint_path(const std::string& dir, int64_t global_step);
 
-/// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep`. Returns
-/// the path. Throws Error when the folder cannot be written.
+/// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep` of the
+/// checkpoints in `dir` that belong to the same run (state.run_id); other runs' files are never
+/// touched. Returns the path. Throws Error when the folder cannot be written, and UsageError for
+/// a run id with other characters than letters, digits, '-' and '_'.
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep);
@@ -43,6 +47,10 @@ std::optional<std::string> newest_valid_checkpoint(const std::string& dir);
 
 /// Checks a file's header and checksum without loading it; the reason when it is bad.
 std::optional<std::string> checkpoint_problem(const std::string& path);
+
+/// The run a checkpoint belongs to, from its header alone ("" for a format-1 file, which
+/// predates run ids); nullopt when the file is not a readable checkpoint.
+std::optional<std::string> checkpoint_run(const std::string& path);
 
 /// The model's weights (parameters and buffers) as a state dict for Python, with the Python
 /// model's keys ("conv1.weight", "bn1.running_mean", ...): a path ending in ".safetensors" gets

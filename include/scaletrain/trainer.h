@@ -43,6 +43,8 @@ struct TrainOptions {
   int checkpoint_every = 0;     // steps; 0: only at the end of each epoch
   int keep = 3;                 // checkpoints kept
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
+  bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
+                                // (without it, such a folder is refused unless resumed)
   int log_every = 50;           // steps between metric lines
   bool progress = true;         // progress bar / lines on rank 0
   std::string device = "auto";  // "auto" (cuda:<local rank> when GPUs are visible, else cpu),
@@ -74,7 +76,9 @@ struct TrainResult {
 };
 
 /// Checks the options before any work (unknown model or data set, a batch smaller than the
-/// world size, an unwritable output folder): throws UsageError naming the value and the fix.
+/// world size, an unwritable output folder, a folder holding another run that is neither resumed
+/// nor overwritten): throws UsageError naming the value and the fix. Writes nothing but the
+/// output folder itself.
 void validate(const TrainOptions& options, int world_size);
 
 /// Trains on this rank; every rank calls it with the same options.

@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -18,7 +19,41 @@ namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr const char* kMagic = "SCALETRAIN-CHECKPOINT 1";
+constexpr const char* kMagic = "SCALETRAIN-CHECKPOINT 2";
+constexpr const char* kMagicV1 = "SCALETRAIN-CHECKPOINT 1";  // no run id; still read
+
+struct Header {
+  unsigned long crc = 0, size = 0;
+  std::string run;
+};
+
+// The two header lines; nullopt when they are not a checkpoint's.
+std::optional<Header> read_header(std::istream& in, std::string* problem) {
+  std::string magic, line;
+  std::getline(in, magic);
+  std::getline(in, line);
+  if (magic != kMagic && magic != kMagicV1) {
+    *problem = "is not a scaletrain checkpoint (bad header)";
+    return std::nullopt;
+  }
+  Header h;
+  char run[129] = {};
+  const int got = std::sscanf(line.c_str(), "crc32 %lx size %lu run %128s", &h.crc, &h.size, run);
+  if (got < 2 || (magic == kMagic && got != 3)) {
+    *problem = "has a bad header";
+    return std::nullopt;
+  }
+  h.run = run;
+  return h;
+}
+
+bool valid_run_id(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_') return false;
+  }
+  return true;
+}
 
 uint32_t crc_of(const std::string& s) {
   return static_cast<uint32_t>(
@@ -29,19 +64,15 @@ uint32_t crc_of(const std::string& s) {
 std::optional<std::string> payload_of(const std::string& path, std::string* payload) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return "cannot be opened";
-  std::string magic, header;
-  std::getline(in, magic);
-  std::getline(in, header);
-  if (magic != kMagic) return "is not a scaletrain checkpoint (bad header)";
-  unsigned long crc = 0, size = 0;
-  if (std::sscanf(header.c_str(), "crc32 %lx size %lu", &crc, &size) != 2)
-    return "has a bad header";
+  std::string problem;
+  auto h = read_header(in, &problem);
+  if (!h) return problem;
   std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (body.size() != size) {
-    return "is truncated (" + std::to_string(body.size()) + " of " + std::to_string(size) +
+  if (body.size() != h->size) {
+    return "is truncated (" + std::to_string(body.size()) + " of " + std::to_string(h->size) +
            " bytes)";
   }
-  if (crc_of(body) != crc) return "is corrupt (checksum mismatch)";
+  if (crc_of(body) != h->crc) return "is corrupt (checksum mismatch)";
   if (payload) *payload = std::move(body);
   return std::nullopt;
 }
@@ -64,6 +95,10 @@ std::string checkpoint_path(const std::string& dir, int64_t global_step) {
 std::string save_checkpoint(const std::string& dir, const TrainingState& s,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep) {
+  if (!valid_run_id(s.run_id)) {
+    throw UsageError("checkpoint run id '" + s.run_id +
+                     "' must be 1 to 128 letters, digits, '-' or '_'");
+  }
   std::error_code ec;
   fs::create_directories(dir, ec);
   torch::serialize::OutputArchive ar;
@@ -92,8 +127,8 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
                   "or choose another with --out");
     }
     char header[64];
-    std::snprintf(header, sizeof(header), "crc32 %08x size %zu\n", crc_of(body), body.size());
-    out << kMagic << "\n" << header << body;
+    std::snprintf(header, sizeof(header), "crc32 %08x size %zu run ", crc_of(body), body.size());
+    out << kMagic << "\n" << header << s.run_id << "\n" << body;
     if (!out.flush()) throw Error("writing checkpoint '" + tmp + "' failed (disk full?)");
   }
   int fd = ::open(tmp.c_str(), O_RDONLY);
@@ -107,13 +142,29 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
     ::fsync(dfd);  // make the rename itself durable
     ::close(dfd);
   }
-  std::vector<fs::path> all;
+  // Prune this run's checkpoints only: a folder may hold another run's, which are not ours to
+  // delete (docs/checkpoint.md).
+  std::vector<fs::path> ours;
   for (auto& e : fs::directory_iterator(dir)) {
-    if (e.path().extension() == ".st" && step_of(e.path()) >= 0) all.push_back(e.path());
+    if (e.path().extension() == ".st" && step_of(e.path()) >= 0 &&
+        checkpoint_run(e.path().string()) == s.run_id) {
+      ours.push_back(e.path());
+    }
   }
-  std::sort(all.begin(), all.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
-  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < all.size(); ++i) fs::remove(all[i]);
+  std::sort(ours.begin(), ours.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < ours.size(); ++i) {
+    fs::remove(ours[i], ec);
+  }
   return final_path;
+}
+
+std::optional<std::string> checkpoint_run(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::string problem;
+  auto h = read_header(in, &problem);
+  if (!h) return std::nullopt;
+  return h->run;
 }
 
 std::optional<std::string> checkpoint_problem(const std::string& path) {
@@ -129,6 +180,7 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
   ar.load_from(in);
   c10::IValue v;
   TrainingState s;
+  s.run_id = checkpoint_run(path).value_or("");
   ar.read("model_name", v);
   s.model_name = v.toStringRef();
   if (s.model_name != model_name) {

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "run_folder.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -358,10 +359,12 @@ void validate(const TrainOptions& o, int world) {
   if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
     throw UsageError("--resume '" + o.resume + "': no such checkpoint (use auto, none or a file)");
   }
+  plan_run_start(o);  // refuses a folder of another run (Note [Run identity])
 }
 
 TrainResult train(const TrainOptions& o, const Dist& d) {
   validate(o, d.size());
+  const RunStart start = plan_run_start(o);
   const at::Device dev = resolve_device(o.device, d);
   torch::manual_seed(o.seed);
   auto [train_set, test_set] = load_data(o);
@@ -385,24 +388,27 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   const int64_t per_rank = o.batch_size / d.size();
   const int64_t eval_batch = o.dataset == "folder" ? 2 * per_rank : 1024;
 
+  // Every rank planned before DDP's construction (a collective), so no rank has written yet.
   TrainingState state;
   state.model_name = o.model;
-  std::optional<std::string> from;
-  if (o.resume == "auto")
-    from = newest_valid_checkpoint(o.out_dir);
-  else if (o.resume != "none")
-    from = o.resume;
+  const std::optional<std::string> from = start.resume_from;
+  TrainResult r;
+  r.metrics_path = o.out_dir + "/metrics.jsonl";
   if (from) {
     state = load_checkpoint(*from, *model.module, *opt, o.model);
     sampler.load_state(state.sampler);
+    if (state.run_id.empty()) state.run_id = start.run_id.empty() ? "resumed" : start.run_id;
+    r.last_checkpoint = *from;
     if (d.rank() == 0) {
+      drop_metrics_after(r.metrics_path, state.global_step);
       std::cout << "resumed from " << *from << " (epoch " << state.epoch + 1 << ", step "
                 << state.step_in_epoch << " of it)" << std::endl;
     }
+  } else {
+    state.run_id = start.run_id;
   }
+  if (d.rank() == 0) begin_run(o, start, state.run_id);
 
-  TrainResult r;
-  r.metrics_path = o.out_dir + "/metrics.jsonl";
   std::ofstream metrics;
   if (d.rank() == 0) metrics.open(r.metrics_path, std::ios::app);
   std::unique_ptr<EventWriter> tb;  // TensorBoard: the same figures as metrics.jsonl

@@ -1,0 +1,175 @@
+// Note [Run identity]
+// ~~~~~~~~~~~~~~~~~~~
+// A folder given to --out holds at most one run, and a run never deletes or mixes with another
+// run's files (the data loss this prevents: a fresh run in a finished run's folder pruned the new
+// run's checkpoints by step number, kept the old ones, appended to the old metrics, and a later
+// --resume auto picked the old run).
+//
+// - Each run has an id, written into every checkpoint's header and into run.json; checkpoints
+//   are pruned among those of the same id only (checkpoint.h).
+// - A run that resumes a checkpoint continues that checkpoint's run and id; metric lines past
+//   the checkpoint's step, written by the attempt that died, are dropped.
+// - A fresh run (--resume none, or auto with nothing valid to resume) in a folder holding run
+//   files is refused, naming the files and the three ways on: --resume auto, another --out, or
+//   --overwrite, which deletes exactly those files (run_files()) first.
+// - Except a launcher's restart of the same run (TORCHELASTIC_RESTART_COUNT > 0 and run.json
+//   naming this launch's TORCHELASTIC_RUN_ID) that died before its first checkpoint: it starts
+//   over in its own folder, with its own id.
+
+#include "run_folder.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/error.h"
+#include "scaletrain/version.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : fallback;
+}
+
+std::string random_id() {
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%08x%08x", rd(), rd());
+  return buf;
+}
+
+nlohmann::json read_record(const std::string& dir) {
+  std::ifstream in(dir + "/run.json");
+  if (!in) return nlohmann::json::object();
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    return nlohmann::json::object();
+  }
+}
+
+// An earlier attempt of this launch (Note [Run identity]): its id, to start over under.
+std::optional<std::string> own_earlier_attempt(const std::string& dir) {
+  const std::string launch = env_or("TORCHELASTIC_RUN_ID", "none");
+  if (launch == "none" || std::atoi(env_or("TORCHELASTIC_RESTART_COUNT", "0").c_str()) <= 0) {
+    return std::nullopt;
+  }
+  auto record = read_record(dir);
+  if (record.value("launch_id", "") != launch) return std::nullopt;
+  return record.value("run_id", "");
+}
+
+std::string listing(const std::vector<fs::path>& files) {
+  std::string out;
+  for (size_t i = 0; i < files.size() && i < 3; ++i) {
+    out += (i ? ", " : "") + files[i].filename().string();
+  }
+  if (files.size() > 3) out += " and " + std::to_string(files.size() - 3) + " more";
+  return out;
+}
+
+bool is_inside(const fs::path& file, const fs::path& dir) {
+  std::error_code ec;
+  return fs::equivalent(fs::absolute(file).parent_path(), fs::absolute(dir), ec);
+}
+
+}  // namespace
+
+std::vector<fs::path> run_files(const std::string& dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool tmp = name.size() > 7 && name.compare(name.size() - 7, 7, ".st.tmp") == 0;
+    const bool ckpt = name.rfind("ckpt-", 0) == 0 && (e.path().extension() == ".st" || tmp);
+    if (ckpt || name == "metrics.jsonl" || name == "model.pt" || name == "run.json" ||
+        name.rfind("events.out.tfevents.", 0) == 0) {
+      out.push_back(e.path());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+RunStart plan_run_start(const TrainOptions& o) {
+  RunStart s;
+  if (o.resume == "auto" && !o.overwrite) {
+    s.resume_from = newest_valid_checkpoint(o.out_dir);
+  } else if (o.resume != "auto" && o.resume != "none") {
+    s.resume_from = o.resume;
+  }
+  const auto files = run_files(o.out_dir);
+  if (s.resume_from && (files.empty() || is_inside(*s.resume_from, o.out_dir))) return s;
+  if (files.empty()) {
+    s.run_id = random_id();
+    return s;
+  }
+  if (o.overwrite) {
+    for (const auto& f : files) {
+      if (!s.resume_from || !fs::equivalent(f, *s.resume_from)) s.stale.push_back(f);
+    }
+    if (!s.resume_from) s.run_id = random_id();
+    return s;
+  }
+  if (!s.resume_from) {
+    if (auto earlier = own_earlier_attempt(o.out_dir)) {
+      s.run_id = earlier->empty() ? random_id() : *earlier;
+      for (const auto& f : files) {
+        if (f.filename() == "metrics.jsonl") s.stale.push_back(f);
+      }
+      return s;
+    }
+  }
+  throw UsageError("the output folder '" + o.out_dir + "' holds another run (" + listing(files) +
+                   "); continue it with --resume auto, choose another --out, or give --overwrite "
+                   "to delete those files first");
+}
+
+void begin_run(const TrainOptions& o, const RunStart& start, const std::string& run_id) {
+  std::error_code ec;
+  for (const auto& f : start.stale) fs::remove(f, ec);
+  if (!start.run_id.empty() || !fs::exists(o.out_dir + "/run.json")) {
+    const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+    char when[32];
+    std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    nlohmann::json record = {
+        {"run_id", run_id}, {"launch_id", env_or("TORCHELASTIC_RUN_ID", "none")},
+        {"model", o.model}, {"dataset", o.dataset},
+        {"started", when},  {"scaletrain", version()}};
+    const std::string tmp = o.out_dir + "/run.json.tmp";
+    std::ofstream(tmp) << record.dump(2) << "\n";
+    fs::rename(tmp, o.out_dir + "/run.json", ec);
+  }
+}
+
+void drop_metrics_after(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    try {
+      if (nlohmann::json::parse(line).value("step", int64_t{0}) > step) continue;
+    } catch (const std::exception&) {
+      continue;  // a line cut short by the crash
+    }
+    kept += line + "\n";
+  }
+  in.close();
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << kept;
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+}
+
+}  // namespace scaletrain

@@ -151,7 +151,8 @@ void add_train_command(CLI::App& app, Action& action) {
           std::cerr << "scaletrain train: interrupted; "
                     << (last ? "the last checkpoint is " + *last +
                                    ": run the same command again to resume from it"
-                             : std::string("no checkpoint was written yet in ") + args->o.out_dir)
+                             : "no checkpoint was written yet in " + args->o.out_dir +
+                                   " (--overwrite starts afresh there)")
                     << std::endl;
         }
         return status;

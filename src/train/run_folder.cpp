@@ -131,9 +131,12 @@ RunStart plan_run_start(const TrainOptions& o) {
       return s;
     }
   }
+  const bool resumable = newest_valid_checkpoint(o.out_dir).has_value();
   throw UsageError("the output folder '" + o.out_dir + "' holds another run (" + listing(files) +
-                   "); continue it with --resume auto, choose another --out, or give --overwrite "
-                   "to delete those files first");
+                   (resumable ? "); continue it with --resume auto, choose another --out, or give "
+                                "--overwrite to delete those files first"
+                              : "), which wrote no valid checkpoint to resume from; choose another "
+                                "--out, or give --overwrite to delete those files first"));
 }
 
 void begin_run(const TrainOptions& o, const RunStart& start, const std::string& run_id) {

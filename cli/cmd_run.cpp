@@ -1,4 +1,4 @@
-// `scaletrain run`: the torchrun-compatible launcher (src/base/launch.cpp does the work).
+// `scaletrain run`: the torchrun-compatible launcher (src/launch/launch.cpp does the work).
 
 #include <sstream>
 

@@ -1,13 +1,16 @@
 # Third-party dependencies. LibTorch comes from the project's virtual environment (.venv, made by
-# scripts/setup.sh) unless the user points Torch_DIR or CMAKE_PREFIX_PATH at another LibTorch.
-file(GLOB _venv_torch_cmake "${CMAKE_SOURCE_DIR}/.venv/lib/python3*/site-packages/torch/share/cmake")
-if(_venv_torch_cmake AND NOT Torch_DIR)
-  list(APPEND CMAKE_PREFIX_PATH ${_venv_torch_cmake})
+# scripts/setup.sh) unless the user points Torch_DIR or CMAKE_PREFIX_PATH at another LibTorch, or
+# a parent project already found one.
+if(NOT TARGET torch)
+  file(GLOB _venv_torch_cmake "${PROJECT_SOURCE_DIR}/.venv/lib/python3*/site-packages/torch/share/cmake")
+  if(_venv_torch_cmake AND NOT Torch_DIR)
+    list(APPEND CMAKE_PREFIX_PATH ${_venv_torch_cmake})
+  endif()
+  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+    set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA architectures for our own CUDA code")
+  endif()
+  find_package(Torch REQUIRED)
 endif()
-if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
-  set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA architectures for our own CUDA code")
-endif()
-find_package(Torch REQUIRED)
 find_package(Threads REQUIRED)
 
 # Is this LibTorch built with CUDA? Then every CUDA path of ours compiles and links, even on a
@@ -18,8 +21,9 @@ if(TARGET torch_cuda OR EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so")
 endif()
 message(STATUS "scaletrain: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA: ${SCALETRAIN_HAVE_CUDA}")
 
-# Runtime search path: LibTorch's own libraries, the CUDA libraries the pip wheels add to the
-# venv (nvidia/*/lib), and the CUDA toolkit's. Binaries then run without LD_LIBRARY_PATH.
+# Runtime search path of the library and the tools: LibTorch's own libraries, the CUDA libraries
+# the pip wheels add beside it (nvidia/*/lib), and the CUDA toolkit's. Binaries then run without
+# LD_LIBRARY_PATH, from the build tree and installed.
 file(GLOB _nvidia_libs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
 set(SCALETRAIN_RPATH "${TORCH_INSTALL_PREFIX}/lib" ${_nvidia_libs})
 foreach(_d /usr/local/cuda/lib64 /usr/local/cuda/lib)
@@ -27,30 +31,34 @@ foreach(_d /usr/local/cuda/lib64 /usr/local/cuda/lib)
     list(APPEND SCALETRAIN_RPATH ${_d})
   endif()
 endforeach()
-set(CMAKE_BUILD_RPATH ${SCALETRAIN_RPATH})
-set(CMAKE_INSTALL_RPATH ${SCALETRAIN_RPATH})
 
-# gloo headers (Debian's libgloo-dev) for c10d's ProcessGroupGloo declaration.
+# gloo headers (Debian's libgloo-dev) for c10d's ProcessGroupGloo declaration (private to the
+# library: no public header needs them).
 find_path(GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 # nccl.h for c10d's ProcessGroupNCCL declaration.
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ${CUDAToolkit_INCLUDE_DIRS})
 
-find_package(CLI11 REQUIRED)
+# The library's own (private) dependencies; the tool's and the tests' are found where they are
+# built (cli/, tests/), so that a library-only build needs none of them.
 find_package(nlohmann_json REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(ZLIB REQUIRED)
 
 # Note [libstdc++ first]: the PyPI libtorch.so exports its own copy of std::filesystem (64
-# functions, from the toolchain it was built with), and some of them crash when called from our
+# functions, from the toolchain it was built with), and some of them crash when called from other
 # code (std::filesystem::remove_all jumps through a null pointer). The dynamic linker binds each
 # symbol to the first library in an executable's NEEDED list that defines it, so every
-# executable lists libstdc++ before LibTorch. The shared library is named by its full path: a
-# bare -lstdc++ can find the static archive (toolchains or LibTorch configs that link libstdc++
-# statically), which adds nothing to NEEDED and leaves the symbols to LibTorch.
-execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
-  OUTPUT_VARIABLE SCALETRAIN_LIBSTDCXX OUTPUT_STRIP_TRAILING_WHITESPACE)
-if(NOT IS_ABSOLUTE "${SCALETRAIN_LIBSTDCXX}" OR NOT EXISTS "${SCALETRAIN_LIBSTDCXX}")
-  set(SCALETRAIN_LIBSTDCXX -lstdc++)
-endif()
-add_link_options("LINKER:--push-state,--no-as-needed" "${SCALETRAIN_LIBSTDCXX}"
-  "LINKER:--pop-state")
+# executable that links LibTorch must list libstdc++ first. The shared library is named by its
+# full path: a bare -lstdc++ can find the static archive, which adds nothing to NEEDED. The
+# scaletrain target carries this in its INTERFACE link options (src/CMakeLists.txt, and
+# scaletrainConfig.cmake for an installed package, computed with the consumer's compiler), so
+# that every program linking scaletrain gets it.
+function(scaletrain_libstdcxx_first out)
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
+    OUTPUT_VARIABLE _lib OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT IS_ABSOLUTE "${_lib}" OR NOT EXISTS "${_lib}")
+    set(_lib -lstdc++)
+  endif()
+  set(${out} "LINKER:--push-state,--no-as-needed" "${_lib}" "LINKER:--pop-state" PARENT_SCOPE)
+endfunction()
+scaletrain_libstdcxx_first(SCALETRAIN_LIBSTDCXX_FIRST)

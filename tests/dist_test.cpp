@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
@@ -125,6 +127,77 @@ TEST(Dist, SingleNodeStoreListensOnLoopbackOnly) {
   EXPECT_TRUE(contains(r.output, "127.0.0.1:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "0.0.0.0:" + port)) << r.output;
   EXPECT_FALSE(contains(r.output, "*:" + port)) << r.output;
+}
+
+}  // namespace
+}  // namespace scaletrain
+
+#include "support/ranks.h"
+
+namespace scaletrain {
+namespace {
+
+// Dist's collectives (dist.h) over 1 to 4 ranks as threads, with every value checked: integers
+// (floats holding small integers), so every sum is exact.
+class DistCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistCollectives, EachCollectiveGivesItsResultOnEveryRank) {
+  const int n = GetParam();
+  auto errors = testing::run_ranks(n, [&](Dist& d) {
+    const auto r = static_cast<float>(d.rank());
+    auto t = at::full({3}, r + 1);
+    d.all_reduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({3}, n * (n + 1) / 2.0f)));
+    auto m = at::full({2}, r);
+    d.all_reduce(m, c10d::ReduceOp::MAX);
+    EXPECT_TRUE(at::equal(m, at::full({2}, n - 1.0f)));
+
+    auto b = at::full({4}, r);
+    d.broadcast(b, n - 1);
+    EXPECT_TRUE(at::equal(b, at::full({4}, n - 1.0f)));
+
+    auto all = d.all_gather(at::full({2}, r * 10));
+    ASSERT_EQ(all.size(), static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) EXPECT_TRUE(at::equal(all[i], at::full({2}, i * 10.0f)));
+
+    auto flat = d.all_gather_into_tensor(at::full({2, 3}, r));
+    ASSERT_EQ(flat.sizes(), (std::vector<int64_t>{2 * n, 3}));
+    for (int i = 0; i < n; ++i)
+      EXPECT_TRUE(at::equal(flat.narrow(0, 2 * i, 2), at::full({2, 3}, float(i))));
+
+    // Rank r contributes r + slice index at every slice: slice s sums to n·s + n(n-1)/2.
+    auto in = at::arange(n, at::kFloat).repeat_interleave(2) + r;  // [n·2]
+    auto mine = d.reduce_scatter_tensor(in);
+    ASSERT_EQ(mine.sizes(), (std::vector<int64_t>{2}));
+    EXPECT_TRUE(at::equal(mine, at::full({2}, n * r + n * (n - 1) / 2.0f))) << mine;
+    EXPECT_THROW(d.reduce_scatter_tensor(at::scalar_tensor(1.0)), UsageError);
+    if (n > 1) {
+      EXPECT_THROW(d.reduce_scatter_tensor(at::zeros({2 * n + 1})), UsageError);
+    }
+    EXPECT_THROW(d.broadcast(b, n), UsageError);
+    d.barrier();
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(n)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, DistCollectives, ::testing::Values(1, 2, 3, 4));
+
+// A rank that never joins a collective: the others fail within the group's timeout, with an error
+// naming the collective and the rank.
+TEST(DistCollectives, MissingRankFailsTheCollectiveNamingIt) {
+  auto errors = testing::run_ranks(
+      2,
+      [&](Dist& d) {
+        if (d.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(3));
+          return;
+        }
+        auto t = at::ones({8});
+        d.all_reduce(t);
+      },
+      std::chrono::milliseconds(500));
+  EXPECT_NE(errors[0].find("rank 0 of 2: all_reduce of a [8] tensor timed out"), std::string::npos)
+      << errors[0];
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The shared-memory collectives of same-machine ranks (Note [Shared-memory reduce] in
-// src/base/shm.cpp), ranks as threads (and, once, a forked process).
-#include "../src/base/shm.h"
+// src/transport/shm.cpp), ranks as threads (and, once, a forked process).
+#include "transport/shm.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>

@@ -35,8 +35,8 @@
 // (padding or drop_last). Cost: one tiny all-gather per step (microseconds through shared
 // memory).
 //
-// Same-machine ranks (Note [Shared-memory reduce] in src/base/shm.cpp): with shared_memory (the
-// default) and the Gloo backend, ranks that can all map one /dev/shm segment sum float32 CPU
+// Same-machine ranks (Note [Shared-memory reduce] in src/transport/shm.cpp): with shared_memory
+// (the default) and the Gloo backend, ranks that can all map one /dev/shm segment sum float32 CPU
 // gradient buckets and exchange the uneven-input flags through it, on the calling thread,
 // instead of through Gloo's sockets: ~0.2 ms instead of 2.4 ms for a 516 KB bucket. Every rank
 // gets the same bits. Where any rank cannot map it (another machine), all use the backend.

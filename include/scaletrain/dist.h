@@ -3,8 +3,8 @@
 // backend — Gloo for CPU tensors, NCCL for CUDA tensors.
 //
 //   auto dist = scaletrain::init_process_group();          // reads the world from the env
-//   std::vector<at::Tensor> t{at::ones({4})};
-//   dist.backend->allreduce(t)->wait();
+//   auto t = at::ones({4});
+//   dist.all_reduce(t);                                    // t = world_size everywhere
 //
 // Rendezvous (Note [Rendezvous]): rank 0 hosts the store. Every process first checks that the
 // store serves its own run id (a process of another job that reaches the same port is refused
@@ -14,6 +14,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -52,6 +53,28 @@ struct Dist {
 
   int rank() const { return world.rank; }
   int size() const { return world.world_size; }
+
+  // Collectives over the group, with PyTorch's names. Each waits for its result: a failure or a
+  // wait past `timeout` is an Error naming the operation, this rank and the timeout (wait_for
+  // below). Every rank calls them in the same order, with tensors of the same shape and dtype.
+  // Gloo carries CPU and CUDA tensors, NCCL CUDA tensors. Not for concurrent use by threads.
+
+  /// In place: `tensor` reduced over the ranks (sum by default).
+  void all_reduce(at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM) const;
+  /// In place: rank `src`'s `tensor` on every rank.
+  void broadcast(at::Tensor& tensor, int src = 0) const;
+  /// Every rank's `tensor`, by rank.
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) const;
+  /// Every rank's `tensor` (same shape everywhere) concatenated along dimension 0, by rank:
+  /// PyTorch's all_gather_into_tensor.
+  at::Tensor all_gather_into_tensor(const at::Tensor& tensor) const;
+  /// `input`'s dimension 0 holds size() equal slices: returns this rank's slice of their
+  /// reduction over the ranks (PyTorch's reduce_scatter_tensor). Throws UsageError when dimension
+  /// 0 does not split evenly.
+  at::Tensor reduce_scatter_tensor(const at::Tensor& input,
+                                   c10d::ReduceOp op = c10d::ReduceOp::SUM) const;
+  /// Returns when every rank has called it.
+  void barrier() const;
 };
 
 /// Joins the job's process group. Throws Error (run id mismatch, missing ranks after the

@@ -23,10 +23,6 @@
 #include <string>
 #include <vector>
 
-namespace torch::nn {
-class Conv2d;
-}
-
 namespace scaletrain {
 
 struct Model {
@@ -61,21 +57,6 @@ std::vector<std::string> model_names();
 /// x.contiguous(at::MemoryFormat::ChannelsLast). Values, shapes and names do not change. Call it
 /// before wrapping the module in DDP, whose gradient buckets take the parameters' layout.
 void to_channels_last(torch::nn::Module& module);
-
-/// `conv(x)`, with a faster weight gradient for the convolutions oneDNN handles worst on the CPU:
-/// those that read few input values per output (in_channels · kernel height · width ≤ 32, such
-/// as a stem over one-channel images), with groups 1 and padding_mode zeros. Their weight gradient
-/// runs as one batched matrix product over the unfolded input (im2col) instead of oneDNN's
-/// kernel, which reaches 2 GFLOP/s on a 1-channel 3×3 convolution. The forward and the input
-/// gradient are LibTorch's; on other devices and other convolutions this is `conv(x)`. Results
-/// equal `conv(x)`'s to float rounding (the sum runs in another order). See Note [Stem conv] in
-/// src/models/models.cpp.
-at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
-
-/// avg_pool2d(relu(x), 2) (2x2 windows, stride 2), fused into one pass each way for channels-last
-/// float tensors on the CPU (Note [Fused ReLU + pool] in src/models/models.cpp); other tensors
-/// take LibTorch's two ops. LeNet uses it after each convolution.
-at::Tensor relu_avg_pool2x2(const at::Tensor& x);
 
 /// Number of elements of all parameters.
 int64_t parameter_count(const torch::nn::Module& module);

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-#include "reducer.h"
+#include "ddp/reducer.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -119,12 +119,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers");
   }
   reducer_ = std::make_unique<Reducer>(dist_, options_, std::move(params), std::move(names));
-  reducer_->open_shared_memory(instance);
+  reducer_->open_collectives(instance);
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-bool DistributedDataParallel::uses_shared_memory() const { return reducer_->shm != nullptr; }
+bool DistributedDataParallel::uses_shared_memory() const { return reducer_->comm->shared_memory(); }
 
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const {
   return reducer_->assignment;

@@ -26,8 +26,7 @@
 #include <set>
 #include <thread>
 
-#include "../dist/shared_group.h"
-#include "reducer.h"
+#include "ddp/reducer.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -176,30 +175,16 @@ void Reducer::mark_ready(size_t i) {
   }
 }
 
-bool Reducer::through_shared_memory(const Bucket& b) const {
-  return shm && opts.comm_hook == CommHook::kNone && b.flat.is_cpu() &&
-         b.flat.scalar_type() == at::kFloat;
-}
-
 void Reducer::launch(size_t k) {
   Bucket& b = buckets[k];
   b.flat.div_(divisor);
   b.launched = true;
-  if (through_shared_memory(b)) {
-    // Synchronous: a sum through memory has no latency to hide behind the rest of backward.
-    shm->allreduce_sum(b.flat.mutable_data_ptr<float>(), b.flat.numel(),
-                       "all-reduce of gradient bucket " + std::to_string(k) + " of " +
-                           std::to_string(buckets.size()) + " (shared memory)");
-    return;
-  }
-  std::vector<at::Tensor> t;
-  if (opts.comm_hook == CommHook::kNone) {
-    t = {b.flat};
-  } else {
+  if (opts.comm_hook != CommHook::kNone) {
     b.wire = b.flat.to(opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16);
-    t = {b.wire};
   }
-  b.work = dist.backend->allreduce(t);
+  b.work = comm->all_reduce_sum(b.wire.defined() ? b.wire : b.flat,
+                                "all-reduce of gradient bucket " + std::to_string(k) + " of " +
+                                    std::to_string(buckets.size()));
 }
 
 void Reducer::finalize() {
@@ -215,11 +200,12 @@ void Reducer::finalize() {
   }
   for (size_t k = 0; k < buckets.size(); ++k) {
     Bucket& b = buckets[k];
-    if (!b.work) continue;  // reduced through shared memory
-    wait_for(b.work,
-             "all-reduce of gradient bucket " + std::to_string(k) + " of " +
-                 std::to_string(buckets.size()),
-             dist);
+    if (b.work) {  // null: already summed (shared memory)
+      wait_for(b.work,
+               "all-reduce of gradient bucket " + std::to_string(k) + " of " +
+                   std::to_string(buckets.size()),
+               dist);
+    }
     if (b.wire.defined()) {
       b.flat.copy_(b.wire);
       b.wire = at::Tensor();
@@ -239,25 +225,23 @@ void Reducer::finalize() {
 }
 
 std::vector<int32_t> Reducer::exchange_flags(int32_t mine, const std::string& what) {
-  if (shm) return shm->allgather(mine, what);
-  std::vector<at::Tensor> in{at::full({1}, mine, at::kInt)};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < dist.size(); ++r) out[0].push_back(at::empty({1}, at::kInt));
-  wait_for(dist.backend->allgather(out, in), what, dist);
-  std::vector<int32_t> flags;
-  for (auto& t : out[0]) flags.push_back(t.item<int32_t>());
-  return flags;
+  return comm->all_gather_flags(mine, what);
 }
 
-void Reducer::open_shared_memory(int instance) {
+void Reducer::open_collectives(int instance) {
+  // CPU ranks on one machine: the segment carries the float32 buckets (with a compression hook
+  // they cross as 16-bit tensors, through the backend) and the uneven-input flags.
   int64_t largest = 0;
+  bool cpu = false;
   for (auto& b : buckets) {
-    if (b.flat.is_cpu() && b.flat.scalar_type() == at::kFloat)
+    cpu |= b.flat.is_cpu();
+    if (b.flat.is_cpu() && b.flat.scalar_type() == at::kFloat && opts.comm_hook == CommHook::kNone)
       largest = std::max(largest, b.flat.numel());
   }
-  if (!opts.shared_memory || largest == 0) return;
-  shm = open_shared_group(dist, "scaletrain/ddp/shm/" + std::to_string(instance),
-                          std::min<int64_t>(largest, int64_t{1} << 20));  // <= 4 MB per rank
+  CollectivesOptions co;
+  co.shared_memory = opts.shared_memory && cpu;
+  co.chunk_floats = std::clamp<int64_t>(largest, 1, int64_t{1} << 20);  // <= 4 MB per rank
+  comm = make_collectives(dist, co, "scaletrain/ddp/shm/" + std::to_string(instance));
 }
 
 void Reducer::shadow_backward() {
@@ -266,16 +250,12 @@ void Reducer::shadow_backward() {
     const Bucket& b = buckets[k];
     const std::string what = "all-reduce of gradient bucket " + std::to_string(k) + " of " +
                              std::to_string(buckets.size()) + " (shadowed by a joined rank)";
-    if (through_shared_memory(b)) {
-      auto zeros = at::zeros_like(b.flat);
-      shm->allreduce_sum(zeros.mutable_data_ptr<float>(), zeros.numel(), what);
-      continue;
-    }
-    std::vector<at::Tensor> t{at::zeros_like(
+    // The same dtype as the ranks that step put on the wire: the same path.
+    auto zeros = at::zeros_like(
         b.flat, opts.comm_hook == CommHook::kNone
                     ? b.flat.scalar_type()
-                    : (opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16))};
-    wait_for(dist.backend->allreduce(t), what, dist);
+                    : (opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16));
+    if (auto work = comm->all_reduce_sum(zeros, what)) wait_for(work, what, dist);
   }
   if (opts.find_unused_parameters) {
     std::vector<at::Tensor> t{at::zeros({static_cast<int64_t>(params.size())}, at::kInt)};

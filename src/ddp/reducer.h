@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "../base/shm.h"
+#include "dist/collectives.h"
 #include "scaletrain/bucket.h"
 #include "scaletrain/ddp.h"
 
@@ -52,13 +52,13 @@ struct DistributedDataParallel::Reducer {
   int64_t divisor = 1;  // buckets are divided by this before they are summed: the world size,
                         // or the ranks that took the step (Note [Uneven inputs])
   std::mutex mu;
-  std::unique_ptr<SharedGroup> shm;  // same-machine ranks: Note [Shared-memory reduce]
+  std::unique_ptr<Collectives> comm;  // Note [Collectives]
 
-  /// Every rank's `mine`, through `shm` when there is one, else an all-gather on the backend.
+  /// Every rank's `mine` (the uneven-input flags).
   std::vector<int32_t> exchange_flags(int32_t mine, const std::string& what);
-  /// Collective: maps one shared segment on every rank (instance-th DDP of this group), or on
-  /// none; for the Gloo backend and float32 CPU buckets only.
-  void open_shared_memory(int instance);
+  /// Collective: the collectives of the instance-th DDP of this group (shared memory for float32
+  /// CPU buckets where every rank can map one segment, DDPOptions::shared_memory).
+  void open_collectives(int instance);
   /// A joined rank's part in another rank's backward (Note [Uneven inputs]): every bucket's
   /// all-reduce, in order, with zeros, and the used-parameter map's with zeros.
   void shadow_backward();
@@ -68,7 +68,6 @@ struct DistributedDataParallel::Reducer {
   void attach(size_t i);
   void mark_ready(size_t i);
   void launch(size_t k);
-  bool through_shared_memory(const Bucket& b) const;
   void finalize();
   void drop_globally_unused();
   [[noreturn]] void report_missing(const std::vector<size_t>& missing);

@@ -16,7 +16,7 @@
 #include <sstream>
 #include <thread>
 
-#include "../base/net.h"
+#include "launch/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"

@@ -16,7 +16,7 @@
 //   naming this launch's TORCHELASTIC_RUN_ID) that died before its first checkpoint: it starts
 //   over in its own folder, with its own id.
 
-#include "run_folder.h"
+#include "train/run_folder.h"
 
 #include <unistd.h>
 

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "run_folder.h"
+#include "train/run_folder.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"

@@ -12,7 +12,7 @@
 #include <sstream>
 #include <thread>
 
-#include "../dist/shared_group.h"
+#include "dist/collectives.h"  // the library's private interface: this suite measures it
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
@@ -46,8 +46,10 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
   Dist d = init_process_group();
   std::ofstream csv;
   if (d.rank() == 0) csv.open(csv_path);
-  // The path DDP takes for ranks on one machine (Note [Shared-memory reduce]), 4 MB rounds.
-  auto shm = open_shared_group(d, "scaletrain/bench/allreduce", int64_t{1} << 20);
+  // The path DDP takes for ranks on one machine (Note [Collectives]), 4 MB rounds.
+  CollectivesOptions co;
+  co.chunk_floats = int64_t{1} << 20;
+  auto comm = make_collectives(d, co, "scaletrain/bench/allreduce");
   for (int64_t bytes = 4 << 10; bytes <= max_bytes(quick); bytes *= 4) {
     std::vector<at::Tensor> t{at::ones({bytes / 4})};
     // One warm-up, then `repeats` timed all-reduces, each started together after a barrier.
@@ -61,9 +63,9 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
       }
     };
     time("gloo", [&](const std::string& what) { wait_for(d.backend->allreduce(t), what, d); });
-    if (shm) {
+    if (comm->shared_memory()) {
       time("shm", [&](const std::string& what) {
-        shm->allreduce_sum(t[0].mutable_data_ptr<float>(), t[0].numel(), what);
+        if (auto work = comm->all_reduce_sum(t[0], what)) wait_for(work, what, d);
       });
     }
   }

@@ -26,7 +26,7 @@
 #include <random>
 #include <thread>
 
-#include "net.h"
+#include "launch/net.h"
 #include "scaletrain/error.h"
 
 extern char** environ;

@@ -1,7 +1,7 @@
 #pragma once
 // Fused CPU kernels on raw float arrays (internal, not public API). Kept free of LibTorch so that
 // this file alone is built with -O3 (vectorised loops) in seconds; src/models wraps them as
-// autograd functions. See Note [Fused ReLU + pool] in src/models/models.cpp.
+// autograd functions. See Note [Fused ReLU + pool] in src/kernels/ops.cpp.
 
 #include <cstdint>
 

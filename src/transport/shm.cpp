@@ -24,7 +24,7 @@
 // whose process is dead (kill(pid, 0): same PID namespace, checked at attach), or the
 // collective timeout passed; the error names the ranks that never arrived.
 
-#include "shm.h"
+#include "transport/shm.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>

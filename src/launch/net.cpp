@@ -1,4 +1,4 @@
-#include "net.h"
+#include "launch/net.h"
 
 #include <netinet/in.h>
 #include <sys/socket.h>

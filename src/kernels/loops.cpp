@@ -1,4 +1,4 @@
-#include "kernels.h"
+#include "kernels/loops.h"
 
 #include <algorithm>
 

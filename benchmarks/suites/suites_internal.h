@@ -1,5 +1,5 @@
 #pragma once
-// The suite functions behind bench::suites() (one file per suite in src/bench/).
+// The suite functions behind bench::suites() (one file per suite in benchmarks/suites/).
 
 #include <torch/nn/modules/container/sequential.h>
 

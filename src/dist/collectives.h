@@ -1,0 +1,47 @@
+#pragma once
+// The collectives DDP runs on gradient buckets and flags (internal). Note [Collectives] in
+// collectives.cpp: one interface, and behind it either the process group's c10d backend alone,
+// or, for ranks that share a machine, one shared-memory segment for float32 CPU tensors with the
+// backend for everything else. The reducer never chooses a path itself.
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/dist.h"
+
+namespace scaletrain {
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+
+  /// Starts the sum of `t` over the group, in place. Returns the work to wait for (wait_for in
+  /// dist.h), or null when the sum is already complete. Every rank calls it with tensors of the
+  /// same shape, dtype and device, in the same order. `what` names it in errors.
+  virtual c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t, const std::string& what) = 0;
+
+  /// Every rank's `mine`, by rank (blocking).
+  virtual std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) = 0;
+
+  /// Whether float32 CPU tensors go through shared memory.
+  virtual bool shared_memory() const = 0;
+};
+
+struct CollectivesOptions {
+  /// Same-machine ranks sum float32 CPU tensors through a /dev/shm segment when every rank of the
+  /// group can map it (Note [Shared-memory reduce] in src/transport/shm.cpp); else the backend.
+  bool shared_memory = true;
+  int64_t chunk_floats = 1 << 20;  // the segment's floats per rank (a tensor larger goes through
+                                   // it in rounds)
+};
+
+/// Collective over `dist` (every rank calls it, in the same order): the collectives for it.
+/// `key` names the shared segment in the store; one key per call.
+std::unique_ptr<Collectives> make_collectives(const Dist& dist, const CollectivesOptions& options,
+                                              const std::string& key);
+
+}  // namespace scaletrain

@@ -1,0 +1,28 @@
+#pragma once
+// Faster CPU kernels for two layers of the zoo (internal, not public API): used by LeNet and the
+// small-image ResNet-18 in src/models, tested against LibTorch's ops in tests/kernels_test.cpp.
+
+#include <ATen/core/Tensor.h>
+
+namespace torch::nn {
+class Conv2d;
+}
+
+namespace scaletrain {
+
+/// `conv(x)`, with a faster weight gradient for the convolutions oneDNN handles worst on the CPU:
+/// those that read few input values per output (in_channels · kernel height · width ≤ 32, such
+/// as a stem over one-channel images), with groups 1 and padding_mode zeros. Their weight gradient
+/// runs as one batched matrix product over the unfolded input (im2col) instead of oneDNN's
+/// kernel, which reaches 2 GFLOP/s on a 1-channel 3×3 convolution. The forward and the input
+/// gradient are LibTorch's; on other devices and other convolutions this is `conv(x)`. Results
+/// equal `conv(x)`'s to float rounding (the sum runs in another order). Note [Stem conv] in
+/// ops.cpp.
+at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
+
+/// avg_pool2d(relu(x), 2) (2x2 windows, stride 2), fused into one pass each way for channels-last
+/// float tensors on the CPU (Note [Fused ReLU + pool] in ops.cpp); other tensors take LibTorch's
+/// two ops. LeNet uses it after each convolution.
+at::Tensor relu_avg_pool2x2(const at::Tensor& x);
+
+}  // namespace scaletrain

@@ -15,6 +15,7 @@
 #include <torch/optim/sgd.h>
 #include <mutex>
 
+#include "scaletrain/error.h"
 #include "support/ranks.h"
 #include "support/tolerance.h"
 
@@ -314,6 +315,83 @@ TEST(DDPJoin, ReplicaChecksAndJoinDoNotMix) {
     DistributedDataParallel ddp(make_model(0), d, o);
   });
   EXPECT_NE(errors[0].find("check_replicas_every"), std::string::npos) << errors[0];
+}
+
+// Issue: a forward that did not go through DDP fired hooks that skipped the all-reduce, and the
+// replicas diverged with no error. Now that backward throws, on every rank, naming the fix.
+TEST(DDPContract, CallingTheModuleDirectlyThenBackwardThrowsNamingTheFix) {
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model, d, o);
+    model->forward(at::ones({2, kIn})).sum().backward();  // not through DDP
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("was computed in a backward that no DDP step started"), std::string::npos)
+        << e;
+    EXPECT_NE(e.find("ddp.prepare_for_backward(outputs)"), std::string::npos) << e;
+  }
+  // Inside no_sync() the same backward is a local accumulation, and allowed.
+  errors = run_ranks(2, [&](Dist& d) {
+    auto model = make_model(0);
+    DistributedDataParallel ddp(model, d);
+    auto local = ddp.no_sync();
+    model->forward(at::ones({2, kIn})).sum().backward();
+    EXPECT_TRUE(model->body->weight.grad().defined());
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+}
+
+// DDP is called like the module (ddp(x), for a module type with forward(Tensor)), and outputs of
+// a forward run elsewhere become a DDP step with prepare_for_backward: both average, as the
+// module called through forward(fn) does, bit for bit.
+TEST(DDPContract, CalledLikeTheModuleOrPreparedForBackward) {
+  std::vector<std::vector<at::Tensor>> grads(3);
+  for (int way = 0; way < 3; ++way) {
+    auto errors = run_ranks(2, [&](Dist& d) {
+      auto model = make_model(0);
+      DDPOptions o;
+      o.find_unused_parameters = true;
+      DistributedDataParallel ddp(model, d, o);
+      auto x = at::randn({3, kIn}, at::make_generator<at::CPUGeneratorImpl>(d.rank()));
+      at::Tensor out;
+      if (way == 0) {
+        out = ddp.forward([&] { return model->forward(x); });
+      } else if (way == 1) {
+        out = ddp(x);
+      } else {
+        out = model->forward(x);
+        ddp.prepare_for_backward({out});
+      }
+      out.pow(2).sum().backward();
+      if (d.rank() == 0) {
+        for (auto& p : model->parameters()) {
+          grads[static_cast<size_t>(way)].push_back(p.grad().defined() ? p.grad().clone()
+                                                                       : at::Tensor());
+        }
+      }
+    });
+    ASSERT_EQ(errors, (std::vector<std::string>{"", ""})) << way;
+  }
+  for (int way = 1; way < 3; ++way) {
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      ASSERT_EQ(grads[0][i].defined(), grads[static_cast<size_t>(way)][i].defined());
+      if (grads[0][i].defined()) {
+        EXPECT_TRUE(at::equal(grads[0][i], grads[static_cast<size_t>(way)][i])) << way << " " << i;
+      }
+    }
+  }
+  // A module holder works the same; a plain Module cannot be called and says how to.
+  auto errors = run_ranks(1, [&](Dist& d) {
+    torch::nn::Sequential seq(torch::nn::Linear(kIn, kOut));
+    DistributedDataParallel holder(seq, d);
+    EXPECT_EQ(holder(at::ones({2, kIn})).sizes(), (std::vector<int64_t>{2, kOut}));
+    std::shared_ptr<torch::nn::Module> plain = make_model(0);
+    DistributedDataParallel untyped(plain, d);
+    EXPECT_THROW(untyped(at::ones({2, kIn})), UsageError);
+  });
+  EXPECT_EQ(errors, std::vector<std::string>{""});
 }
 
 TEST(DDP, UnusedParametersKeepNoGradient) {

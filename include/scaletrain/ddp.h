@@ -9,7 +9,7 @@
 //   torch::optim::SGD opt(model->parameters(), 0.1);
 //   for (auto& [x, y] : my_slice_of_the_data) {
 //     opt.zero_grad();
-//     auto out = ddp.forward([&] { return model->forward(x); });
+//     auto out = ddp(x);                                          // model->forward(x), as a step
 //     torch::nn::functional::cross_entropy(out, y).backward();   // all-reduces overlap this
 //     opt.step();                                                 // gradients are averaged
 //   }
@@ -19,6 +19,12 @@
 // module's parameters are final (it keeps pointers to them). The module must outlive it. One
 // thread drives a given instance; autograd may run its hooks on other threads. Gradients are
 // ready (averaged over the world) when backward() returns.
+//
+// Note [Armed backward]: every backward of the module's parameters must follow a DDP step —
+// ddp(x), ddp.forward(...), or prepare_for_backward(outputs) for outputs computed elsewhere —
+// or run inside no_sync(). A backward that reaches the parameters otherwise (the module called
+// directly, model->forward(x)) would leave this rank's gradients un-averaged and the replicas
+// would drift apart without a word; it throws instead, from backward(), naming the fix.
 //
 // Unused parameters: with find_unused_parameters, forward's outputs are traced back through
 // the autograd graph; parameters not reached count as ready with zero gradient, and those that
@@ -46,6 +52,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "scaletrain/dist.h"
@@ -85,6 +93,17 @@ struct DDPOptions {
   bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
 };
 
+namespace detail {
+/// Whether M has a forward that takes one tensor and returns one.
+template <typename M, typename = void>
+struct TensorForward : std::false_type {};
+template <typename M>
+struct TensorForward<
+    M, std::void_t<decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>()))>>
+    : std::is_convertible<decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>())),
+                          at::Tensor> {};
+}  // namespace detail
+
 class DistributedDataParallel {
  public:
   /// Verifies that every rank has the same parameters (count, names, shapes, dtypes) — or
@@ -92,14 +111,37 @@ class DistributedDataParallel {
   /// rank 0's parameters and buffers, assigns buckets and installs the gradient hooks.
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Dist dist,
                           DDPOptions options = {});
+  /// The same for a module of a known type: when its type has `at::Tensor forward(const
+  /// at::Tensor&)`, DDP is then called like the module, ddp(x).
+  template <typename M, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, M>>>
+  DistributedDataParallel(std::shared_ptr<M> module, Dist dist, DDPOptions options = {})
+      : DistributedDataParallel(std::static_pointer_cast<torch::nn::Module>(module),
+                                std::move(dist), options) {
+    if constexpr (detail::TensorForward<M>::value) {
+      call_ = [m = module.get()](const at::Tensor& x) -> at::Tensor { return m->forward(x); };
+    }
+  }
+  /// A module holder (torch::nn::Sequential, torch::nn::Linear, TORCH_MODULE(Net)...).
+  template <typename Impl>
+  DistributedDataParallel(torch::nn::ModuleHolder<Impl> module, Dist dist, DDPOptions options = {})
+      : DistributedDataParallel(module.ptr(), std::move(dist), options) {}
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  /// Runs one forward pass as a DDP step: `fn` calls the module and returns its output.
+  /// The module's forward on `input`, as a DDP step. Needs a module whose type has `at::Tensor
+  /// forward(const at::Tensor&)` (given to the constructor as such); throws UsageError otherwise.
+  at::Tensor forward(const at::Tensor& input);
+  at::Tensor operator()(const at::Tensor& input) { return forward(input); }
+  /// Runs one forward pass as a DDP step: `fn` calls the module (any signature) and returns its
+  /// output, e.g. ddp.forward([&] { return model->forward(x, mask); }).
   at::Tensor forward(const std::function<at::Tensor()>& fn);
   /// The same for modules returning several tensors.
   std::vector<at::Tensor> forward_many(const std::function<std::vector<at::Tensor>()>& fn);
+  /// For outputs of a forward that did not run through DDP (a pipeline stage's micro-batches):
+  /// makes it a DDP step — the step's checks (uneven inputs, rank 0's buffers for the next
+  /// forward) and the gradient hooks armed for the backward of `outputs`, which must follow.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
   /// Within the returned scope, backward accumulates gradients locally without communicating
   /// (gradient accumulation); the first backward after it averages everything accumulated.
@@ -145,6 +187,7 @@ class DistributedDataParallel {
   void sync_after_join(const std::vector<int32_t>& before);
 
   std::shared_ptr<torch::nn::Module> module_;
+  std::function<at::Tensor(const at::Tensor&)> call_;  // the module's forward, when its type has one
   Dist dist_;
   DDPOptions options_;
   std::unique_ptr<Reducer> reducer_;

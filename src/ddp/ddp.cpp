@@ -186,6 +186,22 @@ void DistributedDataParallel::post_forward(const std::vector<at::Tensor>& output
   reducer_->prepare(outputs);
 }
 
+at::Tensor DistributedDataParallel::forward(const at::Tensor& input) {
+  if (!call_) {
+    throw UsageError(
+        "DistributedDataParallel::forward(x): the module was given to DDP as a plain "
+        "torch::nn::Module, or its type has no at::Tensor forward(const at::Tensor&); construct "
+        "DDP with the module's own type (std::shared_ptr<Net>), or call "
+        "ddp.forward([&] { return model->forward(...); })");
+  }
+  return forward([&] { return call_(input); });
+}
+
+void DistributedDataParallel::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  pre_forward();
+  post_forward(outputs);
+}
+
 at::Tensor DistributedDataParallel::forward(const std::function<at::Tensor()>& fn) {
   pre_forward();
   at::Tensor out = fn();

@@ -156,7 +156,17 @@ void Reducer::prepare(const std::vector<at::Tensor>& outputs) {
 void Reducer::on_gradient(size_t i) {
   std::lock_guard<std::mutex> lock(mu);
   attach(i);
-  if (!expecting) return;  // inside no_sync, or a backward DDP's forward did not start
+  if (!expecting) {
+    if (!sync) return;  // inside no_sync(): gradients accumulate locally
+    // Note [Armed backward] in ddp.h: no DDP step started this backward.
+    throw Error("rank " + std::to_string(dist.rank()) + ": DDP: the gradient of '" + names[i] +
+                "' was computed in a backward that no DDP step started: the module was called "
+                "directly (model->forward(x)) instead of through DDP, so this rank's gradients "
+                "would not be averaged and the replicas would drift apart. Call it through DDP "
+                "(ddp(x), or ddp.forward([&] { return model->forward(...); })); for outputs "
+                "computed elsewhere call ddp.prepare_for_backward(outputs) before backward; a "
+                "backward meant to stay local goes inside ddp.no_sync().");
+  }
   if (!callback_queued) {
     callback_queued = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });

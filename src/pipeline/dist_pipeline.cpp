@@ -157,7 +157,7 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
       std::optional<DistributedDataParallel::NoSync> local;
       if (options_.ddp != nullptr) {
         if (t.microbatch == last_backward) {
-          options_.ddp->forward([&] { return outputs[i]; });
+          options_.ddp->prepare_for_backward({outputs[i]});
         } else {
           local.emplace(*options_.ddp);
         }

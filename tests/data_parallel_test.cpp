@@ -103,6 +103,66 @@ TEST(DataParallel, FactoryReplicasOfAZooModelEqualTheModel) {
   }
 }
 
+// A user's module of any type: a Cloneable one is cloned, another is built by a factory and
+// given the primary's weights; either way the gradients are the module's own on the whole batch.
+struct PlainNetImpl : torch::nn::Module {  // not Cloneable
+  PlainNetImpl() {
+    a = register_module("a", torch::nn::Linear(6, 12));
+    b = register_module("b", torch::nn::Linear(12, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+struct CloneableNetImpl : torch::nn::Cloneable<CloneableNetImpl> {
+  CloneableNetImpl() { reset(); }
+  void reset() override {
+    a = register_module("a", torch::nn::Linear(6, 12));
+    b = register_module("b", torch::nn::Linear(12, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+template <typename Net>
+void expect_user_module_transparent(const std::function<DataParallel(std::shared_ptr<Net>)>& wrap) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  auto x = at::randn({7, 6}, gen), y = at::randn({7, 3}, gen);
+  torch::manual_seed(2);
+  auto net = std::make_shared<Net>();
+  auto exact = testing::exact_and_magnitudes(
+      [] { return std::make_shared<Net>(); },
+      [](torch::nn::Module& m, const at::Tensor& in) { return static_cast<Net&>(m).forward(in); },
+      testing::weights_of(*net), x, testing::mse_gradient(y));
+  DataParallel dp = wrap(net);
+  ASSERT_EQ(dp.replicas().size(), 2u);
+  EXPECT_EQ(dp.replicas()[0].get(), net.get()) << "the module itself is the primary";
+  dp.train_step(x, y, mse);
+  std::vector<at::Tensor> grads;
+  for (auto& p : net->parameters()) grads.push_back(p.grad());
+  testing::expect_gradients_within_rounding(grads, exact, 7 + 13 + 3 + 3 + 7 + 4, "user module");
+}
+
+TEST(DataParallel, AnyUserModuleClonedOrBuiltByAFactory) {
+  expect_user_module_transparent<CloneableNetImpl>([](std::shared_ptr<CloneableNetImpl> n) {
+    return DataParallel(n, {at::kCPU, at::kCPU});
+  });
+  expect_user_module_transparent<PlainNetImpl>([](std::shared_ptr<PlainNetImpl> n) {
+    return DataParallel(n, std::function<std::shared_ptr<PlainNetImpl>()>([] {
+                          return std::make_shared<PlainNetImpl>();
+                        }),
+                        {at::kCPU, at::kCPU});
+  });
+  // Without a factory, a module that cannot be cloned says what to do.
+  try {
+    DataParallel dp(std::make_shared<PlainNetImpl>(), {at::kCPU, at::kCPU});
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("give a factory"), std::string::npos) << e.what();
+  }
+  // One device needs no copy.
+  EXPECT_NO_THROW(DataParallel(std::make_shared<PlainNetImpl>(), {at::kCPU}));
+}
+
 TEST(DataParallel, ReplicasPersistAcrossSteps) {
   DataParallel dp(make_model(), {at::kCPU, at::kCPU});
   auto before = dp.replicas()[1].get();

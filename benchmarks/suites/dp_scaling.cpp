@@ -87,13 +87,12 @@ Outcome dp_epoch(const Config& c, const std::vector<at::Device>& devices, const 
   }
   Outcome r;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  auto primary = dp.replicas()[0];
-  primary->eval();
+  for (auto& replica : dp.replicas()) replica->eval();
   torch::NoGradGuard no_grad;
   int64_t correct = 0;
   for (int64_t start = 0; start < test.size(); start += 256) {
     const int64_t len = std::min<int64_t>(256, test.size() - start);
-    auto out = primary->forward(test.images.narrow(0, start, len).to(devices[0]));
+    auto out = dp.forward(test.images.narrow(0, start, len).to(devices[0]));
     correct += out.argmax(1).cpu().eq(test.labels.narrow(0, start, len)).sum().item<int64_t>();
   }
   r.accuracy = static_cast<double>(correct) / static_cast<double>(test.size());

@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "scaletrain/dist.h"
+#include "scaletrain/module_call.h"
 
 namespace scaletrain {
 
@@ -93,17 +94,6 @@ struct DDPOptions {
   bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
 };
 
-namespace detail {
-/// Whether M has a forward that takes one tensor and returns one.
-template <typename M, typename = void>
-struct TensorForward : std::false_type {};
-template <typename M>
-struct TensorForward<
-    M, std::void_t<decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>()))>>
-    : std::is_convertible<decltype(std::declval<M&>().forward(std::declval<const at::Tensor&>())),
-                          at::Tensor> {};
-}  // namespace detail
-
 class DistributedDataParallel {
  public:
   /// Verifies that every rank has the same parameters (count, names, shapes, dtypes) — or
@@ -117,7 +107,7 @@ class DistributedDataParallel {
   DistributedDataParallel(std::shared_ptr<M> module, Dist dist, DDPOptions options = {})
       : DistributedDataParallel(std::static_pointer_cast<torch::nn::Module>(module),
                                 std::move(dist), options) {
-    if constexpr (detail::TensorForward<M>::value) {
+    if constexpr (has_tensor_forward_v<M>) {
       call_ = [m = module.get()](const at::Tensor& x) -> at::Tensor { return m->forward(x); };
     }
   }
@@ -187,7 +177,8 @@ class DistributedDataParallel {
   void sync_after_join(const std::vector<int32_t>& before);
 
   std::shared_ptr<torch::nn::Module> module_;
-  std::function<at::Tensor(const at::Tensor&)> call_;  // the module's forward, when its type has one
+  std::function<at::Tensor(const at::Tensor&)>
+      call_;  // the module's forward, when its type has one
   Dist dist_;
   DDPOptions options_;
   std::unique_ptr<Reducer> reducer_;

@@ -7,6 +7,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "kernels/ops.h"
+#include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -193,20 +194,7 @@ struct ResNetBottleneckImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 
-// One block of a model's chain: registers the model's own submodules (so the block's
-// parameters are the model's) and applies `fn` to its input.
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& parts,
-            std::function<at::Tensor(const at::Tensor&)> f)
-      : fn(std::move(f)) {
-    for (const auto& [name, m] : parts) register_module(name, m);
-  }
-  at::Tensor forward(const at::Tensor& x) { return fn(x); }
-  std::function<at::Tensor(const at::Tensor&)> fn;
-};
-TORCH_MODULE(Block);
-
-using Parts = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
+using Parts = BlockParts;  // blocks.h
 
 // Each residual block of the layers, named layer<i>_<j>.
 void push_layers(torch::nn::Sequential& seq, const std::vector<torch::nn::Sequential>& layers) {

@@ -127,9 +127,19 @@ std::vector<int> balance_by_size(const torch::nn::Sequential& model, int stages)
 
 Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
     : options_(std::move(options)) {
+  const auto stages = options_.balance.size();
+  if (stages > 1 && model->size() < stages) {
+    throw UsageError(
+        "a pipeline of " + std::to_string(stages) + " stages needs a Sequential of at least " +
+        std::to_string(stages) + " blocks, and this one holds " + std::to_string(model->size()) +
+        ": a pipeline splits a chain of blocks between stages, never inside one module. Give the "
+        "model as a chain (scaletrain::Block in blocks.h: a block per layer or group of layers, "
+        "sharing the model's own submodules; check_chain() verifies it), or as_sequential() for "
+        "the zoo's models");
+  }
   int total = 0;
   for (int b : options_.balance) {
-    if (b < 1) throw UsageError("every stage of --balance needs at least one layer");
+    if (b < 1) throw UsageError("every stage of the balance needs at least one layer");
     total += b;
   }
   if (total != static_cast<int>(model->size())) {

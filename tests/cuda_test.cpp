@@ -196,6 +196,36 @@ TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   EXPECT_EQ(r.global_step, 8);
 }
 
+// Issue: an fp16 run resumed with a fresh loss scale, so it was not exact. The GradScaler's state
+// travels in the checkpoint: killed mid-run and resumed, the weights are the uninterrupted run's
+// bit for bit (an MLP: cuBLAS's products are deterministic, unlike some cuDNN convolutions).
+TEST(Cuda, Fp16ResumeIsExact_CUDA) {
+  REQUIRE_GPU();
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_fp16_resume";
+  fs::remove_all(dir);
+  auto run = [&](const std::string& name, const std::string& env) {
+    auto r = testing::run_command(
+        env + " " + testing::cli_path() + " run --nproc-per-node 1 --master-port 0 " +
+            "--max-restarts 1 -- " + testing::cli_path() +
+            " train --device cuda --amp fp16 --model mlp --dataset synthetic --limit-train 384"
+            " --limit-test 64 --epochs 2 --batch-size 64 --checkpoint-every 2 --no-progress"
+            " --out " +
+            (dir / name).string() + " 2>&1",
+        300);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    Model m = make_model("mlp");
+    load_weights((dir / name / "model.pt").string(), *m.module);
+    return m.module->parameters();
+  };
+  auto straight = run("straight", ""), resumed = run("killed", "SCALETRAIN_KILL_AT_STEP=9");
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (size_t i = 0; i < straight.size(); ++i) {
+    EXPECT_TRUE(at::equal(straight[i], resumed[i])) << "parameter " << i;
+  }
+  fs::remove_all(dir);
+}
+
 // Weights and a full checkpoint written from cuda:0 load into a model on the CPU, bit for bit.
 TEST(Cuda, WeightsAndCheckpointFromGpuLoadOnCpu_CUDA) {
   REQUIRE_GPU();

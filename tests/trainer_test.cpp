@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
@@ -523,6 +524,85 @@ TEST(Train, ImageFolderEndToEnd) {
   mo.num_classes = 2;
   auto w = weights_of(r.weights_path, "lenet", mo);  // throws unless 3 channels and 2 classes
   EXPECT_EQ(w["fc2.weight"].size(0), 2);
+}
+
+}  // namespace
+}  // namespace scaletrain
+
+namespace scaletrain {
+namespace {
+
+// A checkpoint holds the program's own state beside the model's: named tensors (a GradScaler's
+// scale, the random generators) and named strings, and they come back as they were.
+TEST(Checkpoint, HoldsTheProgramsOwnStateAndTheRandomGenerators) {
+  TempDir dir("ckpt_extra");
+  Model m = make_model("toy");
+  torch::optim::SGD opt(m.module->parameters(), 0.1);
+  GradScalerOptions so;
+  so.init_scale = 1024;
+  GradScaler scaler(so);
+  scaler.scale(at::ones({1}));
+  scaler.update();  // a first step: the growth tracker counts 1
+  TrainingState s;
+  s.run_id = "extra";
+  s.model_name = "toy";
+  for (const auto& [k, t] : scaler.state()) s.tensors["scaler/" + k] = t;
+  for (const auto& [k, t] : rng_state()) s.tensors[k] = t;
+  s.values["scheduler"] = R"({"last_epoch": 7})";
+  const auto path = save_checkpoint(dir.path.string(), s, *m.module, opt, 1);
+  const auto expected = at::randn({5});  // what the generator draws next after the save
+
+  Model m2 = make_model("toy");
+  torch::optim::SGD opt2(m2.module->parameters(), 0.1);
+  auto loaded = load_checkpoint(path, *m2.module, opt2, "toy");
+  EXPECT_EQ(loaded.values, s.values);
+  ASSERT_EQ(loaded.tensors.size(), s.tensors.size());
+  for (const auto& [k, t] : s.tensors) EXPECT_TRUE(at::equal(loaded.tensors[k], t)) << k;
+  restore_rng(loaded.tensors);
+  EXPECT_TRUE(at::equal(at::randn({5}), expected)) << "the generator continues where it was";
+  GradScaler other(so);
+  std::map<std::string, at::Tensor> scaler_state;
+  for (const auto& [k, t] : loaded.tensors) {
+    if (k.rfind("scaler/", 0) == 0) scaler_state[k.substr(7)] = t;
+  }
+  other.load_state(scaler_state);
+  EXPECT_EQ(other.current_scale(), scaler.current_scale());
+  EXPECT_TRUE(at::equal(other.state()["growth_tracker"], scaler.state()["growth_tracker"]));
+}
+
+// Issue: a checkpoint of a model with other shapes surfaced c10's raw message. Every load error
+// names the file and the key, in the library's words.
+TEST(Checkpoint, LoadErrorsNameTheFileAndTheKey) {
+  TempDir dir("ckpt_key");
+  ModelOptions wide;
+  wide.hidden = 64;
+  Model a = make_model("mlp", wide);
+  torch::optim::SGD opt(a.module->parameters(), 0.1);
+  TrainingState s;
+  s.run_id = "k";
+  s.model_name = "mlp";
+  const auto path = save_checkpoint(dir.path.string(), s, *a.module, opt, 1);
+  Model b = make_model("mlp");  // hidden 256
+  torch::optim::SGD opt2(b.module->parameters(), 0.1);
+  try {
+    load_checkpoint(path, *b.module, opt2, "mlp");
+    FAIL();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("checkpoint '" + path +
+                       "': 'model.fc1.weight' is [64, 784] in the file "
+                       "and [256, 784] in the model"),
+              std::string::npos)
+        << msg;
+  }
+  try {
+    load_checkpoint(path, *b.module, opt2, "lenet");
+    FAIL();
+  } catch (const UsageError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("holds a 'mlp' model, not a 'lenet' one"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("--"), std::string::npos) << "no command-line wording: " << msg;
+  }
 }
 
 }  // namespace

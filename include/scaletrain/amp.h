@@ -19,6 +19,9 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include <map>
+#include <string>
+
 namespace torch::optim {
 class Optimizer;
 }
@@ -59,6 +62,12 @@ class GradScaler {
   /// Halves the scale after a skipped step; doubles it after growth_interval good ones.
   void update();
   double current_scale() const;
+
+  /// The scale and the count of good steps since the last change, for a checkpoint (CPU
+  /// tensors "scale" and "growth_tracker"; empty before the first scale()), and back: a run
+  /// resumed with it scales and skips exactly as the uninterrupted run does.
+  std::map<std::string, at::Tensor> state() const;
+  void load_state(const std::map<std::string, at::Tensor>& state);
 
  private:
   GradScalerOptions o_;

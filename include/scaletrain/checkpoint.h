@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,7 +23,17 @@ struct TrainingState {
   int64_t step_in_epoch = 0;  // batches of it already done
   int64_t global_step = 0;
   SamplerState sampler;
+  /// The program's own state, saved and loaded with the rest: named tensors (a GradScaler's
+  /// state(), an EMA of the weights...) and named strings (a JSON of an LR scheduler's state...).
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> values;
 };
+
+/// Random number generators' states (the CPU's and each GPU's default generator), as named
+/// tensors for TrainingState::tensors ("rng/cpu", "rng/cuda:0"...): restore_rng() puts them
+/// back, so that dropout and random augmentation continue as if never interrupted.
+std::map<std::string, at::Tensor> rng_state();
+void restore_rng(const std::map<std::string, at::Tensor>& tensors);
 
 /// `dir/ckpt-<global_step>.st`, the file save_checkpoint() writes for that step.
 std::string checkpoint_path(const std::string& dir, int64_t global_step);
@@ -36,8 +47,10 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             int keep);
 
 /// Reads a checkpoint into `model` and `opt` (tensors are copied onto the devices the model's
-/// own parameters are on, whatever device they were saved from). Throws Error for a truncated
-/// or corrupt file, and UsageError for a checkpoint of another model.
+/// own parameters are on, whatever device they were saved from), and returns the rest of the
+/// state, the program's own tensors and values included. Throws Error for a truncated or corrupt
+/// file and for a key that is missing or has another shape (naming the file and the key), and
+/// UsageError for a checkpoint of another model.
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& opt, const std::string& model_name);
 

@@ -96,6 +96,23 @@ void GradScaler::update() {
   found_inf_.zero_();
 }
 
+std::map<std::string, at::Tensor> GradScaler::state() const {
+  if (!scale_.defined()) return {};
+  return {{"scale", scale_.cpu().clone()}, {"growth_tracker", growth_tracker_.cpu().clone()}};
+}
+
+void GradScaler::load_state(const std::map<std::string, at::Tensor>& state) {
+  if (state.empty()) return;
+  const auto scale = state.find("scale"), tracker = state.find("growth_tracker");
+  if (scale == state.end() || tracker == state.end()) {
+    throw UsageError("GradScaler::load_state: the state needs 'scale' and 'growth_tracker'");
+  }
+  const auto device = scale_.defined() ? scale_.device() : scale->second.device();
+  scale_ = scale->second.to(device, at::kFloat).reshape({1}).clone();
+  growth_tracker_ = tracker->second.to(device, at::kInt).reshape({1}).clone();
+  found_inf_ = at::zeros({1}, scale_.options());
+}
+
 double GradScaler::current_scale() const {
   if (!o_.enabled) return 1.0;
   return scale_.defined() ? scale_.item<double>() : o_.init_scale;

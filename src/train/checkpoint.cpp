@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "scaletrain/error.h"
+#include "scaletrain/version.h"
 
 namespace scaletrain {
 namespace {
@@ -110,6 +111,8 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   ar.write("sampler_position", c10::IValue(s.sampler.position));
   for (auto& p : model.named_parameters()) ar.write("model." + p.key(), p.value().detach().cpu());
   for (auto& b : model.named_buffers()) ar.write("model." + b.key(), b.value().cpu(), true);
+  for (auto& [name, t] : s.tensors) ar.write("extra.tensor." + name, t.detach().cpu(), true);
+  for (auto& [name, v] : s.values) ar.write("extra.value." + name, c10::IValue(v));
   torch::serialize::OutputArchive opt_ar;
   opt.save(opt_ar);
   ar.write("optimizer", opt_ar);
@@ -178,42 +181,95 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
   torch::serialize::InputArchive ar;
   std::istringstream in(body);
   ar.load_from(in);
-  c10::IValue v;
+  // Every failure names the file and the key.
+  auto value = [&](const std::string& key) {
+    c10::IValue v;
+    if (!ar.try_read(key, v)) {
+      throw Error("checkpoint '" + path + "': no '" + key +
+                  "' in it (written by another program?)");
+    }
+    return v;
+  };
+  auto into = [&](const std::string& key, const at::Tensor& dst, bool buffer) {
+    at::Tensor t;
+    if (!ar.try_read(key, t, buffer)) {
+      throw Error("checkpoint '" + path + "': no '" + key + "' in it; the model has a " +
+                  (buffer ? "buffer" : "parameter") + " the checkpoint's model had not");
+    }
+    if (t.sizes() != dst.sizes()) {
+      throw Error("checkpoint '" + path + "': '" + key + "' is " + c10::str(t.sizes()) +
+                  " in the file and " + c10::str(dst.sizes()) +
+                  " in the model: the checkpoint is of a model built with other options");
+    }
+    dst.copy_(t);
+  };
   TrainingState s;
   s.run_id = checkpoint_run(path).value_or("");
-  ar.read("model_name", v);
-  s.model_name = v.toStringRef();
+  s.model_name = value("model_name").toStringRef();
   if (s.model_name != model_name) {
-    throw UsageError("checkpoint '" + path + "' holds a '" + s.model_name + "' model, not '" +
+    throw UsageError("checkpoint '" + path + "' holds a '" + s.model_name + "' model, not a '" +
                      model_name +
-                     "'; pick the matching --model or another "
-                     "--out folder");
+                     "' one: load it into that model, or start from another checkpoint");
   }
-  ar.read("epoch", v);
-  s.epoch = v.toInt();
-  ar.read("step_in_epoch", v);
-  s.step_in_epoch = v.toInt();
-  ar.read("global_step", v);
-  s.global_step = v.toInt();
-  ar.read("sampler_epoch", v);
-  s.sampler.epoch = v.toInt();
-  ar.read("sampler_position", v);
-  s.sampler.position = v.toInt();
-  torch::NoGradGuard no_grad;
-  for (auto& p : model.named_parameters()) {
-    at::Tensor t;
-    ar.read("model." + p.key(), t);
-    p.value().copy_(t);
+  s.epoch = value("epoch").toInt();
+  s.step_in_epoch = value("step_in_epoch").toInt();
+  s.global_step = value("global_step").toInt();
+  s.sampler.epoch = value("sampler_epoch").toInt();
+  s.sampler.position = value("sampler_position").toInt();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.named_parameters()) into("model." + p.key(), p.value(), false);
+    for (auto& b : model.named_buffers()) into("model." + b.key(), b.value(), true);
   }
-  for (auto& b : model.named_buffers()) {
-    at::Tensor t;
-    ar.read("model." + b.key(), t, true);
-    b.value().copy_(t);
+  for (const auto& key : ar.keys()) {
+    const std::string tensor_prefix = "extra.tensor.", value_prefix = "extra.value.";
+    if (key.rfind(tensor_prefix, 0) == 0) {
+      at::Tensor t;
+      ar.read(key, t, true);
+      s.tensors[key.substr(tensor_prefix.size())] = t;
+    } else if (key.rfind(value_prefix, 0) == 0) {
+      s.values[key.substr(value_prefix.size())] = value(key).toStringRef();
+    }
   }
   torch::serialize::InputArchive opt_ar;
-  ar.read("optimizer", opt_ar);
-  opt.load(opt_ar);
+  if (!ar.try_read("optimizer", opt_ar)) {
+    throw Error("checkpoint '" + path + "': no 'optimizer' state in it");
+  }
+  try {
+    opt.load(opt_ar);
+  } catch (const std::exception& e) {
+    throw Error("checkpoint '" + path + "': its optimizer state does not fit this optimizer (" +
+                std::string(e.what()).substr(0, 200) +
+                "): it was saved with another optimizer or other parameters");
+  }
   return s;
+}
+
+std::map<std::string, at::Tensor> rng_state() {
+  std::map<std::string, at::Tensor> out;
+  out["rng/cpu"] = at::detail::getDefaultCPUGenerator().get_state();
+  for (int i = 0; i < cuda_device_count(); ++i) {
+    const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(i));
+    out["rng/" + dev.str()] = at::globalContext().defaultGenerator(dev).get_state();
+  }
+  return out;
+}
+
+void restore_rng(const std::map<std::string, at::Tensor>& tensors) {
+  for (const auto& [name, state] : tensors) {
+    at::Generator gen;
+    if (name == "rng/cpu") {
+      gen = at::detail::getDefaultCPUGenerator();
+    } else if (name.rfind("rng/cuda:", 0) == 0) {
+      const at::Device dev(name.substr(4));
+      if (dev.index() >= cuda_device_count()) continue;  // saved with more GPUs than visible
+      gen = at::globalContext().defaultGenerator(dev);
+    } else {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
 }
 
 std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {

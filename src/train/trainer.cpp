@@ -16,7 +16,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "train/run_folder.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -28,6 +27,7 @@
 #include "scaletrain/sampler.h"
 #include "scaletrain/tensorboard.h"
 #include "scaletrain/version.h"
+#include "train/run_folder.h"
 
 #ifdef SCALETRAIN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -396,6 +396,11 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   r.metrics_path = o.out_dir + "/metrics.jsonl";
   if (from) {
     state = load_checkpoint(*from, *model.module, *opt, o.model);
+    std::map<std::string, at::Tensor> scaler_state;  // fp16's loss scale: an exact resume
+    for (const auto& [k, t] : state.tensors) {
+      if (k.rfind("scaler/", 0) == 0) scaler_state[k.substr(7)] = t;
+    }
+    scaler.load_state(scaler_state);
     sampler.load_state(state.sampler);
     if (state.run_id.empty()) state.run_id = start.run_id.empty() ? "resumed" : start.run_id;
     r.last_checkpoint = *from;
@@ -491,7 +496,10 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
           diverged("the weights hold NaN or inf", state.global_step, epoch, step_loss, o,
                    r.last_checkpoint, d);
         }
-        if (d.rank() == 0) save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+        if (d.rank() == 0) {
+          for (const auto& [k, t] : scaler.state()) state.tensors["scaler/" + k] = t;
+          save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+        }
         r.last_checkpoint = checkpoint_path(o.out_dir, state.global_step);
       }
       if (kill_step > 0 && state.global_step == kill_step && d.rank() == 0) raise(SIGKILL);
@@ -512,7 +520,10 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
       diverged("the weights hold NaN or inf", state.global_step, epoch, r.final_loss, o,
                r.last_checkpoint, d);
     }
-    if (d.rank() == 0) save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+    if (d.rank() == 0) {
+      for (const auto& [k, t] : scaler.state()) state.tensors["scaler/" + k] = t;
+      save_checkpoint(o.out_dir, state, *model.module, *opt, o.keep);
+    }
     r.last_checkpoint = checkpoint_path(o.out_dir, state.global_step);
     if (d.rank() == 0) {
       metrics << nlohmann::json{{"kind", "epoch"},

@@ -9,7 +9,18 @@ if(NOT TARGET torch)
   if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
     set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA architectures for our own CUDA code")
   endif()
+  get_property(_before DIRECTORY PROPERTY IMPORTED_TARGETS)
   find_package(Torch REQUIRED)
+  find_package(Threads REQUIRED)
+  # Imported targets are visible in this folder only; the scaletrain target names LibTorch's in
+  # its usage requirements, so a parent project (add_subdirectory, FetchContent) must see them.
+  if(NOT SCALETRAIN_TOP_LEVEL)
+    get_property(_after DIRECTORY PROPERTY IMPORTED_TARGETS)
+    list(REMOVE_ITEM _after ${_before})
+    foreach(_t IN LISTS _after)
+      set_property(TARGET ${_t} PROPERTY IMPORTED_GLOBAL TRUE)
+    endforeach()
+  endif()
 endif()
 find_package(Threads REQUIRED)
 

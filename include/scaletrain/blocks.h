@@ -10,10 +10,10 @@
 //   };
 //   auto net = std::make_shared<NetImpl>();
 //   torch::nn::Sequential chain({
-//       {"conv", scaletrain::Block({{"conv", net->conv.ptr()}},
+//       {"conv", scaletrain::Block(scaletrain::BlockParts{{"conv", net->conv.ptr()}},
 //                                  [net](const at::Tensor& x) { return torch::relu(net->conv(x));
 //                                  })},
-//       {"fc", scaletrain::Block({{"fc", net->fc.ptr()}},
+//       {"fc", scaletrain::Block(scaletrain::BlockParts{{"fc", net->fc.ptr()}},
 //                                [net](const at::Tensor& x) { return net->fc(x.flatten(1)); })},
 //   });
 //   scaletrain::check_chain(*net, chain, sample);   // the same tensors and the same function

@@ -40,15 +40,21 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
   } else {
     per_epoch << std::fixed << std::setprecision(1) << mean << " s";
   }
+  std::ostringstream devices;  // seed 002's max memory and seed 001's parameters per device
+  devices << std::fixed << std::setprecision(1);
+  for (const auto& dev : r.devices) {
+    devices << "  device          " << dev.device << ": " << dev.parameters << " parameters, peak "
+            << static_cast<double>(dev.peak_memory_bytes) / (1 << 20) << " MiB"
+            << (dev.device == "cpu" ? " (the process's)" : "") << "\n";
+  }
   std::cout << std::fixed << std::setprecision(4) << "\nscaletrain train: " << o.model << " on "
-            << o.dataset << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
+            << o.dataset << ", --strategy " << to_string(o.strategy) << ", " << d.size()
+            << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
             << std::setprecision(1) << "  time per epoch  " << per_epoch.str() << "\n"
             << "  throughput      " << std::setprecision(0) << r.samples_per_second
             << " samples/s\n"
-            << "  device          " << r.device << ", peak memory " << std::setprecision(1)
-            << static_cast<double>(r.peak_memory_bytes) / (1 << 20) << " MiB (rank 0)\n"
-            << "  checkpoint      "
+            << devices.str() << "  checkpoint      "
             << (!r.last_checkpoint.empty() && std::filesystem::exists(r.last_checkpoint)
                     ? r.last_checkpoint
                     : std::string("(none written)"))
@@ -59,16 +65,59 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
             << std::endl;
 }
 
+struct Args {
+  TrainOptions o;
+  std::string nproc = "auto";
+  std::string backend = "auto";
+  std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
+};
+
+// The strategy's flags, from their names into the options.
+void apply_strategy_flags(Args& a) {
+  a.o.strategy = parse_strategy(a.strategy);
+  a.o.devices.clear();
+  std::stringstream list(a.devices);
+  for (std::string d; std::getline(list, d, ',');) {
+    try {
+      at::Device parsed(d);
+      (void)parsed;
+    } catch (const std::exception&) {
+      throw UsageError("--devices '" + a.devices + "': '" + d +
+                       "' is not a device; give e.g. cpu,cpu or cuda:0,cuda:1");
+    }
+    a.o.devices.push_back(d);
+  }
+  if (a.schedule == "gpipe") {
+    a.o.schedule = PipelineSchedule::kGPipe;
+  } else if (a.schedule == "1f1b") {
+    a.o.schedule = PipelineSchedule::k1F1B;
+  } else if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
+    throw UsageError(
+        "--schedule is a pipeline's (gpipe or 1f1b); the learning-rate schedule is "
+        "--lr-schedule " +
+        a.schedule);
+  } else {
+    throw UsageError("unknown --schedule '" + a.schedule + "'; use gpipe or 1f1b");
+  }
+  if (a.checkpointing == "never") {
+    a.o.checkpointing = PipelineCheckpoint::kNever;
+  } else if (a.checkpointing == "except-last") {
+    a.o.checkpointing = PipelineCheckpoint::kExceptLast;
+  } else if (a.checkpointing == "always") {
+    a.o.checkpointing = PipelineCheckpoint::kAlways;
+  } else {
+    throw UsageError("unknown --checkpoint-activations '" + a.checkpointing +
+                     "'; use never, except-last or always");
+  }
+}
+
 }  // namespace
 
 void add_train_command(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand(
-      "train", "Train a model with DDP (default: LeNet on Fashion-MNIST over the local devices)");
-  struct Args {
-    TrainOptions o;
-    std::string nproc = "auto";
-    std::string backend = "auto";
-  };
+      "train",
+      "Train a model of the zoo with ddp, dp, a pipeline or a grid (default: LeNet on "
+      "Fashion-MNIST with DDP over the local devices)");
   auto args = std::make_shared<Args>();
   auto& o = args->o;
   cmd->add_option("--model", o.model, "toy, mlp, lenet, resnet18, resnet50 or resnet101")
@@ -99,9 +148,31 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--lr", o.lr)->capture_default_str();
   cmd->add_option("--momentum", o.momentum)->capture_default_str();
   cmd->add_option("--weight-decay", o.weight_decay)->capture_default_str();
-  cmd->add_option("--schedule", o.schedule, "none, step or cosine")->capture_default_str();
+  cmd->add_option("--lr-schedule", o.lr_schedule, "Learning-rate schedule: none, step or cosine")
+      ->capture_default_str();
   cmd->add_option("--step-size", o.step_size, "Epochs between step-schedule decays");
   cmd->add_option("--gamma", o.gamma, "Step-schedule factor");
+  cmd->add_option("--strategy", args->strategy,
+                  "ddp (a process per device), dp (DataParallel over --devices), pipeline (the "
+                  "model's blocks over --devices), grid (a pipeline of --pipeline-stages ranks, "
+                  "replicated over the rest)")
+      ->capture_default_str();
+  cmd->add_option("--devices", args->devices,
+                  "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
+                  "GPU, else cpu,cpu)");
+  cmd->add_option("--schedule", args->schedule, "Pipelines: gpipe or 1f1b")->capture_default_str();
+  cmd->add_option("--chunks", o.chunks, "Pipelines: micro-batches per batch (0: twice the stages)")
+      ->capture_default_str();
+  cmd->add_option("--split-size", o.split_size,
+                  "Pipeline: micro-batches of this many samples instead of --chunks (seed 000)");
+  cmd->add_option("--balance", o.balance,
+                  "Pipelines: blocks per stage: auto or time (measured), size, or N,M,...")
+      ->capture_default_str();
+  cmd->add_option("--checkpoint-activations", args->checkpointing,
+                  "Pipeline: recompute activations in backward: never, except-last or always")
+      ->capture_default_str();
+  cmd->add_option("--pipeline-stages", o.pipeline_stages, "Grid: ranks per pipeline")
+      ->capture_default_str();
   cmd->add_option("--accumulate", o.accumulate, "Batches per optimizer step");
   cmd->add_option("--seed", o.seed)->capture_default_str();
   cmd->add_option("--out", o.out_dir, "Folder for checkpoints and metrics")->capture_default_str();
@@ -129,11 +200,16 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
   cmd->callback([args, &action, cmd] {
     action = [args, cmd] {
+      apply_strategy_flags(*args);
       if (!inside_a_job()) {
         // Started by hand: become the launcher of this node's ranks.
         LaunchOptions lo;
         const bool gpus = cuda_device_count() > 0 && args->o.device != "cpu";
-        lo.nproc_per_node = parse_nproc_per_node(args->nproc, gpus ? cuda_device_count() : 2);
+        const auto s = args->o.strategy;
+        const int automatic = s == Strategy::kGrid  ? args->o.pipeline_stages
+                              : s == Strategy::kDDP ? (gpus ? cuda_device_count() : 2)
+                                                    : 1;  // dp, pipeline: one process
+        lo.nproc_per_node = parse_nproc_per_node(args->nproc, automatic);
         if (lo.nproc_per_node < 1) {
           throw UsageError("--nproc-per-node " + args->nproc +
                            " must be at least 1 (or 'auto': every GPU, else 2)");
@@ -159,7 +235,7 @@ void add_train_command(CLI::App& app, Action& action) {
       }
       InitOptions io;
       io.backend = args->backend;
-      validate(args->o, 1);  // the numbers, before any rendezvous (the world is checked in train)
+      validate(args->o, discover_world().world_size);  // before any rendezvous
       io.timeout = std::chrono::milliseconds(static_cast<int64_t>(args->o.timeout_s * 1000));
       // CPU tensors need Gloo even where NCCL could be had.
       if (io.backend == "auto" && args->o.device == "cpu") io.backend = "gloo";

@@ -155,6 +155,34 @@ TEST(DistPipeline, DataTimesPipelineGridOnFourRanks) {
   }
 }
 
+// A batch of fewer samples than `chunks` (an epoch's last) runs as fewer micro-batches on every
+// stage, and the forward alone (evaluation) gives the whole model's outputs on the last stage.
+TEST(DistPipeline, SmallBatchesAndForwardAcrossRanks) {
+  const Batch b = batch(3);  // chunks 5
+  std::vector<std::vector<at::Tensor>> got(2);
+  at::Tensor out;
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    const auto s = static_cast<size_t>(d.rank());
+    DistPipelineOptions o;
+    o.stage_ranks = {0, 1};
+    o.chunks = 5;
+    o.schedule = PipelineSchedule::k1F1B;
+    const std::vector<size_t> cuts = {0, 2, 5};
+    DistPipeline pipe(slice(make_model(), cuts[s], cuts[s + 1]), o, d);
+    pipe.train_step(s == 0 ? b.x : at::Tensor(), s == 1 ? b.y : at::Tensor(), mse);
+    for (auto& param : pipe.module()->parameters()) got[s].push_back(param.grad());
+    auto y = pipe.forward(s == 0 ? b.x : at::Tensor());
+    EXPECT_EQ(y.defined(), s == 1);
+    if (s == 1) out = y;
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(2));
+  const auto exact = reference(b);
+  const double k = terms(3, 3);
+  testing::expect_gradients_within_rounding(got[0], slice_of(exact, 0, 2), k, "stage 0");
+  testing::expect_gradients_within_rounding(got[1], slice_of(exact, 2, 5), k, "stage 1");
+  EXPECT_TRUE(testing::within_rounding(out, exact.output, exact.output_magnitude, k));
+}
+
 TEST(DistPipeline, BadOptionsAreRefused) {
   auto errors = testing::run_ranks(1, [&](Dist& d) {
     DistPipelineOptions o;
@@ -163,7 +191,7 @@ TEST(DistPipeline, BadOptionsAreRefused) {
     o.stage_ranks = {0};
     o.chunks = 4;
     DistPipeline pipe(make_model(), o, d);
-    EXPECT_THROW(pipe.train_step(at::randn({2, 8}), at::randn({2, 4}), mse), UsageError);
+    EXPECT_THROW(pipe.train_step(at::Tensor(), at::randn({2, 4}), mse), UsageError);
     EXPECT_THROW(new_group(d, {0, 0}, "twice"), UsageError);
   });
   EXPECT_EQ(errors, std::vector<std::string>{""});

@@ -239,16 +239,16 @@ TEST_P(TrainBadInput, IsRefusedBeforeTraining) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, TrainBadInput,
-    ::testing::Values(Bad{"--model resnet9000", "unknown model 'resnet9000'"},
-                      Bad{"--dataset imagenet", "unknown data set 'imagenet'"},
-                      Bad{"--batch-size 1", "is smaller than the world size 2"},
-                      Bad{"--out /proc/scaletrain", "is not writable"},
-                      Bad{"--device tpu", "unknown --device 'tpu'"},
-                      Bad{"--amp fp8", "unknown --amp 'fp8'"},
-                      Bad{"--workers -1", "--workers -1 must be 0 or more"},
-                      Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
-                      Bad{"--init-weights /nonexistent.pt",
-                          "--init-weights '/nonexistent.pt': no such file"}));
+    ::testing::Values(
+        Bad{"--model resnet9000", "unknown model 'resnet9000'"},
+        Bad{"--dataset imagenet", "unknown data set 'imagenet'"},
+        Bad{"--batch-size 1",
+            "--batch-size 1 does not split evenly over the 2 data-parallel replica(s)"},
+        Bad{"--out /proc/scaletrain", "is not writable"},
+        Bad{"--device tpu", "unknown --device 'tpu'"}, Bad{"--amp fp8", "unknown --amp 'fp8'"},
+        Bad{"--workers -1", "--workers -1 must be 0 or more"},
+        Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
+        Bad{"--init-weights /nonexistent.pt", "--init-weights '/nonexistent.pt': no such file"}));
 
 // Issue: NaN options printed a LibTorch backtrace, --lr inf trained NaN weights, negative limits
 // meant "all data", and --keep 0 / -1 and a folder as --init-weights were taken.

@@ -27,6 +27,8 @@ struct TrainingState {
   /// state(), an EMA of the weights...) and named strings (a JSON of an LR scheduler's state...).
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> values;
+  /// load_checkpoint(): whether the file held an optimizer state and it was loaded.
+  bool optimizer_restored = false;
 };
 
 /// Random number generators' states (the CPU's and each GPU's default generator), as named
@@ -45,6 +47,11 @@ std::string checkpoint_path(const std::string& dir, int64_t global_step);
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep);
+/// The same with the optimizer's state left out when `opt` is null (a program that keeps it in
+/// TrainingState::tensors itself, as the trainer's pipeline grid does, one per stage).
+std::string save_checkpoint(const std::string& dir, const TrainingState& state,
+                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                            int keep);
 
 /// Reads a checkpoint into `model` and `opt` (tensors are copied onto the devices the model's
 /// own parameters are on, whatever device they were saved from), and returns the rest of the
@@ -53,6 +60,10 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& state,
 /// UsageError for a checkpoint of another model.
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& opt, const std::string& model_name);
+/// The same, loading the optimizer's state only when `opt` is given and the file has one
+/// (TrainingState::optimizer_restored says whether it did); never throws for its absence.
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer* opt, const std::string& model_name);
 
 /// The newest checkpoint in `dir` whose checksum is right; damaged ones are reported on stderr
 /// and skipped. nullopt when there is none.

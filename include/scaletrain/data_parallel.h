@@ -51,6 +51,14 @@ class DataParallel {
   template <typename Impl>
   DataParallel(torch::nn::ModuleHolder<Impl> module, std::vector<at::Device> devices)
       : DataParallel(module.ptr(), std::move(devices)) {}
+  /// A replica: its module and how to call it.
+  struct Replica {
+    std::shared_ptr<torch::nn::Module> module;
+    TensorFn forward;
+  };
+  /// Replicas already built, one per device, the first being the primary: the others take its
+  /// parameters and buffers. Throws UsageError when their parameters differ in count or shape.
+  DataParallel(std::vector<Replica> replicas, std::vector<at::Device> devices);
   /// Every replica from a factory, the first being the primary (the zoo's block chains).
   ///   DataParallel dp([] { return as_sequential(make_model("resnet18")); }, devices);
   DataParallel(const std::function<torch::nn::Sequential()>& make, std::vector<at::Device> devices);
@@ -70,14 +78,7 @@ class DataParallel {
   std::vector<std::shared_ptr<torch::nn::Module>> replicas() const;
   const std::vector<at::Device>& devices() const { return devices_; }
 
-  /// A replica: its module and how to call it.
-  struct Replica {
-    std::shared_ptr<torch::nn::Module> module;
-    TensorFn forward;
-  };
-
  private:
-  DataParallel(std::vector<Replica> replicas, std::vector<at::Device> devices);
   void sync_replicas();  // primary's parameters and buffers -> every other replica
 
   template <typename M>

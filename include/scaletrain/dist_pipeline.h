@@ -16,10 +16,10 @@
 // stage's micro-batch backwards then accumulate locally (no_sync) and the stage's last
 // backward averages the accumulated gradients over the replicas.
 //
-// Every micro-batch is a tensor of the batch's dtype; the number of micro-batches is `chunks`
-// on every rank, so the batch must have at least `chunks` samples (checked on the first and
-// last stages). A failure on one rank makes the others fail at the collective timeout with an
-// error naming the transfer they waited for.
+// Every micro-batch is a tensor of the batch's dtype; a batch is cut into `chunks` micro-batches,
+// or fewer when it has fewer samples (the first stage tells the others how many). A failure on one
+// rank makes the others fail at the collective timeout with an error naming the transfer they
+// waited for.
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -27,6 +27,7 @@
 
 #include "scaletrain/dist.h"
 #include "scaletrain/pipeline.h"
+#include "scaletrain/schedule.h"
 
 namespace scaletrain {
 
@@ -51,11 +52,24 @@ class DistPipeline {
   /// Returns the batch loss on the last stage, an undefined tensor elsewhere.
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss);
 
+  /// Forward only, micro-batched (no grad): the first stage passes the batch's `input`, the
+  /// others an undefined tensor. Returns the batch's outputs on the last stage, undefined
+  /// elsewhere. Every stage's rank calls it.
+  at::Tensor forward(const at::Tensor& input);
+
   int stage() const { return stage_; }
   int num_stages() const { return static_cast<int>(options_.stage_ranks.size()); }
   torch::nn::Sequential& module() { return stage_module_; }
 
  private:
+  class Transfers;
+  int neighbour(int offset) const;  // the rank of stage + offset, or -1
+  std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
+  int agree_microbatches(const at::Tensor& input);
+  std::vector<PipeTask> my_tasks(int microbatches) const;
+  void backward(Transfers& io, int microbatch, bool averages, const at::Tensor& input,
+                const at::Tensor& output, const at::Tensor& loss);
+
   torch::nn::Sequential stage_module_;
   DistPipelineOptions options_;
   Dist dist_;

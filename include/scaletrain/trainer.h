@@ -1,43 +1,156 @@
 #pragma once
-// The trainer behind `scaletrain train`: one process per rank, DistributedDataParallel across
-// ranks (a world of one is fine), DistributedSampler slices, exact test accuracy, a progress
-// bar on rank 0, metrics as JSON lines, checkpoints with exact resume.
+// The trainer: one loop for every strategy, any model and any data set. `scaletrain train` is
+// this trainer with the zoo's models and data sets (TrainOptions below); a program trains its own
+// model by giving a TrainTask:
 //
 //   auto dist = scaletrain::init_process_group();
-//   scaletrain::TrainOptions o;            // LeNet on Fashion-MNIST
-//   auto result = scaletrain::train(o, dist);
+//   scaletrain::TrainTask task;
+//   task.model = [] { return scaletrain::model_of(std::make_shared<Net>(), "net"); };
+//   task.train_data = scaletrain::in_memory(my_train_set);     // or a torch::data data set
+//   task.test_data = scaletrain::in_memory(my_test_set);
+//   task.optimizer = [](const std::vector<at::Tensor>& p) {
+//     return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+//   };
+//   scaletrain::TrainerOptions o;                              // DDP over the ranks
+//   o.out_dir = "runs/net";
+//   auto result = scaletrain::train(task, o, dist);
 //
-// Files under `out_dir`: ckpt-<step>.st (checkpoints, docs/checkpoint.md), metrics.jsonl (one
-// JSON object per logged step and per epoch, docs/training.md), events.out.tfevents.* (the same
-// metrics for TensorBoard), model.pt (the final weights as a state dict for Python's
-// torch.load).
+// Strategies (TrainerOptions::strategy; docs/training.md):
+//   ddp       one process per device, DistributedDataParallel across them (any world size)
+//   dp        one process, a DataParallel replica per device of `devices` (seed 003)
+//   pipeline  one process, the model's block chain split over `devices` (seeds 000, 002)
+//   grid      a pipeline of `pipeline_stages` ranks, and world / stages such pipelines in data
+//             parallel (DistPipeline, DDP per stage)
+// Every rank calls train() with the same task and options. What it does on each: a
+// DistributedSampler slice of the data per epoch, loaded by background threads; the strategy's
+// step; the optimizer; the learning-rate scheduler once per epoch; the metrics on the test data,
+// exact (padding excluded, summed over the ranks); checkpoints with exact resume; metrics.jsonl
+// and TensorBoard; a progress bar; a summary with the peak memory and parameters per device.
+//
+// Files under `out_dir`: ckpt-<step>.st (checkpoints, docs/checkpoint.md: the model's weights
+// under PyTorch's names whatever the strategy), metrics.jsonl (docs/training.md),
+// events.out.tfevents.* (TensorBoard), model.pt (the final weights for Python's torch.load),
+// run.json (the run's identity, Note [Run identity]).
+
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "scaletrain/dist.h"
+#include "scaletrain/loader.h"
+#include "scaletrain/models.h"
+#include "scaletrain/module_call.h"
+#include "scaletrain/pipeline.h"
 
 namespace scaletrain {
 
-struct TrainOptions {
-  std::string model = "lenet";
-  std::string dataset = "fashion-mnist";  // "synthetic", or "folder": data_dir holds train/
-                                          // and val/, ImageNet-style (image_folder.h)
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  int64_t image_size = 224;  // folder data: crop size
-  int64_t limit_train = 0;   // >0: use only the first N training samples
-  int64_t limit_test = 0;
+struct Dataset;
+class ImageFolder;
+
+// ---- What is trained --------------------------------------------------------------------------
+
+/// One split of a data set as the trainer reads it: how many samples, and the batch of any of
+/// them (loader.h: Batch::images are the inputs, Batch::labels the targets; `seed` drives any
+/// random augmentation, so a batch depends only on its indices and seed).
+struct DataSource {
+  int64_t size = 0;
+  BatchFn batch;
+};
+
+/// An in-memory data set (data.h: Fashion-MNIST, synthetic...), rows [0, limit) when limit > 0.
+DataSource in_memory(Dataset data, int64_t limit = 0);
+/// An image folder (image_folder.h), decoded and augmented on the loader's threads; `limit` > 0
+/// keeps that many images spread over the folder (every class stays in).
+DataSource image_folder(std::shared_ptr<const ImageFolder> folder, int64_t limit = 0);
+/// A LibTorch data set (torch::data::datasets::Dataset with Example<> samples of a tensor and a
+/// target): a batch stacks get(i) of its indices.
+template <typename D>
+DataSource torch_dataset(std::shared_ptr<D> data) {
+  DataSource s;
+  s.size = static_cast<int64_t>(data->size().value());
+  s.batch = [data](const std::vector<int64_t>& indices, uint64_t) {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : indices) {
+      auto example = data->get(static_cast<size_t>(i));
+      xs.push_back(example.data);
+      ys.push_back(example.target);
+    }
+    return Batch{at::stack(xs), at::stack(ys), 0};
+  };
+  return s;
+}
+
+/// A model of a program's own for the trainer (models.h's Model): its module, its forward, and
+/// for the pipeline strategies its block chain (blocks.h). `name` is recorded in checkpoints.
+template <typename M>
+Model model_of(std::shared_ptr<M> module, std::string name = "model",
+               std::function<torch::nn::Sequential()> blocks = {}) {
+  static_assert(has_tensor_forward_v<M>, "the trainer calls forward(const at::Tensor&)");
+  return {std::move(name), module, tensor_forward(module), std::move(blocks)};
+}
+
+/// A metric of the test data: a value per sample (1 for right, 0 for wrong...), which the trainer
+/// averages over the test set exactly (every sample once, over every rank).
+struct Metric {
+  std::string name;
+  std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> per_sample;
+};
+/// "test_accuracy": the output's argmax is the target.
+Metric accuracy();
+
+/// What an epoch ended with, for TrainTask::on_epoch and metrics.jsonl.
+struct EpochReport {
+  int64_t epoch = 0;  // 1-based
+  int64_t global_step = 0;
+  double loss = 0;  // mean training loss of the epoch (this rank's, or the last stage's)
+  std::map<std::string, double> metrics;
+  double seconds = 0;
+};
+
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(const std::vector<at::Tensor>& params)>;
+using SchedulerFactory =
+    std::function<std::unique_ptr<torch::optim::LRScheduler>(torch::optim::Optimizer& optimizer)>;
+
+struct TrainTask {
+  /// Builds the model (on the CPU; the trainer moves it): called once per rank, and once more
+  /// per further DataParallel replica. Every call must build the same architecture; the weights
+  /// come from the first call on rank 0 (or from the checkpoint resumed).
+  std::function<Model()> model;
+  DataSource train_data, test_data;
+  /// The loss of a batch (averaging over its samples): cross entropy by default.
+  LossFn loss;
+  /// The optimizer over the parameters given: SGD (lr 0.05, momentum 0.9) by default.
+  OptimizerFactory optimizer;
+  /// A LibTorch learning-rate scheduler (torch::optim::StepLR, CosineLR in lr_schedule.h...),
+  /// stepped once per epoch; none by default. A resumed run replays its steps from the
+  /// optimizer's first learning rate, so schedules that depend on the epoch alone resume exactly.
+  SchedulerFactory scheduler;
+  /// Metrics of the test data after each epoch: accuracy() by default.
+  std::vector<Metric> metrics;
+  /// Called on every rank after each epoch.
+  std::function<void(const EpochReport&)> on_epoch;
+};
+
+// ---- How it is trained ------------------------------------------------------------------------
+
+enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid };
+
+/// "ddp", "dp", "pipeline", "grid"; throws UsageError naming them for anything else.
+Strategy parse_strategy(const std::string& name);
+std::string to_string(Strategy s);
+
+struct TrainerOptions {
+  Strategy strategy = Strategy::kDDP;
   int epochs = 5;
-  int64_t batch_size = 256;       // global: split evenly over the ranks
-  std::string optimizer = "sgd";  // "sgd" or "adam"
-  double lr = 0.05;
-  double momentum = 0.9;
-  double weight_decay = 5e-4;
-  std::string schedule = "none";  // "none", "step" (x gamma every step_size epochs), "cosine"
-  int step_size = 2;
-  double gamma = 0.5;
-  int accumulate = 1;  // gradient accumulation: batches per optimizer step
+  int64_t batch_size = 256;  // global: split over the ranks (ddp) or the data-parallel replicas
+  int accumulate = 1;        // gradient accumulation: batches per optimizer step
   uint64_t seed = 0;
   std::string out_dir = "runs/latest";
   int checkpoint_every = 0;     // steps; 0: only at the end of each epoch
@@ -47,41 +160,86 @@ struct TrainOptions {
                                 // (without it, such a folder is refused unless resumed)
   int log_every = 50;           // steps between metric lines
   bool progress = true;         // progress bar / lines on rank 0
-  std::string device = "auto";  // "auto" (cuda:<local rank> when GPUs are visible, else cpu),
-                                // "cpu", "cuda" or "cuda:N"
-  std::string amp = "none";     // mixed precision: "none", "bf16", "fp16" (with loss scaling)
-  int workers = 1;              // loader threads per rank (0: load on the training thread)
-  std::string init_weights;     // a state dict (Python's torch.save) to start from
   bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
-  bool channels_last = true;    // convolution weights and image batches in NHWC memory
-                                // (to_channels_last in models.h): faster on CPU and GPU
-  double timeout_s = 300;       // collective timeout (InitOptions::timeout): how long a rank waits
-                                // for the others in one collective before failing, naming it
-  std::string uneven_inputs = "fail";  // ranks with different batch counts (ddp.h's
-                                       // UnevenInputs): "fail" within a step, naming them, or
-                                       // "join" (the others finish the epoch)
+  int workers = 1;              // loader threads per rank (0: load on the training thread)
+  // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
+  // cpu), "cpu", "cuda" or "cuda:N".
+  std::string device = "auto";
+  std::string amp = "none";            // ddp only: "none", "bf16", "fp16" (with loss scaling)
+  bool channels_last = true;           // convolution weights and image batches in NHWC memory
+  std::string uneven_inputs = "fail";  // ddp: "fail" within a step, naming the ranks, or "join"
+  double timeout_s = 300;  // collective timeout of the process group (the tool's --timeout)
+  // dp and pipeline: the devices, one per replica or stage ("cpu" may repeat). Empty: every GPU,
+  // else two CPU "devices".
+  std::vector<std::string> devices;
+  // pipeline and grid:
+  PipelineSchedule schedule = PipelineSchedule::kGPipe;
+  int chunks = 0;                // micro-batches per batch; 0: twice the stages
+  int64_t split_size = 0;        // >0: micro-batches of this many samples instead (seed 000)
+  std::string balance = "auto";  // "auto" or "time" (measured), "size" (parameters), "N,M,..."
+  PipelineCheckpoint checkpointing = PipelineCheckpoint::kNever;  // activation checkpointing
+  int pipeline_stages = 2;                                        // grid: ranks per pipeline
+};
+
+struct DeviceReport {
+  std::string device;
+  int64_t parameters = 0;         // held there (a replica's, or a stage's)
+  int64_t peak_memory_bytes = 0;  // CUDA's peak allocated; the process's peak resident on CPU
 };
 
 struct TrainResult {
-  double test_accuracy = 0;
+  double test_accuracy = 0;               // metrics["test_accuracy"] when measured
+  std::map<std::string, double> metrics;  // the last epoch's
   double final_loss = 0;
   std::vector<double> epoch_seconds;
   double samples_per_second = 0;  // training samples over all ranks
   int64_t global_step = 0;
   std::string last_checkpoint;
   std::string metrics_path;
-  std::string weights_path;       // model.pt (rank 0)
-  std::string device;             // this rank's
-  int64_t peak_memory_bytes = 0;  // this rank's device: CUDA peak allocated, or CPU peak RSS
+  std::string weights_path;           // model.pt (rank 0)
+  std::string device;                 // this rank's (the first of dp's and pipeline's)
+  int64_t peak_memory_bytes = 0;      // this rank's device: CUDA peak allocated, or CPU peak RSS
+  std::vector<DeviceReport> devices;  // this rank's devices
 };
 
-/// Checks the options before any work (unknown model or data set, a batch smaller than the
-/// world size, an unwritable output folder, a folder holding another run that is neither resumed
-/// nor overwritten): throws UsageError naming the value and the fix. Writes nothing but the
-/// output folder itself.
+/// Checks the options of a task against the world before any work: the strategy's combinations
+/// (dp and pipeline in one process, a grid's world a multiple of its stages, pipeline options
+/// with a pipeline only...), the numbers, an unwritable output folder, a folder holding another
+/// run that is neither resumed nor overwritten. Throws UsageError naming the value and the fix.
+/// Writes nothing but the output folder itself.
+void validate(const TrainerOptions& options, int world_size);
+
+/// Trains on this rank; every rank calls it with the same task and options.
+TrainResult train(const TrainTask& task, const TrainerOptions& options, const Dist& dist);
+
+// ---- The zoo: what `scaletrain train` trains --------------------------------------------------
+
+struct TrainOptions : TrainerOptions {
+  std::string model = "lenet";            // models.h's names
+  std::string dataset = "fashion-mnist";  // "synthetic", or "folder": data_dir holds train/
+                                          // and val/, ImageNet-style (image_folder.h)
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  int64_t image_size = 224;  // folder data: crop size
+  int64_t limit_train = 0;   // >0: use only the first N training samples
+  int64_t limit_test = 0;
+  std::string optimizer = "sgd";  // "sgd" or "adam"
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 5e-4;
+  std::string lr_schedule = "none";  // "none", "step" (x gamma every step_size epochs), "cosine"
+  int step_size = 2;
+  double gamma = 0.5;
+  std::string init_weights;  // a state dict (Python's torch.save) to start from
+};
+
+/// The zoo's task for `options`: the model by name, the data set by name, the optimizer and
+/// learning-rate schedule by name.
+TrainTask zoo_task(const TrainOptions& options);
+
+/// validate(options, world) of the trainer, and the zoo's names and numbers.
 void validate(const TrainOptions& options, int world_size);
 
-/// Trains on this rank; every rank calls it with the same options.
+/// train(zoo_task(options), options, dist).
 TrainResult train(const TrainOptions& options, const Dist& dist);
 
 }  // namespace scaletrain

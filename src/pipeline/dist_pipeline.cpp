@@ -6,6 +6,8 @@
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
 
+#include <optional>
+
 namespace scaletrain {
 
 namespace {
@@ -17,6 +19,7 @@ int activation_tag(int i) { return 3 * i + 1; }
 int gradient_tag(int i) { return 3 * i + 2; }
 
 constexpr int kMaxDims = 8;
+constexpr int kCountTag = 1 << 19;  // the micro-batch count, relayed from the first stage
 
 }  // namespace
 
@@ -61,125 +64,196 @@ DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions opti
 // a cycle.
 // Note [Pipeline and DDP]: DDP expects forward then backward, one pair at a time, while a
 // pipeline stage interleaves the forwards and backwards of many micro-batches. So the stage's
-// forwards bypass DDP, and DDP's forward is called on the stored output of the micro-batch
-// whose backward comes last, just before that backward: the reducer arms, the backward's hooks
-// find the gradients accumulated by the earlier (no_sync) backwards in the buckets, and the
-// all-reduce averages their sum over the replicas.
-at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& target,
-                                    const LossFn& loss_fn) {
-  const int p = num_stages(), m = options_.chunks, s = stage_;
-  const bool first = s == 0, last = s == p - 1;
-  const auto& dev = options_.device;
-  const int prev = first ? -1 : options_.stage_ranks[static_cast<size_t>(s - 1)];
-  const int next = last ? -1 : options_.stage_ranks[static_cast<size_t>(s + 1)];
-  auto need_batch = [&](const at::Tensor& t, const char* what) {
-    if (!t.defined() || t.size(0) < m) {
-      throw UsageError(std::string("rank ") + std::to_string(dist_.rank()) + " (stage " +
-                       std::to_string(s) + ") needs the batch's " + what + " with at least " +
-                       std::to_string(m) + " samples (one per micro-batch)");
-    }
-  };
-  std::vector<at::Tensor> xs, ys;
-  if (first) {
-    need_batch(input, "input");
-    xs = split_microbatches(input, m);
+// forwards bypass DDP, and the output of the micro-batch whose backward comes last is prepared
+// for backward (prepare_for_backward) just before that backward: the reducer arms, the
+// backward's hooks find the gradients accumulated by the earlier (no_sync) backwards in the
+// buckets, and the all-reduce averages their sum over the replicas.
+
+// The point-to-point messages of one step between neighbouring stages.
+class DistPipeline::Transfers {
+ public:
+  Transfers(const Dist& dist, at::Device device) : dist_(dist), dev_(device) {}
+  ~Transfers() = default;
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+
+  void send(const at::Tensor& t, int to, int tag) {
+    in_flight_.push_back({t.contiguous()});
+    sends_.push_back(dist_.backend->send(in_flight_.back(), to, tag));
   }
-  double total = 0;
-  if (last) {
-    need_batch(target, "target");
-    ys = split_microbatches(target, m);
-    total = static_cast<double>(target.size(0));
+  void recv(at::Tensor t, int from, int tag, const std::string& what) {
+    std::vector<at::Tensor> v{t};
+    wait_for(dist_.backend->recv(v, from, tag), what + " from rank " + std::to_string(from), dist_);
   }
+  // An activation: its rank, dtype and sizes first (NCCL moves device tensors only: the shape
+  // travels on the stage's device there), then the data.
+  void send_activation(const at::Tensor& out, int to, int microbatch) {
+    const at::Tensor a = out.detach();
+    if (a.dim() > kMaxDims) throw Error("pipeline activations have at most 8 dimensions");
+    auto shape = at::zeros({kMaxDims + 2}, at::kLong);
+    shape[0] = a.dim();
+    shape[1] = static_cast<int64_t>(a.scalar_type());
+    for (int64_t d = 0; d < a.dim(); ++d) shape[d + 2] = a.size(d);
+    send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(microbatch));
+    send(a, to, activation_tag(microbatch));
+  }
+  at::Tensor recv_activation(int from, int microbatch) {
+    const bool nccl = dist_.backend_name == "nccl";
+    auto shape =
+        at::empty({kMaxDims + 2}, at::TensorOptions(at::kLong).device(nccl ? dev_ : at::kCPU));
+    const std::string which = "micro-batch " + std::to_string(microbatch);
+    recv(shape, from, shape_tag(microbatch), "shape of " + which);
+    shape = shape.cpu();
+    const int64_t dims = shape[0].item<int64_t>();
+    const auto dtype = static_cast<at::ScalarType>(shape[1].item<int64_t>());
+    std::vector<int64_t> sizes(shape.data_ptr<int64_t>() + 2, shape.data_ptr<int64_t>() + 2 + dims);
+    auto x = at::empty(sizes, at::TensorOptions().dtype(dtype).device(dev_));
+    recv(x, from, activation_tag(microbatch), "activation of " + which);
+    return x;
+  }
+  void wait() {
+    for (auto& w : sends_) wait_for(w, "a pipeline send", dist_);
+    sends_.clear();
+    in_flight_.clear();
+  }
+
+ private:
+  const Dist& dist_;
+  at::Device dev_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
+  std::vector<std::vector<at::Tensor>> in_flight_;  // tensors of pending sends
+};
+
+int DistPipeline::neighbour(int offset) const {
+  const int s = stage_ + offset;
+  return s < 0 || s >= num_stages() ? -1 : options_.stage_ranks[static_cast<size_t>(s)];
+}
+
+std::vector<at::Tensor> DistPipeline::split(const at::Tensor& t, const char* what) const {
+  if (!t.defined() || t.size(0) < 1) {
+    throw UsageError(std::string("rank ") + std::to_string(dist_.rank()) + " (stage " +
+                     std::to_string(stage_) + ") needs the batch's " + what);
+  }
+  return split_microbatches(t, options_.chunks);
+}
+
+// The step's micro-batch count: `chunks`, or fewer for a batch of fewer samples. The first stage
+// knows it from the input and tells the next, which tells the next...
+int DistPipeline::agree_microbatches(const at::Tensor& input) {
+  auto count = at::full({1}, 0, at::kLong);
+  if (stage_ == 0) {
+    count.fill_(std::min<int64_t>(options_.chunks, input.defined() ? input.size(0) : 0));
+  } else {
+    std::vector<at::Tensor> v{count};
+    wait_for(dist_.backend->recv(v, neighbour(-1), kCountTag),
+             "micro-batch count from rank " + std::to_string(neighbour(-1)), dist_);
+  }
+  if (stage_ + 1 < num_stages()) {
+    std::vector<at::Tensor> v{count};
+    wait_for(dist_.backend->send(v, neighbour(+1), kCountTag), "micro-batch count", dist_);
+  }
+  return static_cast<int>(count.item<int64_t>());
+}
+
+// This stage's column of the schedule of `m` micro-batches, in order.
+std::vector<PipeTask> DistPipeline::my_tasks(int m) const {
   const ScheduleTable table = options_.schedule == PipelineSchedule::kGPipe
-                                  ? gpipe_schedule(p, m)
-                                  : one_f_one_b_schedule(p, m);
+                                  ? gpipe_schedule(num_stages(), m)
+                                  : one_f_one_b_schedule(num_stages(), m);
   std::vector<PipeTask> order;
   for (const auto& row : table) {
-    if (row[static_cast<size_t>(s)]) order.push_back(*row[static_cast<size_t>(s)]);
+    if (row[static_cast<size_t>(stage_)]) order.push_back(*row[static_cast<size_t>(stage_)]);
   }
+  return order;
+}
+
+at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& target,
+                                    const LossFn& loss_fn) {
+  const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
+  const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
+  const int count = agree_microbatches(input);
+  const auto m = static_cast<size_t>(count);
+  const std::vector<at::Tensor> ys = last ? split(target, "target") : std::vector<at::Tensor>{};
+  if (last && ys.size() != m) {
+    throw UsageError("rank " + std::to_string(dist_.rank()) +
+                     " (last stage): the batch's target has " + std::to_string(target.size(0)) +
+                     " samples, the input " + std::to_string(m) +
+                     " micro-batches' worth: give both stages the same batch");
+  }
+  const double total = last ? static_cast<double>(target.size(0)) : 0;
+  const auto order = my_tasks(count);
   int last_backward = -1;  // the micro-batch whose backward averages gradients (grids)
   for (const auto& t : order) {
     if (!t.forward) last_backward = t.microbatch;
   }
-
-  std::vector<at::Tensor> inputs(static_cast<size_t>(m)), outputs(static_cast<size_t>(m)),
-      losses(static_cast<size_t>(m));
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  std::vector<std::vector<at::Tensor>> in_flight;  // tensors of pending sends
-  auto send = [&](at::Tensor t, int to, int tag) {
-    in_flight.push_back({t.contiguous()});
-    sends.push_back(dist_.backend->send(in_flight.back(), to, tag));
-  };
-  auto recv = [&](at::Tensor t, int from, int tag, const std::string& what) {
-    std::vector<at::Tensor> v{t};
-    wait_for(dist_.backend->recv(v, from, tag), what + " from rank " + std::to_string(from), dist_);
-  };
+  std::vector<at::Tensor> inputs(m), outputs(m), losses(m);
+  Transfers io(dist_, options_.device);
   for (const auto& t : order) {
     const auto i = static_cast<size_t>(t.microbatch);
     if (t.forward) {
-      at::Tensor x;
-      if (first) {
-        x = xs[i].to(dev);
-      } else {
-        // NCCL moves device tensors only: the shape travels on the stage's device there.
-        const bool nccl = dist_.backend_name == "nccl";
-        auto shape =
-            at::empty({kMaxDims + 2}, at::TensorOptions(at::kLong).device(nccl ? dev : at::kCPU));
-        recv(shape, prev, shape_tag(t.microbatch), "shape of micro-batch " + std::to_string(i));
-        shape = shape.cpu();
-        const int64_t dims = shape[0].item<int64_t>();
-        const auto dtype = static_cast<at::ScalarType>(shape[1].item<int64_t>());
-        std::vector<int64_t> sizes(shape.data_ptr<int64_t>() + 2,
-                                   shape.data_ptr<int64_t>() + 2 + dims);
-        x = at::empty(sizes, at::TensorOptions().dtype(dtype).device(dev));
-        recv(x, prev, activation_tag(t.microbatch),
-             "activation of micro-batch " + std::to_string(i));
-        x.requires_grad_(true);
-      }
-      inputs[i] = x;
-      outputs[i] = stage_module_->forward(x);
+      inputs[i] = first ? xs[i].to(options_.device)
+                        : io.recv_activation(neighbour(-1), t.microbatch).requires_grad_(true);
+      outputs[i] = stage_module_->forward(inputs[i]);
       if (last) {
         const double share = static_cast<double>(ys[i].size(0)) / total;
-        losses[i] = loss_fn(outputs[i], ys[i].to(dev)) * share;
+        losses[i] = loss_fn(outputs[i], ys[i].to(options_.device)) * share;
       } else {
-        const at::Tensor out = outputs[i].detach();
-        if (out.dim() > kMaxDims) throw Error("pipeline activations have at most 8 dimensions");
-        auto shape = at::zeros({kMaxDims + 2}, at::kLong);
-        shape[0] = out.dim();
-        shape[1] = static_cast<int64_t>(out.scalar_type());
-        for (int64_t d = 0; d < out.dim(); ++d) shape[d + 2] = out.size(d);
-        send(dist_.backend_name == "nccl" ? shape.to(dev) : shape, next, shape_tag(t.microbatch));
-        send(out, next, activation_tag(t.microbatch));
+        io.send_activation(outputs[i], neighbour(+1), t.microbatch);
       }
     } else {
-      // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates
-      // locally; the last is announced to DDP just before it runs, so it averages the sum.
-      std::optional<DistributedDataParallel::NoSync> local;
-      if (options_.ddp != nullptr) {
-        if (t.microbatch == last_backward) {
-          options_.ddp->prepare_for_backward({outputs[i]});
-        } else {
-          local.emplace(*options_.ddp);
-        }
-      }
-      if (last) {
-        losses[i].backward();
-      } else {
-        auto grad = at::empty_like(outputs[i]);
-        recv(grad, next, gradient_tag(t.microbatch),
-             "gradient of micro-batch " + std::to_string(i));
-        outputs[i].backward(grad);
-      }
-      if (!first) send(inputs[i].grad(), prev, gradient_tag(t.microbatch));
-      outputs[i] = at::Tensor();
-      inputs[i] = at::Tensor();
+      backward(io, t.microbatch, t.microbatch == last_backward, inputs[i], outputs[i], losses[i]);
+      outputs[i] = inputs[i] = at::Tensor();
     }
   }
-  for (auto& w : sends) wait_for(w, "a pipeline send", dist_);
+  io.wait();
   if (!last) return {};
   at::Tensor sum = losses[0].detach().cpu();
   for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i].detach().cpu();
   return sum;
+}
+
+void DistPipeline::backward(Transfers& io, int microbatch, bool averages, const at::Tensor& input,
+                            const at::Tensor& output, const at::Tensor& loss) {
+  // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates locally;
+  // the last is announced to DDP just before it runs, so it averages the sum.
+  std::optional<DistributedDataParallel::NoSync> local;
+  if (options_.ddp != nullptr) {
+    if (averages) {
+      options_.ddp->prepare_for_backward({output});
+    } else {
+      local.emplace(*options_.ddp);
+    }
+  }
+  if (stage_ == num_stages() - 1) {
+    loss.backward();
+  } else {
+    auto grad = at::empty_like(output);
+    io.recv(grad, neighbour(+1), gradient_tag(microbatch),
+            "gradient of micro-batch " + std::to_string(microbatch));
+    output.backward(grad);
+  }
+  if (stage_ > 0) io.send(input.grad(), neighbour(-1), gradient_tag(microbatch));
+}
+
+at::Tensor DistPipeline::forward(const at::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
+  const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
+  const int count = agree_microbatches(input);
+  std::vector<at::Tensor> outputs;
+  Transfers io(dist_, options_.device);
+  for (int i = 0; i < count; ++i) {
+    at::Tensor x = first ? xs[static_cast<size_t>(i)].to(options_.device)
+                         : io.recv_activation(neighbour(-1), i);
+    at::Tensor out = stage_module_->forward(x);
+    if (last) {
+      outputs.push_back(out);
+    } else {
+      io.send_activation(out, neighbour(+1), i);
+    }
+  }
+  io.wait();
+  return last ? at::cat(outputs) : at::Tensor();
 }
 
 }  // namespace scaletrain

@@ -96,6 +96,12 @@ std::string checkpoint_path(const std::string& dir, int64_t global_step) {
 std::string save_checkpoint(const std::string& dir, const TrainingState& s,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep) {
+  return save_checkpoint(dir, s, model, &opt, keep);
+}
+
+std::string save_checkpoint(const std::string& dir, const TrainingState& s,
+                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                            int keep) {
   if (!valid_run_id(s.run_id)) {
     throw UsageError("checkpoint run id '" + s.run_id +
                      "' must be 1 to 128 letters, digits, '-' or '_'");
@@ -113,9 +119,11 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   for (auto& b : model.named_buffers()) ar.write("model." + b.key(), b.value().cpu(), true);
   for (auto& [name, t] : s.tensors) ar.write("extra.tensor." + name, t.detach().cpu(), true);
   for (auto& [name, v] : s.values) ar.write("extra.value." + name, c10::IValue(v));
-  torch::serialize::OutputArchive opt_ar;
-  opt.save(opt_ar);
-  ar.write("optimizer", opt_ar);
+  if (opt != nullptr) {
+    torch::serialize::OutputArchive opt_ar;
+    opt->save(opt_ar);
+    ar.write("optimizer", opt_ar);
+  }
   std::ostringstream payload;
   ar.save_to(payload);
   const std::string body = payload.str();
@@ -176,6 +184,13 @@ std::optional<std::string> checkpoint_problem(const std::string& path) {
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& opt, const std::string& model_name) {
+  auto s = load_checkpoint(path, model, &opt, model_name);
+  if (!s.optimizer_restored) throw Error("checkpoint '" + path + "': no 'optimizer' state in it");
+  return s;
+}
+
+TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer* opt, const std::string& model_name) {
   std::string body;
   if (auto problem = payload_of(path, &body)) throw Error("checkpoint '" + path + "' " + *problem);
   torch::serialize::InputArchive ar;
@@ -232,11 +247,10 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
     }
   }
   torch::serialize::InputArchive opt_ar;
-  if (!ar.try_read("optimizer", opt_ar)) {
-    throw Error("checkpoint '" + path + "': no 'optimizer' state in it");
-  }
+  if (opt == nullptr || !ar.try_read("optimizer", opt_ar)) return s;
   try {
-    opt.load(opt_ar);
+    opt->load(opt_ar);
+    s.optimizer_restored = true;
   } catch (const std::exception& e) {
     throw Error("checkpoint '" + path + "': its optimizer state does not fit this optimizer (" +
                 std::string(e.what()).substr(0, 200) +

@@ -102,7 +102,7 @@ std::vector<fs::path> run_files(const std::string& dir) {
   return out;
 }
 
-RunStart plan_run_start(const TrainOptions& o) {
+RunStart plan_run_start(const TrainerOptions& o) {
   RunStart s;
   if (o.resume == "auto" && !o.overwrite) {
     s.resume_from = newest_valid_checkpoint(o.out_dir);
@@ -139,7 +139,8 @@ RunStart plan_run_start(const TrainOptions& o) {
                                 "--out, or give --overwrite to delete those files first"));
 }
 
-void begin_run(const TrainOptions& o, const RunStart& start, const std::string& run_id) {
+void begin_run(const TrainerOptions& o, const RunStart& start, const std::string& run_id,
+               const std::string& model_name) {
   std::error_code ec;
   for (const auto& f : start.stale) fs::remove(f, ec);
   if (!start.run_id.empty() || !fs::exists(o.out_dir + "/run.json")) {
@@ -147,9 +148,9 @@ void begin_run(const TrainOptions& o, const RunStart& start, const std::string& 
     char when[32];
     std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     nlohmann::json record = {
-        {"run_id", run_id}, {"launch_id", env_or("TORCHELASTIC_RUN_ID", "none")},
-        {"model", o.model}, {"dataset", o.dataset},
-        {"started", when},  {"scaletrain", version()}};
+        {"run_id", run_id},    {"launch_id", env_or("TORCHELASTIC_RUN_ID", "none")},
+        {"model", model_name}, {"strategy", to_string(o.strategy)},
+        {"started", when},     {"scaletrain", version()}};
     const std::string tmp = o.out_dir + "/run.json.tmp";
     std::ofstream(tmp) << record.dump(2) << "\n";
     fs::rename(tmp, o.out_dir + "/run.json", ec);

@@ -25,10 +25,11 @@ std::vector<std::filesystem::path> run_files(const std::string& dir);
 /// Decides how a run with options `o` starts in o.out_dir, reading the folder and the launcher's
 /// environment, writing nothing. Throws UsageError when the folder holds another run's files
 /// and the options neither resume it nor say --overwrite.
-RunStart plan_run_start(const TrainOptions& o);
+RunStart plan_run_start(const TrainerOptions& o);
 
 /// Rank 0, before training: deletes `start.stale` and records the run in out_dir/run.json.
-void begin_run(const TrainOptions& o, const RunStart& start, const std::string& run_id);
+void begin_run(const TrainerOptions& o, const RunStart& start, const std::string& run_id,
+               const std::string& model_name);
 
 /// Keeps the metrics lines of steps up to `step` (a resumed run redoes the later ones).
 void drop_metrics_after(const std::string& path, int64_t step);

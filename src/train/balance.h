@@ -1,0 +1,26 @@
+#pragma once
+// How the pipeline strategies split a model (internal).
+
+#include <string>
+#include <vector>
+
+#include "scaletrain/dist.h"
+#include "scaletrain/models.h"
+
+namespace scaletrain {
+
+/// The model's chain of blocks; UsageError when the model has none (Model::blocks).
+torch::nn::Sequential chain_of(const Model& model);
+
+/// Layers per stage from a --balance spec: "auto" or "time" (each layer's measured forward and
+/// backward on `sample`), "size" (parameter bytes), or "N,M,..." (given). Throws UsageError for
+/// a list of another length or sum, or a chain of fewer blocks than stages.
+std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+                                 int stages, const at::Tensor& sample);
+
+/// The same, measured on rank 0 and broadcast, so that every rank of a grid splits alike.
+std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+                                 int stages, const at::Tensor& sample, const Dist& dist,
+                                 const at::Device& device);
+
+}  // namespace scaletrain

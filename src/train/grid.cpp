@@ -1,0 +1,223 @@
+// The grid strategy (Note [Strategies] in strategy.cpp): `stages` ranks form a pipeline
+// (DistPipeline), world / stages such pipelines train on their own slices of the data, and each
+// stage's parameters are averaged over its replicas by DDP in a group of its own.
+//
+//   rank = replica × stages + stage        e.g. 4 ranks, 2 stages:   stage 0   stage 1
+//                                                          replica 0   rank 0    rank 1
+//                                                          replica 1   rank 2    rank 3
+//
+// Every rank builds the whole model and trains its stage's blocks; checkpoints gather the
+// stages' weights from replica 0 onto every rank (the file holds the whole model under PyTorch's
+// names) and each stage's optimizer state onto rank 0.
+
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cstring>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "scaletrain/ddp.h"
+#include "scaletrain/dist_pipeline.h"
+#include "scaletrain/error.h"
+#include "train/balance.h"
+#include "train/strategy.h"
+
+namespace scaletrain {
+namespace {
+
+constexpr int kOptimizerTag = 1 << 20;  // point-to-point tags of the optimizer gather
+
+std::string optimizer_key(int stage) { return "grid/optimizer/stage" + std::to_string(stage); }
+
+class GridStrategy : public TrainStrategy {
+ public:
+  GridStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
+               const at::Tensor& sample)
+      : TrainStrategy(d),
+        model_(model),
+        loss_(task.loss),
+        stages_(o.pipeline_stages),
+        replica_(d.rank() / o.pipeline_stages),
+        stage_(d.rank() % o.pipeline_stages),
+        dev_(rank_device(o.device, d)) {
+    torch::nn::Sequential chain = chain_of(model);
+    const auto balance = resolve_balance(o.balance, chain, stages_, sample, d, dev_);
+    size_t begin = 0;
+    for (int s = 0; s < stages_; ++s) {
+      const size_t end = begin + static_cast<size_t>(balance[static_cast<size_t>(s)]);
+      stage_params_.push_back(in_model_order(slice(chain, begin, end)->parameters()));
+      if (s == stage_) stage_module_ = slice(chain, begin, end);
+      begin = end;
+    }
+    // One group per stage (every rank calls new_group for all), DDP over this stage's replicas.
+    for (int s = 0; s < stages_; ++s) {
+      std::vector<int> ranks;
+      for (int r = 0; r < d.size() / stages_; ++r) ranks.push_back(r * stages_ + s);
+      auto g = new_group(d, ranks, "grid/stage" + std::to_string(s));
+      if (g) group_ = *g;
+    }
+    stage_module_->to(dev_);
+    if (d.size() > stages_) ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, group_);
+    DistPipelineOptions po;
+    for (int s = 0; s < stages_; ++s) po.stage_ranks.push_back(replica_ * stages_ + s);
+    po.chunks = o.chunks > 0 ? o.chunks : 2 * stages_;
+    po.schedule = o.schedule;
+    po.device = dev_;
+    po.ddp = ddp_.get();
+    pipe_ = std::make_unique<DistPipeline>(stage_module_, po, d);
+  }
+
+  std::vector<at::Tensor> parameters() override {
+    return stage_params_[static_cast<size_t>(stage_)];
+  }
+  int data_rank() const override { return replica_; }
+  int data_replicas() const override { return dist_.size() / stages_; }
+  at::Device device() const override { return dev_; }
+
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
+    std::optional<DistributedDataParallel::NoSync> local;
+    if (!sync && ddp_) local.emplace(*ddp_);
+    LossFn loss = loss_;
+    if (weight != 1) {
+      loss = [this, weight](const at::Tensor& out, const at::Tensor& t) {
+        return loss_(out, t) * weight;
+      };
+    }
+    return pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
+  }
+
+  at::Tensor predict(const at::Tensor& x) override {
+    return pipe_->forward(first() ? x : at::Tensor());
+  }
+
+  bool gradients_finite() override {  // every stage's own: agreed over the world
+    auto ok = at::full({1}, TrainStrategy::gradients_finite() ? 1.0f : 0.0f).to(dev_);
+    dist_.all_reduce(ok, c10d::ReduceOp::MIN);
+    return ok.item<float>() == 1.0f;
+  }
+
+  void gather_weights() override {
+    torch::NoGradGuard no_grad;
+    for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s, rank s
+      std::vector<at::Tensor> flat_parts;
+      for (auto& p : stage_params_[static_cast<size_t>(s)]) {
+        flat_parts.push_back(p.detach().to(dev_).reshape({-1}));
+      }
+      auto flat = at::cat(flat_parts);
+      dist_.broadcast(flat, s);
+      int64_t offset = 0;
+      for (auto& p : stage_params_[static_cast<size_t>(s)]) {
+        p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+      }
+    }
+  }
+
+  double reported_loss(double local) override {  // from replica 0's last stage
+    auto t = at::full({1}, last() ? local : 0.0, at::kDouble).to(dev_);
+    dist_.broadcast(t, stages_ - 1);
+    return t.item<double>();
+  }
+
+  const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
+                                                 TrainingState& state) override {
+    if (replica_ != 0) return nullptr;
+    std::vector<at::Tensor> v;
+    if (stage_ == 0) {
+      state.tensors[optimizer_key(0)] = bytes_of(opt);
+      for (int s = 1; s < stages_; ++s) {
+        auto size = at::empty({1}, at::kLong);
+        v = {size};
+        wait_for(dist_.backend->recv(v, s, kOptimizerTag),
+                 "optimizer size of stage " + std::to_string(s), dist_);
+        auto bytes = at::empty({size.item<int64_t>()}, at::kByte);
+        v = {bytes};
+        wait_for(dist_.backend->recv(v, s, kOptimizerTag + 1),
+                 "optimizer of stage " + std::to_string(s), dist_);
+        state.tensors[optimizer_key(s)] = bytes;
+      }
+      state.values["grid/stages"] = std::to_string(stages_);
+    } else {
+      auto bytes = bytes_of(opt);
+      auto size = at::full({1}, bytes.numel(), at::kLong);
+      v = {size};
+      wait_for(dist_.backend->send(v, 0, kOptimizerTag), "optimizer size to rank 0", dist_);
+      v = {bytes};
+      wait_for(dist_.backend->send(v, 0, kOptimizerTag + 1), "optimizer to rank 0", dist_);
+    }
+    return nullptr;  // the stages' states travel in `state`
+  }
+
+  bool saved_optimizer_is_standard() const override { return false; }
+
+  bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
+    auto stages = state.values.find("grid/stages");
+    auto bytes = state.tensors.find(optimizer_key(stage_));
+    if (stages == state.values.end() || stages->second != std::to_string(stages_) ||
+        bytes == state.tensors.end()) {
+      return false;
+    }
+    const auto t = bytes->second.contiguous();
+    std::istringstream in(
+        std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
+    torch::serialize::InputArchive ar;
+    ar.load_from(in);
+    opt.load(ar);
+    return true;
+  }
+
+  void train_mode(bool on) override { model_.module->train(on); }
+  std::vector<DeviceReport> devices() const override {
+    int64_t n = 0;
+    for (auto& p : stage_params_[static_cast<size_t>(stage_)]) n += p.numel();
+    return {{dev_.str(), n, peak_memory(dev_)}};
+  }
+
+ private:
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ == stages_ - 1; }
+
+  // `params` (a stage's) in the order the model lists them.
+  std::vector<at::Tensor> in_model_order(const std::vector<at::Tensor>& params) const {
+    std::set<const void*> mine;
+    for (const auto& p : params) mine.insert(p.unsafeGetTensorImpl());
+    std::vector<at::Tensor> out;
+    for (const auto& p : model_.module->parameters()) {
+      if (mine.count(p.unsafeGetTensorImpl())) out.push_back(p);
+    }
+    return out;
+  }
+
+  static at::Tensor bytes_of(const torch::optim::Optimizer& opt) {
+    torch::serialize::OutputArchive ar;
+    opt.save(ar);
+    std::ostringstream os;
+    ar.save_to(os);
+    const std::string s = os.str();
+    auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+    std::memcpy(t.data_ptr(), s.data(), s.size());
+    return t;
+  }
+
+  Model& model_;
+  LossFn loss_;
+  int stages_, replica_, stage_;
+  at::Device dev_;
+  std::vector<std::vector<at::Tensor>> stage_params_;  // per stage, in the model's order
+  torch::nn::Sequential stage_module_{nullptr};
+  Dist group_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<DistPipeline> pipe_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainStrategy> make_grid_strategy(const TrainTask& task,
+                                                  const TrainerOptions& options, const Dist& dist,
+                                                  Model& model, const at::Tensor& sample) {
+  return std::make_unique<GridStrategy>(task, options, dist, model, sample);
+}
+
+}  // namespace scaletrain

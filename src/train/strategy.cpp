@@ -1,0 +1,297 @@
+// Note [Strategies]
+// ~~~~~~~~~~~~~~~~~
+// The trainer's loop (trainer.cpp) is one for every strategy; a strategy says what a step is on
+// this rank and what the rank holds:
+//
+//   strategy  processes       a rank holds                      its optimizer steps
+//   ddp       one per device  the model, DDP over the ranks     the model's parameters
+//   dp        one             a replica per device (primary     the primary's = the model's
+//                             = the model)
+//   pipeline  one             the model's blocks, in stages     the model's (the blocks share
+//                             over the devices                  its tensors)
+//   grid      stages x        one stage of one pipeline; DDP    its stage's parameters
+//             replicas        over that stage's replicas
+//
+// In the first three, one optimizer covers the model's parameters in the model's order, so
+// their checkpoints are interchangeable, optimizer state included: a run trained with one
+// resumes with another exactly where it left off. A grid keeps an optimizer per stage; its
+// checkpoint holds the whole model's weights (gathered from the stages) and each stage's
+// optimizer state, so it resumes exactly as a grid of the same stages, and as any other
+// strategy with its weights (the optimizer starting afresh, which the trainer says).
+
+#include "train/strategy.h"
+
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/stack.h>
+#include <sys/resource.h>
+#include <torch/nn/functional/loss.h>
+
+#include <optional>
+#include <sstream>
+
+#include "scaletrain/data_parallel.h"
+#include "scaletrain/ddp.h"
+#include "scaletrain/error.h"
+#include "scaletrain/version.h"
+#include "train/balance.h"
+
+#ifdef SCALETRAIN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace scaletrain {
+
+at::Device rank_device(const std::string& name, const Dist& d) {
+  const int gpus = cuda_device_count();
+  if (name == "cpu" || (name == "auto" && gpus == 0)) return at::kCPU;
+  if (gpus == 0) {
+    throw UsageError("--device " + name + " on rank " + std::to_string(d.rank()) +
+                     ", but no GPU is visible; use --device cpu");
+  }
+  if (name == "auto" || name == "cuda")
+    return {at::kCUDA, static_cast<int8_t>(d.world.local_rank % gpus)};
+  at::Device dev(name);
+  if (dev.index() >= gpus) {
+    throw UsageError("--device " + name + ": this node has " + std::to_string(gpus) + " GPU(s)");
+  }
+  return dev;
+}
+
+std::vector<at::Device> local_devices(const TrainerOptions& o) {
+  std::vector<at::Device> out;
+  for (const auto& name : o.devices) out.emplace_back(name);
+  if (!out.empty()) return out;
+  const int gpus = cuda_device_count();
+  if (gpus >= 2) {
+    for (int i = 0; i < gpus; ++i) out.emplace_back(at::kCUDA, static_cast<int8_t>(i));
+    return out;
+  }
+  return {at::kCPU, at::kCPU};
+}
+
+int64_t peak_memory(const at::Device& dev) {
+#ifdef SCALETRAIN_WITH_CUDA
+  if (dev.is_cuda()) {
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .peak;
+  }
+#endif
+  (void)dev;
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // the process's peak resident memory
+}
+
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flags;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.numel() > 0) flags.push_back(at::isfinite(t).all().cpu());
+  }
+  return flags.empty() || at::stack(flags).all().item<bool>();
+}
+
+bool TrainStrategy::gradients_finite() {
+  std::vector<at::Tensor> grads;
+  for (auto& p : parameters()) grads.push_back(p.grad());
+  return all_finite(grads);  // averaged gradients: the same bits on every rank
+}
+
+const torch::optim::Optimizer* TrainStrategy::saved_optimizer(torch::optim::Optimizer& opt,
+                                                              TrainingState&) {
+  return &opt;
+}
+
+bool TrainStrategy::restore_optimizer(torch::optim::Optimizer&, const TrainingState& state) {
+  return state.optimizer_restored;
+}
+
+namespace {
+
+int64_t count(const std::vector<at::Tensor>& params) {
+  int64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+LossFn weighted(const LossFn& loss, double weight) {
+  if (weight == 1) return loss;
+  return
+      [loss, weight](const at::Tensor& out, const at::Tensor& y) { return loss(out, y) * weight; };
+}
+
+// DistributedDataParallel over the ranks, one device each; mixed precision with a GradScaler.
+class DdpStrategy : public TrainStrategy {
+ public:
+  DdpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
+      : TrainStrategy(d),
+        model_(model),
+        loss_(task.loss),
+        dev_(rank_device(o.device, d)),
+        amp_(o.amp != "none"),
+        fp16_(o.amp == "fp16"),
+        amp_dtype_(o.amp == "fp16" ? at::kHalf : at::kBFloat16),
+        scaler_([&] {
+          GradScalerOptions so;
+          so.enabled = o.amp == "fp16";  // bf16 has fp32's range: no scaling
+          return so;
+        }()) {
+    model.module->to(dev_);
+    DDPOptions ddpo;
+    ddpo.uneven_inputs = o.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
+    ddp_ = std::make_unique<DistributedDataParallel>(model.module, d, ddpo);
+  }
+
+  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
+  int data_rank() const override { return dist_.rank(); }
+  int data_replicas() const override { return dist_.size(); }
+  at::Device device() const override { return dev_; }
+
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
+    std::optional<DistributedDataParallel::NoSync> local;
+    if (!sync) local.emplace(*ddp_);
+    at::Tensor out;
+    {
+      std::optional<Autocast> autocast;
+      if (amp_) autocast.emplace(dev_.type(), amp_dtype_);
+      out = ddp_->forward([&] { return model_.forward(x); });
+    }
+    at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
+    scaler_.scale(weight != 1 ? loss * weight : loss).backward();
+    return loss.detach();
+  }
+
+  at::Tensor predict(const at::Tensor& x) override { return model_.forward(x); }
+  bool gradients_finite() override {
+    return fp16_ || TrainStrategy::gradients_finite();  // fp16: the scaler skips such steps
+  }
+  void optimizer_step(torch::optim::Optimizer& opt) override {
+    scaler_.step(opt);  // skips a step whose gradients overflowed (fp16)
+    scaler_.update();
+  }
+  void zero_grad(torch::optim::Optimizer&) override { ddp_->zero_grad(); }  // keeps the views
+  void end_epoch() override { ddp_->join(); }
+  void train_mode(bool on) override { model_.module->train(on); }
+  GradScaler* scaler() override { return &scaler_; }
+  std::vector<DeviceReport> devices() const override {
+    return {{dev_.str(), count(model_.module->parameters()), peak_memory(dev_)}};
+  }
+
+ private:
+  Model& model_;
+  LossFn loss_;
+  at::Device dev_;
+  bool amp_, fp16_;
+  at::ScalarType amp_dtype_;
+  GradScaler scaler_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+};
+
+// DataParallel in one process: the model is the primary replica; the task builds the others.
+class DpStrategy : public TrainStrategy {
+ public:
+  DpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
+      : TrainStrategy(d), model_(model), loss_(task.loss), devices_(local_devices(o)) {
+    std::vector<DataParallel::Replica> replicas{{model.module, model.forward}};
+    for (size_t k = 1; k < devices_.size(); ++k) {
+      Model other = task.model();
+      replicas.push_back({other.module, other.forward});
+      others_.push_back(other);  // keeps what the forward of the replica captures
+    }
+    dp_ = std::make_unique<DataParallel>(std::move(replicas), devices_);
+  }
+
+  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
+  int data_rank() const override { return 0; }
+  int data_replicas() const override { return 1; }
+  at::Device device() const override { return devices_[0]; }
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
+    return dp_->train_step(x, y, weighted(loss_, weight));
+  }
+  at::Tensor predict(const at::Tensor& x) override { return dp_->forward(x); }
+  void train_mode(bool on) override {
+    for (auto& r : dp_->replicas()) r->train(on);
+  }
+  std::vector<DeviceReport> devices() const override {
+    std::vector<DeviceReport> out;
+    const auto replicas = dp_->replicas();
+    for (size_t k = 0; k < replicas.size(); ++k) {
+      out.push_back(
+          {devices_[k].str(), count(replicas[k]->parameters()), peak_memory(devices_[k])});
+    }
+    return out;
+  }
+
+ private:
+  Model& model_;
+  LossFn loss_;
+  std::vector<at::Device> devices_;
+  std::vector<Model> others_;
+  std::unique_ptr<DataParallel> dp_;
+};
+
+// A pipeline in one process over the model's blocks.
+class PipelineStrategy : public TrainStrategy {
+ public:
+  PipelineStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
+                   const at::Tensor& sample)
+      : TrainStrategy(d), model_(model), loss_(task.loss), devices_(local_devices(o)) {
+    torch::nn::Sequential chain = chain_of(model);
+    PipelineOptions po;
+    po.devices = devices_;
+    po.balance = resolve_balance(o.balance, chain, static_cast<int>(devices_.size()), sample);
+    po.chunks = o.chunks > 0 ? o.chunks : 2 * static_cast<int>(devices_.size());
+    po.split_size = o.split_size;
+    po.schedule = o.schedule;
+    po.checkpoint = o.checkpointing;
+    pipe_ = std::make_unique<Pipeline>(chain, po);
+  }
+
+  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
+  int data_rank() const override { return 0; }
+  int data_replicas() const override { return 1; }
+  at::Device device() const override { return devices_[0]; }
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
+    return pipe_->train_step(x, y, weighted(loss_, weight));
+  }
+  at::Tensor predict(const at::Tensor& x) override { return pipe_->forward(x); }
+  void train_mode(bool on) override { model_.module->train(on); }
+  std::vector<DeviceReport> devices() const override {
+    std::vector<DeviceReport> out;
+    for (size_t s = 0; s < pipe_->stages().size(); ++s) {
+      out.push_back(
+          {devices_[s].str(), count(pipe_->stages()[s]->parameters()), peak_memory(devices_[s])});
+    }
+    return out;
+  }
+
+ private:
+  Model& model_;
+  LossFn loss_;
+  std::vector<at::Device> devices_;
+  std::unique_ptr<Pipeline> pipe_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainStrategy> make_grid_strategy(const TrainTask& task,
+                                                  const TrainerOptions& options, const Dist& dist,
+                                                  Model& model, const at::Tensor& sample);
+
+std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const TrainerOptions& options,
+                                             const Dist& dist, Model& model,
+                                             const at::Tensor& sample) {
+  switch (options.strategy) {
+    case Strategy::kDDP:
+      return std::make_unique<DdpStrategy>(task, options, dist, model);
+    case Strategy::kDataParallel:
+      return std::make_unique<DpStrategy>(task, options, dist, model);
+    case Strategy::kPipeline:
+      return std::make_unique<PipelineStrategy>(task, options, dist, model, sample);
+    case Strategy::kGrid:
+      return make_grid_strategy(task, options, dist, model, sample);
+  }
+  throw Error("unknown strategy");
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,82 @@
+#pragma once
+// The trainer's strategies (internal): what a training step is on this rank, where the batch
+// goes, and what this rank holds. Note [Strategies] in strategy.cpp.
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/amp.h"
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/trainer.h"
+
+namespace scaletrain {
+
+class TrainStrategy {
+ public:
+  virtual ~TrainStrategy() = default;
+
+  /// The parameters this rank's optimizer steps, in the model's order.
+  virtual std::vector<at::Tensor> parameters() = 0;
+  /// Which slice of the data this rank reads: replica `data_rank()` of `data_replicas()`.
+  virtual int data_rank() const = 0;
+  virtual int data_replicas() const = 0;
+  /// Where the batch's inputs and targets go.
+  virtual at::Device device() const = 0;
+  /// One forward and backward of this rank's batch; gradients accumulate. `sync` is false for
+  /// the micro-steps of gradient accumulation but the last. `weight` scales the loss (1 /
+  /// accumulate). Returns the batch's loss where this rank computes it, undefined elsewhere.
+  virtual at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) = 0;
+  /// Outputs for evaluation (no grad) where this rank has them, undefined elsewhere.
+  virtual at::Tensor predict(const at::Tensor& x) = 0;
+  /// Collective: whether the gradients of this step are finite on every rank.
+  virtual bool gradients_finite();
+  /// Steps the optimizer (through the GradScaler where there is one).
+  virtual void optimizer_step(torch::optim::Optimizer& opt) { opt.step(); }
+  /// Clears the gradients for the next step.
+  virtual void zero_grad(torch::optim::Optimizer& opt) { opt.zero_grad(); }
+  /// Training or evaluation mode (batch norm, dropout) on every module this rank runs.
+  virtual void train_mode(bool on) = 0;
+  /// This rank ran out of batches for the epoch (ddp's join).
+  virtual void end_epoch() {}
+  /// Collective: every rank's model holds the current weights (a grid gathers its stages).
+  virtual void gather_weights() {}
+  /// Collective: rank 0's view of a loss some ranks computed (a grid's last stage).
+  virtual double reported_loss(double local) { return local; }
+  /// Checkpoints: the optimizer's state goes into the file's standard place (the strategies
+  /// with one optimizer over the model's parameters), or into `state` (a grid's stages).
+  virtual const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
+                                                         TrainingState& state);
+  /// Whether this rank's optimizer is the one over the model's parameters, whose state goes in a
+  /// checkpoint's standard place (every strategy but the grid).
+  virtual bool saved_optimizer_is_standard() const { return true; }
+  /// After a load: restores the optimizer from `state` where the file's standard place did not;
+  /// returns whether it is restored.
+  virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);
+  /// The scaler's state for the checkpoint, and back.
+  virtual GradScaler* scaler() { return nullptr; }
+  virtual std::vector<DeviceReport> devices() const = 0;
+
+ protected:
+  explicit TrainStrategy(const Dist& dist) : dist_(dist) {}
+  const Dist& dist_;
+};
+
+/// The strategy of `options` for `model` (built by the task; moved to its devices here) on this
+/// rank. `sample`: a batch of inputs, for balancing a pipeline by time. `task` gives the loss.
+std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const TrainerOptions& options,
+                                             const Dist& dist, Model& model,
+                                             const at::Tensor& sample);
+
+/// This process's device for the ddp and grid strategies ("auto", "cpu", "cuda", "cuda:N").
+at::Device rank_device(const std::string& name, const Dist& dist);
+/// The dp and pipeline strategies' devices: options.devices, or every GPU, else "cpu,cpu".
+std::vector<at::Device> local_devices(const TrainerOptions& options);
+/// Peak memory on `device`: CUDA's peak allocated there, the process's peak resident on CPU.
+int64_t peak_memory(const at::Device& device);
+/// Whether every tensor is finite (undefined ones count as finite). One host sync.
+bool all_finite(const std::vector<at::Tensor>& tensors);
+
+}  // namespace scaletrain

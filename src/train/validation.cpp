@@ -1,0 +1,125 @@
+#include "train/validation.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "train/run_folder.h"
+
+namespace scaletrain {
+
+namespace fs = std::filesystem;
+
+void validate_trainer_numbers(const TrainerOptions& o) {
+  require(o.timeout_s > 0 && std::isfinite(o.timeout_s), "--timeout", o.timeout_s,
+          "a positive number of seconds");
+  require(o.epochs >= 1, "--epochs", int64_t{o.epochs}, "at least 1");
+  require(o.accumulate >= 1, "--accumulate", int64_t{o.accumulate},
+          "at least 1 (batches per step)");
+  require(o.keep >= 1, "--keep", int64_t{o.keep},
+          "at least 1: the newest checkpoint is what a resume starts from");
+  require(o.checkpoint_every >= 0, "--checkpoint-every", int64_t{o.checkpoint_every},
+          "0 (at the end of each epoch) or more steps");
+  require(o.log_every >= 0, "--log-every", int64_t{o.log_every}, "0 (no step lines) or more");
+  require(o.workers >= 0, "--workers", int64_t{o.workers}, "0 or more");
+  require(o.chunks >= 0, "--chunks", int64_t{o.chunks}, "1 or more (0: twice the stages)");
+  require(o.split_size >= 0, "--split-size", o.split_size, "1 or more samples (0: --chunks)");
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda" &&
+      o.device.rfind("cuda:", 0) != 0) {
+    throw UsageError("unknown --device '" + o.device + "'; use auto, cpu, cuda or cuda:N");
+  }
+  if (o.amp != "none" && o.amp != "bf16" && o.amp != "fp16") {
+    throw UsageError("unknown --amp '" + o.amp + "'; use none, bf16 or fp16");
+  }
+  if (o.uneven_inputs != "fail" && o.uneven_inputs != "join") {
+    throw UsageError("unknown --uneven-inputs '" + o.uneven_inputs + "'; use fail or join");
+  }
+}
+
+namespace {
+
+// The data-parallel replicas of a strategy in a world: how the global batch is split.
+int replicas(const TrainerOptions& o, int world) {
+  switch (o.strategy) {
+    case Strategy::kDDP:
+      return world;
+    case Strategy::kGrid:
+      return world / std::max(o.pipeline_stages, 1);
+    default:
+      return 1;
+  }
+}
+
+void refuse(const std::string& what) { throw UsageError(what); }
+
+}  // namespace
+
+void validate_strategy(const TrainerOptions& o, int world) {
+  const std::string name = to_string(o.strategy);
+  const bool ddp = o.strategy == Strategy::kDDP, dp = o.strategy == Strategy::kDataParallel,
+             pipeline = o.strategy == Strategy::kPipeline, grid = o.strategy == Strategy::kGrid;
+  if ((dp || pipeline) && world != 1) {
+    refuse("--strategy " + name + " runs in one process (its devices are threads of it), and " +
+           std::to_string(world) +
+           " processes were started: start one (--nproc-per-node 1), or train with ddp or grid "
+           "across processes");
+  }
+  if ((ddp || grid) && !o.devices.empty()) {
+    refuse("--devices is for dp and pipeline; --strategy " + name +
+           " runs one device per process (--device)");
+  }
+  if (pipeline && !o.devices.empty() && o.devices.size() < 2) {
+    refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
+  }
+  if ((ddp || dp) &&
+      (o.chunks > 0 || o.split_size > 0 || o.balance != "auto" ||
+       o.schedule != PipelineSchedule::kGPipe || o.checkpointing != PipelineCheckpoint::kNever)) {
+    refuse(
+        "--chunks, --split-size, --balance, --schedule and --checkpoint-activations are for "
+        "the pipeline strategies (pipeline, grid), not --strategy " +
+        name);
+  }
+  if (!ddp && o.amp != "none") {
+    refuse("--amp " + o.amp +
+           " runs with --strategy ddp only (dp's replicas and a pipeline's "
+           "stages run on threads of their own, which autocast does not reach yet)");
+  }
+  if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
+  if (grid) {
+    if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
+      refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +
+             std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
+             " stages; e.g. 4 processes = 2 replicas x 2 stages");
+    }
+    if (o.split_size > 0 || o.checkpointing != PipelineCheckpoint::kNever) {
+      refuse(
+          "--split-size and --checkpoint-activations are for --strategy pipeline; a grid's "
+          "stages take --chunks");
+    }
+  } else if (o.pipeline_stages != 2) {
+    refuse("--pipeline-stages is for --strategy grid");
+  }
+  const int n = replicas(o, world);
+  if (o.batch_size < n || o.batch_size % n != 0) {
+    refuse("--batch-size " + std::to_string(o.batch_size) + " does not split evenly over the " +
+           std::to_string(n) + " data-parallel replica(s) of --strategy " + name +
+           "; use a multiple of " + std::to_string(n));
+  }
+}
+
+void validate_output(const TrainerOptions& o) {
+  std::error_code ec;
+  fs::create_directories(o.out_dir, ec);
+  const std::string probe = o.out_dir + "/.writable";
+  if (ec || !std::ofstream(probe)) {
+    throw UsageError("the output folder '" + o.out_dir +
+                     "' is not writable; choose another with --out");
+  }
+  fs::remove(probe, ec);
+  if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
+    throw UsageError("--resume '" + o.resume + "': no such checkpoint (use auto, none or a file)");
+  }
+  plan_run_start(o);  // refuses a folder of another run (Note [Run identity])
+}
+
+}  // namespace scaletrain

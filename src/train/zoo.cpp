@@ -1,0 +1,148 @@
+// `scaletrain train`'s task: the zoo's models, the built-in data sets, the optimizer and the
+// learning-rate schedule by name (TrainOptions in trainer.h), trained by the same trainer as a
+// program's own task.
+
+#include <torch/optim/adam.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
+#include "scaletrain/image_folder.h"
+#include "scaletrain/lr_schedule.h"
+#include "scaletrain/trainer.h"
+#include "train/validation.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+void validate_zoo_numbers(const TrainOptions& o) {
+  require(o.lr > 0 && std::isfinite(o.lr), "--lr", o.lr, "a positive finite number, e.g. 0.05");
+  require(o.momentum >= 0 && o.momentum < 1, "--momentum", o.momentum,
+          "in [0, 1), e.g. 0.9 (0: plain SGD)");
+  require(o.weight_decay >= 0 && std::isfinite(o.weight_decay), "--weight-decay", o.weight_decay,
+          "0 or a positive finite number, e.g. 5e-4");
+  require(o.gamma > 0 && std::isfinite(o.gamma), "--gamma", o.gamma,
+          "a positive finite factor, e.g. 0.1");
+  require(o.step_size >= 1, "--step-size", int64_t{o.step_size}, "at least 1 epoch");
+  require(o.limit_train >= 0, "--limit-train", o.limit_train, "0 (every sample) or more");
+  require(o.limit_test >= 0, "--limit-test", o.limit_test, "0 (every sample) or more");
+  require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
+}
+
+void validate_zoo_names(const TrainOptions& o) {
+  make_model(o.model);  // throws for an unknown model
+  if (o.dataset != "fashion-mnist" && o.dataset != "synthetic" && o.dataset != "folder") {
+    throw UsageError("unknown data set '" + o.dataset +
+                     "'; use fashion-mnist, synthetic or folder (--data-dir with train/ and val/)");
+  }
+  if (o.dataset == "folder") {
+    for (const char* split : {"/train", "/val"}) {
+      if (!fs::is_directory(o.data_dir + split)) {
+        throw UsageError("--dataset folder needs '" + o.data_dir + split +
+                         "' (one sub-folder per class); point --data-dir at the folder that "
+                         "holds train/ and val/");
+      }
+    }
+  }
+  if (o.optimizer != "sgd" && o.optimizer != "adam") {
+    throw UsageError("unknown optimizer '" + o.optimizer + "'; use sgd or adam");
+  }
+  if (o.lr_schedule != "none" && o.lr_schedule != "step" && o.lr_schedule != "cosine") {
+    throw UsageError("unknown --lr-schedule '" + o.lr_schedule + "'; use none, step or cosine");
+  }
+  if (!o.init_weights.empty() && !fs::exists(o.init_weights)) {
+    throw UsageError("--init-weights '" + o.init_weights + "': no such file");
+  }
+  if (!o.init_weights.empty() && fs::is_directory(o.init_weights)) {
+    throw UsageError("--init-weights '" + o.init_weights +
+                     "' is a folder; give the weights file in it (a state dict saved by "
+                     "torch.save or safetensors, or a model.pt of scaletrain)");
+  }
+}
+
+struct Data {
+  DataSource train, test;
+  ModelOptions model;  // the classes and channels the data has
+};
+
+Data load(const TrainOptions& o) {
+  Data d;
+  if (o.dataset == "folder") {
+    ImageFolderOptions io;
+    io.size = o.image_size;
+    io.resize = o.image_size * 8 / 7;  // 224 -> 256, as the ImageNet recipes do
+    auto train = std::make_shared<const ImageFolder>(o.data_dir + "/train", io);
+    io.train = false;
+    auto test = std::make_shared<const ImageFolder>(o.data_dir + "/val", io);
+    d.train = image_folder(train, o.limit_train);
+    d.test = image_folder(test, o.limit_test);
+    d.model.num_classes = static_cast<int64_t>(train->classes().size());
+    d.model.in_channels = 3;
+    return d;
+  }
+  Dataset train, test;
+  if (o.dataset == "fashion-mnist") {
+    train = load_fashion_mnist(o.data_dir, true);
+    test = load_fashion_mnist(o.data_dir, false);
+  } else {
+    train = make_synthetic(o.limit_train > 0 ? o.limit_train : 2048, 1, 28, 28, 10, o.seed + 1);
+    test = make_synthetic(o.limit_test > 0 ? o.limit_test : 512, 1, 28, 28, 10, o.seed + 2);
+  }
+  d.model.num_classes = train.num_classes;
+  d.model.in_channels = train.images.size(1);
+  d.train = in_memory(std::move(train), o.limit_train);
+  d.test = in_memory(std::move(test), o.limit_test);
+  return d;
+}
+
+}  // namespace
+
+void validate(const TrainOptions& o, int world) {
+  validate_zoo_numbers(o);
+  validate_zoo_names(o);
+  validate(static_cast<const TrainerOptions&>(o), world);
+}
+
+TrainTask zoo_task(const TrainOptions& o) {
+  Data data = load(o);
+  TrainTask t;
+  t.train_data = data.train;
+  t.test_data = data.test;
+  t.model = [name = o.model, mo = data.model, init = o.init_weights] {
+    Model m = make_model(name, mo);
+    if (!init.empty()) load_weights(init, *m.module);
+    return m;
+  };
+  t.optimizer = [o](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (o.optimizer == "adam") {
+      return std::make_unique<torch::optim::Adam>(
+          p, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
+    }
+    return std::make_unique<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
+  };
+  if (o.lr_schedule == "step") {
+    t.scheduler = [o](torch::optim::Optimizer& opt) {
+      return std::make_unique<torch::optim::StepLR>(opt, static_cast<unsigned>(o.step_size),
+                                                    o.gamma);
+    };
+  } else if (o.lr_schedule == "cosine") {
+    t.scheduler = [o](torch::optim::Optimizer& opt) {
+      return std::make_unique<CosineLR>(opt, o.epochs);
+    };
+  }
+  return t;
+}
+
+TrainResult train(const TrainOptions& o, const Dist& d) {
+  validate(o, d.size());
+  return train(zoo_task(o), o, d);
+}
+
+}  // namespace scaletrain

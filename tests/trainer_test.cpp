@@ -38,8 +38,7 @@ struct TempDir {
 
 std::vector<at::Tensor> params_of(const std::string& checkpoint) {
   Model m = make_model("lenet");
-  torch::optim::SGD opt(m.module->parameters(), 0.1);
-  load_checkpoint(checkpoint, *m.module, opt, "lenet");
+  load_checkpoint(checkpoint, *m.module, nullptr, "lenet");  // the weights (any strategy's)
   std::vector<at::Tensor> out;
   for (auto& p : m.module->parameters()) out.push_back(p.detach().clone());
   return out;
@@ -73,18 +72,29 @@ std::map<std::string, std::string> contents_of(const fs::path& dir) {
   return out;
 }
 
-class ExactResume : public ::testing::TestWithParam<int> {};
+// Exact resume after a SIGKILL, for every strategy: rank 0 kills itself in the middle of epoch
+// 2, the launcher restarts the group, the run resumes from its newest checkpoint, and the final
+// weights and the loss curve are those of a run never killed, bit for bit.
+struct Resume {
+  std::string name;
+  int processes;
+  std::string strategy;  // the train flags of the strategy
+};
+void PrintTo(const Resume& r, std::ostream* os) { *os << r.name; }
+
+class ExactResume : public ::testing::TestWithParam<Resume> {};
 
 TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
-  const std::string n = std::to_string(GetParam());
-  TempDir straight("straight" + n), killed("killed" + n);
+  const std::string n = std::to_string(GetParam().processes);
+  const std::string flags = " " + GetParam().strategy;
+  TempDir straight("straight_" + GetParam().name), killed("killed_" + GetParam().name);
   auto a = run_command(cli_path() + " run --nproc-per-node " + n + " --master-port 0 --" + " " +
-                       cli_path() + train_cmd(straight.path));
+                       cli_path() + train_cmd(straight.path) + flags);
   ASSERT_EQ(a.exit_code, 0) << a.output;
   // 6 steps per epoch: step 9 is in the middle of epoch 2; the newest checkpoint is step 8.
-  auto b =
-      run_command("SCALETRAIN_KILL_AT_STEP=9 " + cli_path() + " run --nproc-per-node " + n +
-                  " --master-port 0 --max-restarts 1 -- " + cli_path() + train_cmd(killed.path));
+  auto b = run_command("SCALETRAIN_KILL_AT_STEP=9 " + cli_path() + " run --nproc-per-node " + n +
+                       " --master-port 0 --max-restarts 1 -- " + cli_path() +
+                       train_cmd(killed.path) + flags);
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("was killed by SIGKILL"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resumed from"), std::string::npos) << b.output;
@@ -97,7 +107,14 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   EXPECT_EQ(step_lines(killed.path / "metrics.jsonl"), step_lines(straight.path / "metrics.jsonl"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Processes, ExactResume, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, ExactResume,
+    ::testing::Values(Resume{"ddp1", 1, "--strategy ddp"}, Resume{"ddp2", 2, "--strategy ddp"},
+                      Resume{"dp", 1, "--strategy dp --devices cpu,cpu"},
+                      Resume{"pipeline", 1,
+                             "--strategy pipeline --devices cpu,cpu --schedule 1f1b --chunks 4"},
+                      Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"}),
+    [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   TempDir dir("ckpt");
@@ -125,6 +142,36 @@ TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   EXPECT_NE(checkpoint_problem((dir.path / "ckpt-2.st").string())->find("checksum"),
             std::string::npos);
   EXPECT_FALSE(newest_valid_checkpoint(dir.path.string()).has_value());
+}
+
+// A checkpoint holds the model under PyTorch's names whatever the strategy: a run trained
+// pipelined goes on under ddp (one optimizer over the model's parameters in both: its state
+// carries over), and a grid's run goes on under dp with its weights (its optimizer state is per
+// stage: the optimizer starts afresh, and the run says so).
+TEST(Train, CheckpointsMoveBetweenStrategies) {
+  TempDir a("cross_pipeline"), b("cross_grid");
+  const std::string common =
+      " --device cpu --dataset synthetic --limit-train 256 --limit-test 64"
+      " --batch-size 64 --no-progress --epochs ";
+  auto first = run_command(cli_path() + " train" + common +
+                           "1 --strategy pipeline --devices cpu,cpu --out " + a.path.string());
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto then =
+      run_command(cli_path() + " train" + common + "2 --strategy ddp --out " + a.path.string());
+  ASSERT_EQ(then.exit_code, 0) << then.output;
+  EXPECT_NE(then.output.find("resumed from " + a.path.string() + "/ckpt-4.st"), std::string::npos)
+      << then.output;
+  EXPECT_EQ(then.output.find("starts afresh"), std::string::npos) << then.output;
+  EXPECT_TRUE(fs::exists(a.path / "ckpt-8.st"));
+
+  auto grid = run_command(cli_path() + " train" + common +
+                          "1 --strategy grid --nproc-per-node 2 --pipeline-stages 2 --out " +
+                          b.path.string());
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  auto dp = run_command(cli_path() + " train" + common +
+                        "2 --strategy dp --devices cpu,cpu --out " + b.path.string());
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_NE(dp.output.find("the optimizer starts afresh"), std::string::npos) << dp.output;
 }
 
 // Issue: pruning to --keep by step number deleted another run's newer... or this run's own
@@ -266,6 +313,27 @@ INSTANTIATE_TEST_SUITE_P(
                       Bad{"--keep -1", "--keep -1 must be at least 1"},
                       Bad{"--timeout 0", "--timeout 0 must be a positive number of seconds"},
                       Bad{"--init-weights /tmp", "--init-weights '/tmp' is a folder"}));
+
+// Combinations that make no sense are refused before any work, with the reason.
+INSTANTIATE_TEST_SUITE_P(
+    StrategyCombinations, TrainBadInput,
+    ::testing::Values(
+        Bad{"--strategy dp --devices cpu,cpu", "runs in one process"},  // 2 processes given
+        Bad{"--strategy ddp --devices cpu,cpu", "--devices is for dp and pipeline"},
+        Bad{"--strategy ddp --chunks 4", "are for the pipeline strategies"},
+        Bad{"--strategy grid --pipeline-stages 3", "dividing the world: 2 processes, 3 stages"},
+        Bad{"--strategy grid --pipeline-stages 2 --split-size 4", "a grid's stages take --chunks"},
+        Bad{"--strategy ddp --pipeline-stages 4", "--pipeline-stages is for --strategy grid"},
+        Bad{"--strategy tp", "unknown --strategy 'tp'; use ddp, dp, pipeline or grid"},
+        Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
+        Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu", "at least 2 --devices"},
+        Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1",
+            "--balance '1,1' covers 2 blocks, and lenet has 4"},
+        Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1,2",
+            "--balance '1,1,2' gives 3 stages; the pipeline has 2"},
+        Bad{"--strategy dp --nproc-per-node 1 --amp bf16", "runs with --strategy ddp only"},
+        Bad{"--devices gpu0,cpu --strategy dp --nproc-per-node 1", "'gpu0' is not a device"}),
+    [](const ::testing::TestParamInfo<Bad>& p) { return "combination" + std::to_string(p.index); });
 
 // Issue: --nproc-per-node 0 and abc died of SIGFPE (exit 136, no message).
 TEST(TrainBadNproc, ZeroOrNotANumberExitsTwoInsteadOfSigfpe) {
@@ -524,6 +592,82 @@ TEST(Train, ImageFolderEndToEnd) {
   mo.num_classes = 2;
   auto w = weights_of(r.weights_path, "lenet", mo);  // throws unless 3 channels and 2 classes
   EXPECT_EQ(w["fc2.weight"].size(0), 2);
+}
+
+// Seed 002's job, small: a pipelined ResNet over an image folder (generated here), SGD with a
+// step schedule, a checkpoint every epoch, killed in epoch 2 and resumed — the same weights as
+// the run never killed, and the learning rate decayed at the epoch.
+TEST(SeedJobs, Seed002PipelinedResNetOnAnImageFolderKilledAndResumed) {
+  TempDir dir("seed002");
+  for (const char* split : {"train", "val"}) {
+    for (int c = 0; c < 2; ++c) {
+      const fs::path d = dir.path / "data" / split / (c == 0 ? "n01" : "n02");
+      fs::create_directories(d);
+      for (int i = 0; i < (std::string(split) == "train" ? 8 : 4); ++i) {
+        std::vector<unsigned char> px(40 * 40 * 3);
+        for (size_t k = 0; k < px.size(); ++k)
+          px[k] =
+              static_cast<unsigned char>((k * (c + 1) * 37 + static_cast<size_t>(i) * 11) % 256);
+        std::ofstream f(d / ("img" + std::to_string(i) + ".ppm"), std::ios::binary);
+        f << "P6\n40 40\n255\n";
+        f.write(reinterpret_cast<const char*>(px.data()), static_cast<std::streamsize>(px.size()));
+      }
+    }
+  }
+  const std::string job =
+      " train --strategy pipeline --devices cpu,cpu --schedule 1f1b --chunks 2 --model resnet50"
+      " --dataset folder --data-dir " +
+      (dir.path / "data").string() +
+      " --image-size 32 --batch-size 8 --epochs 2 --lr 0.1 --lr-schedule step --step-size 1"
+      " --gamma 0.1 --log-every 1 --workers 2 --no-progress --out ";
+  auto a = run_command(cli_path() + " run --nproc-per-node 1 --master-port 0 -- " + cli_path() +
+                           job + (dir.path / "straight").string(),
+                       600);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("device          cpu: "), std::string::npos) << a.output;
+  // 16 images, 2 steps an epoch: step 3 is in epoch 2, after the checkpoint of epoch 1.
+  auto b = run_command("SCALETRAIN_KILL_AT_STEP=3 " + cli_path() +
+                           " run --nproc-per-node 1 --master-port 0 --max-restarts 1 -- " +
+                           cli_path() + job + (dir.path / "killed").string(),
+                       600);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("resumed from"), std::string::npos) << b.output;
+  ModelOptions mo;
+  mo.in_channels = 3;
+  mo.num_classes = 2;
+  auto x = weights_of((dir.path / "straight" / "model.pt").string(), "resnet50", mo);
+  auto y = weights_of((dir.path / "killed" / "model.pt").string(), "resnet50", mo);
+  for (auto& [k, v] : x) EXPECT_TRUE(at::equal(v, y[k])) << k;
+  std::ifstream metrics(dir.path / "killed" / "metrics.jsonl");
+  std::vector<double> lrs;
+  for (std::string line; std::getline(metrics, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "step") lrs.push_back(j["lr"].get<double>());
+  }
+  EXPECT_EQ(lrs, (std::vector<double>{0.1, 0.1, 0.1 * 0.1, 0.1 * 0.1}));
+}
+
+// Seed 003's two-device run, small: ResNet-18 (small-image) with DataParallel over two devices,
+// batch 512 and lr 0.2 as the seed has it; the summary gives each device's parameters and memory.
+TEST(SeedJobs, Seed003ResNet18DataParallelOverTwoDevices) {
+  TempDir dir("seed003");
+  auto r =
+      run_command(cli_path() +
+                      " train --strategy dp --devices cpu,cpu --model resnet18 --batch-size 512"
+                      " --lr 0.2 --dataset synthetic --limit-train 512 --limit-test 128"
+                      " --epochs 1 --no-progress --out " +
+                      dir.path.string(),
+                  600);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--strategy dp, 1 process(es)"), std::string::npos) << r.output;
+  // Two replicas of the small-image ResNet-18, 11,172,810 parameters each (models_test).
+  size_t devices = 0;
+  for (size_t pos = 0;
+       (pos = r.output.find("device          cpu: 11172810 parameters", pos)) != std::string::npos;
+       ++pos) {
+    ++devices;
+  }
+  EXPECT_EQ(devices, 2u) << r.output;
 }
 
 }  // namespace

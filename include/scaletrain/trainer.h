@@ -129,8 +129,10 @@ struct TrainTask {
   /// The optimizer over the parameters given: SGD (lr 0.05, momentum 0.9) by default.
   OptimizerFactory optimizer;
   /// A LibTorch learning-rate scheduler (torch::optim::StepLR, CosineLR in lr_schedule.h...),
-  /// stepped once per epoch; none by default. A resumed run replays its steps from the
-  /// optimizer's first learning rate, so schedules that depend on the epoch alone resume exactly.
+  /// stepped once when made (PyTorch's convention: construction is step 0, so StepLR(opt, 2,
+  /// 0.1) decays for epoch 2 as in Python) and after every epoch; none by default. A resumed run
+  /// replays its steps from the optimizer's first learning rate, so schedules that depend on the
+  /// epoch alone resume exactly.
   SchedulerFactory scheduler;
   /// Metrics of the test data after each epoch: accuracy() by default.
   std::vector<Metric> metrics;

@@ -124,7 +124,12 @@ void Run::setup() {
   strategy_ = make_strategy(task_, o_, d_, model_, task_.train_data.batch(first, 0).images);
   opt_ = task_.optimizer(strategy_->parameters());
   for (auto& g : opt_->param_groups()) first_lrs_.push_back(g.options().get_lr());
-  if (task_.scheduler) scheduler_ = task_.scheduler(*opt_);
+  if (task_.scheduler) {
+    // PyTorch counts a scheduler's construction as its step 0 (and decays StepLR after
+    // step_size epochs); LibTorch's count starts at the first step(): take that step here.
+    scheduler_ = task_.scheduler(*opt_);
+    scheduler_->step();
+  }
   SamplerOptions so;
   so.dataset_size = task_.train_data.size;
   so.num_replicas = strategy_->data_replicas();

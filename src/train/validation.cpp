@@ -1,5 +1,6 @@
 #include "train/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -98,6 +99,18 @@ void validate_strategy(const TrainerOptions& o, int world) {
     }
   } else if (o.pipeline_stages != 2) {
     refuse("--pipeline-stages is for --strategy grid");
+  }
+  if (pipeline || grid) {
+    const auto stages = grid ? static_cast<size_t>(o.pipeline_stages)
+                             : (o.devices.empty() ? size_t{2} : o.devices.size());
+    if (o.balance != "auto" && o.balance != "time" && o.balance != "size") {
+      const auto parts =
+          static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;
+      if (parts != stages) {
+        refuse("--balance '" + o.balance + "' gives " + std::to_string(parts) + " stages; the " +
+               "pipeline has " + std::to_string(stages) + " (give auto, time, size or N,M,...)");
+      }
+    }
   }
   const int n = replicas(o, world);
   if (o.batch_size < n || o.batch_size % n != 0) {

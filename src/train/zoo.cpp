@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <sstream>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -101,12 +102,37 @@ Data load(const TrainOptions& o) {
   return d;
 }
 
+// An explicit --balance against the zoo model's chain (the trainer checks the list's length).
+void validate_zoo_balance(const TrainOptions& o) {
+  if (o.balance == "auto" || o.balance == "time" || o.balance == "size") return;
+  if (o.strategy != Strategy::kPipeline && o.strategy != Strategy::kGrid) return;
+  ModelOptions mo;
+  if (o.dataset == "folder") mo.in_channels = 3;
+  const auto blocks = static_cast<int64_t>(as_sequential(make_model(o.model, mo))->size());
+  int64_t total = 0;
+  std::stringstream in(o.balance);
+  for (std::string item; std::getline(in, item, ',');) {
+    try {
+      total += std::stoll(item);
+    } catch (const std::exception&) {
+      throw UsageError("--balance '" + o.balance + "': '" + item +
+                       "' is not a number of blocks; give auto, time, size or N,M,...");
+    }
+  }
+  if (total != blocks) {
+    throw UsageError("--balance '" + o.balance + "' covers " + std::to_string(total) +
+                     " blocks, and " + o.model + " has " + std::to_string(blocks) +
+                     " (its chain: as_sequential in models.h)");
+  }
+}
+
 }  // namespace
 
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
   validate(static_cast<const TrainerOptions&>(o), world);
+  validate_zoo_balance(o);
 }
 
 TrainTask zoo_task(const TrainOptions& o) {

@@ -1,0 +1,247 @@
+// The trainer's strategies (src/train/strategy.cpp, grid.cpp), driven through the library's
+// train() with a model and data of the test's own (not the zoo):
+//
+// Transparency: every epoch is one step over the whole data set; after each, every rank's model
+// must hold the exact SGD step from the weights it held before — w - lr·g(w), with g the exact
+// (float64) gradient over all the samples, within the bound of the arithmetic (Note
+// [Tolerances]) — for ddp, dp, pipeline (GPipe and 1F1B) and a grid of 2 replicas x 2 stages.
+//
+// Batch norm, which the transparency model leaves out on purpose, has each strategy's own
+// semantics, stated and checked at the end.
+
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "scaletrain/blocks.h"
+#include "scaletrain/data.h"
+#include "scaletrain/data_parallel.h"
+#include "scaletrain/ddp.h"
+#include "scaletrain/pipeline.h"
+#include "scaletrain/trainer.h"
+#include "support/ranks.h"
+#include "support/tolerance.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A model of the test's own, in three blocks.
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear a{register_module("a", torch::nn::Linear(6, 12))};
+  torch::nn::Linear b{register_module("b", torch::nn::Linear(12, 12))};
+  torch::nn::Linear c{register_module("c", torch::nn::Linear(12, 3))};
+  at::Tensor forward(const at::Tensor& x) { return c(torch::relu(b(torch::relu(a(x))))); }
+};
+
+Model net_model(const std::shared_ptr<NetImpl>& net) {
+  return model_of(net, "net", [net] {
+    return torch::nn::Sequential(
+        {{"a", Block(BlockParts{{"a", net->a.ptr()}},
+                     [net](const at::Tensor& x) { return torch::relu(net->a(x)); })},
+         {"b", Block(BlockParts{{"b", net->b.ptr()}},
+                     [net](const at::Tensor& x) { return torch::relu(net->b(x)); })},
+         {"c", Block(BlockParts{{"c", net->c.ptr()}},
+                     [net](const at::Tensor& x) { return net->c(x); })}});
+  });
+}
+
+struct Case {
+  std::string name;
+  Strategy strategy;
+  int world = 1;
+  std::vector<std::string> devices;
+  PipelineSchedule schedule = PipelineSchedule::kGPipe;
+  int chunks = 0;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class StrategyTransparency : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
+  const Case c = GetParam();
+  constexpr int64_t kSamples = 24;
+  constexpr int kSteps = 3;
+  constexpr double kLr = 0.1;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  Dataset data;
+  data.images = at::randn({kSamples, 6}, gen);
+  data.labels = at::randint(3, {kSamples}, gen, at::kLong);
+  data.num_classes = 3;
+  const fs::path out = fs::temp_directory_path() /
+                       ("scaletrain_strategy_" + c.name + "_" + std::to_string(getpid()));
+  fs::remove_all(out);
+
+  std::mutex mu;  // ranks are threads: they share the generator and these maps
+  std::map<std::thread::id, std::shared_ptr<NetImpl>> primary;
+  std::map<int, std::vector<std::vector<at::Tensor>>> weights;  // rank -> after each step
+  std::vector<at::Tensor> start;
+  auto errors = testing::run_ranks(c.world, [&](Dist& d) {
+    TrainTask task;
+    task.train_data = in_memory(data);
+    task.model = [&] {
+      std::lock_guard<std::mutex> lock(mu);
+      torch::manual_seed(3);
+      auto net = std::make_shared<NetImpl>();
+      if (!primary.count(std::this_thread::get_id())) {
+        primary[std::this_thread::get_id()] = net;
+        if (start.empty()) start = testing::weights_of(*net);
+      }
+      return net_model(net);
+    };
+    task.optimizer =
+        [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(kLr));
+    };
+    task.on_epoch = [&](const EpochReport&) {
+      std::lock_guard<std::mutex> lock(mu);
+      weights[d.rank()].push_back(testing::weights_of(*primary.at(std::this_thread::get_id())));
+    };
+    TrainerOptions o;
+    o.strategy = c.strategy;
+    o.devices = c.devices;
+    o.schedule = c.schedule;
+    o.chunks = c.chunks;
+    o.epochs = kSteps;
+    o.batch_size = kSamples;  // one step per epoch, over every sample
+    o.workers = 0;
+    o.progress = o.tensorboard = o.channels_last = false;
+    o.log_every = 0;
+    o.device = "cpu";
+    o.out_dir = out.string();
+    train(task, o, d);
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(c.world))) << c.name;
+
+  // Terms: forward fan-ins 7, 13, 13; the loss 18; backward fan-outs 12, 12, 3; the batch;
+  // the replicas' and micro-batches' sums and weights; the update's three roundings.
+  const double terms = 7 + 13 + 13 + 18 + 27 + kSamples + 2 * std::max(c.chunks, 4) + c.world + 3;
+  auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
+    return static_cast<NetImpl&>(m).forward(x);
+  };
+  std::vector<at::Tensor> before = start;
+  for (int step = 0; step < kSteps; ++step) {
+    auto exact =
+        testing::exact_and_magnitudes([] { return std::make_shared<NetImpl>(); }, forward, before,
+                                      data.images, testing::cross_entropy_gradient(data.labels));
+    const auto& after = weights[0][static_cast<size_t>(step)];
+    ASSERT_EQ(after.size(), before.size());
+    for (size_t i = 0; i < after.size(); ++i) {
+      auto w = before[i].to(at::kDouble);
+      EXPECT_TRUE(testing::within_rounding(
+          after[i], w - kLr * exact.grads[i],
+          w.abs() + kLr * (exact.grad_magnitudes[i] + exact.grads[i].abs()), terms))
+          << c.name << ", step " << step << ", parameter " << i;
+    }
+    for (int r = 1; r < c.world; ++r) {  // every rank holds the same model
+      for (size_t i = 0; i < after.size(); ++i) {
+        EXPECT_TRUE(at::equal(weights[r][static_cast<size_t>(step)][i], after[i]))
+            << c.name << ": rank " << r << ", step " << step << ", parameter " << i;
+      }
+    }
+    before = after;
+  }
+  fs::remove_all(out);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, StrategyTransparency,
+    ::testing::Values(
+        Case{"ddp", Strategy::kDDP, 2, {}},
+        Case{"dp", Strategy::kDataParallel, 1, {"cpu", "cpu", "cpu"}},
+        Case{"pipeline_gpipe", Strategy::kPipeline, 1, {"cpu", "cpu"}, PipelineSchedule::kGPipe, 4},
+        Case{"pipeline_1f1b",
+             Strategy::kPipeline,
+             1,
+             {"cpu", "cpu", "cpu"},
+             PipelineSchedule::k1F1B,
+             3},
+        Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3}),
+    [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
+
+// ---- Batch norm's semantics per strategy -----------------------------------------------------
+// A model with batch norm computes another function under each strategy than on the whole batch
+// in one piece, by design (as in PyTorch): the statistics are those of the part each replica or
+// stage sees.
+
+torch::nn::Sequential bn_model() {
+  torch::manual_seed(8);
+  return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
+                               torch::nn::Linear(6, 2));
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::mse_loss(out, y);
+}
+
+at::Tensor running_mean(torch::nn::Sequential m) {
+  return m[1]->as<torch::nn::BatchNorm1d>()->running_mean.clone();
+}
+
+// dp: each replica normalises its slice with the slice's statistics; the running statistics
+// are the primary's, from its slice (the first rows), as if the others were not there.
+TEST(BatchNormSemantics, DataParallelKeepsThePrimarysSliceStatistics) {
+  auto x = at::randn({8, 4}), y = at::randn({8, 2});
+  DataParallel dp(bn_model(), {at::kCPU, at::kCPU});
+  dp.train_step(x, y, mse);
+  auto alone = bn_model();
+  alone->forward(x.narrow(0, 0, 4));
+  torch::nn::Sequential primary(
+      std::dynamic_pointer_cast<torch::nn::SequentialImpl>(dp.replicas()[0]));
+  EXPECT_TRUE(at::equal(running_mean(primary), running_mean(alone)));
+}
+
+// pipeline: a stage's batch norm sees each micro-batch alone, and its running statistics move
+// once per micro-batch (m times per step), in the micro-batches' order.
+TEST(BatchNormSemantics, PipelineUpdatesOncePerMicroBatch) {
+  auto x = at::randn({8, 4}), y = at::randn({8, 2});
+  PipelineOptions o;
+  o.balance = {2, 1};
+  o.devices = {at::kCPU, at::kCPU};
+  o.chunks = 2;
+  auto model = bn_model();
+  Pipeline pipe(model, o);
+  pipe.train_step(x, y, mse);
+  auto alone = bn_model();
+  alone->forward(x.narrow(0, 0, 4));
+  alone->forward(x.narrow(0, 4, 4));
+  EXPECT_TRUE(at::equal(running_mean(model), running_mean(alone)));
+}
+
+// ddp: each rank normalises its own batch; before every forward, rank 0's running statistics
+// are broadcast (broadcast_buffers), so the ranks' buffers agree at each step's start.
+TEST(BatchNormSemantics, DdpBroadcastsRankZerosStatisticsBeforeEachForward) {
+  std::vector<at::Tensor> after_step(2), at_next_forward(2);
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    auto model = [] {
+      static std::mutex mu;
+      std::lock_guard<std::mutex> lock(mu);
+      return bn_model();
+    }();
+    DistributedDataParallel ddp(model, d);
+    auto x = at::randn({4, 4}, at::make_generator<at::CPUGeneratorImpl>(d.rank()));
+    ddp(x).sum().backward();
+    after_step[static_cast<size_t>(d.rank())] = running_mean(model);
+    model->eval();  // no update: what the forward starts from is what stays
+    torch::NoGradGuard no_grad;
+    ddp(x);
+    at_next_forward[static_cast<size_t>(d.rank())] = running_mean(model);
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  EXPECT_FALSE(at::equal(after_step[0], after_step[1])) << "each rank's own batch";
+  EXPECT_TRUE(at::equal(at_next_forward[1], after_step[0])) << "rank 0's, broadcast";
+  EXPECT_TRUE(at::equal(at_next_forward[0], after_step[0]));
+}
+
+}  // namespace
+}  // namespace scaletrain

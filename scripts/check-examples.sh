@@ -3,12 +3,12 @@
 # a CMake project of its own configured against it (find_package(scaletrain)), built and run,
 # and its result checked. CTest runs it (tests/CMakeLists.txt: Examples.*).
 #   scripts/check-examples.sh BUILD install          install into BUILD/examples/prefix
-#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel
+#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 build=$(realpath "${1:-build}")
-what=${2:?install, ddp, pipeline or data_parallel}
+what=${2:?install, ddp, pipeline, data_parallel or trainer}
 prefix=$build/examples/prefix
 say() { printf '[examples] %s\n' "$*"; }
 
@@ -50,6 +50,10 @@ case $what in
     a=$(weights "$work/a.log") b=$(weights "$work/b.log") c=$(weights "$work/c.log")
     say "straight: $a; interrupted and resumed: $b; under torchrun: $c"
     [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ] || { say "the weights differ"; exit 1; }
+    ;;
+  trainer)
+    "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/ddp" ddp
+    "$bin" "$work/pipeline" pipeline
     ;;
   pipeline) "$bin" cpu,cpu 8 ;;
   data_parallel) "$bin" cpu,cpu ;;

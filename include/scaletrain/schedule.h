@@ -1,7 +1,8 @@
 #pragma once
-// Pipeline planning as pure functions of counts and costs: no devices, no threads. The
-// executor (future work) runs whatever table these produce, so a schedule is checked here,
-// against tables drawn by hand, before any tensor moves (tests/schedule_test.cpp).
+// Pipeline planning as pure functions of counts and costs: no devices, no threads. The runners
+// (Pipeline in pipeline.h, DistPipeline in dist_pipeline.h) execute the per-stage orders these
+// tables give, so a schedule is checked here, against tables drawn by hand, before any tensor
+// moves (tests/schedule_test.cpp).
 //
 // A schedule is built from one ordered list of tasks per stage (GPipe: all forwards, then all
 // backwards in reverse; 1F1B: a few forwards, then one forward / one backward alternately) and

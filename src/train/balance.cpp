@@ -20,18 +20,7 @@ torch::nn::Sequential chain_of(const Model& model) {
   return model.blocks();
 }
 
-std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
-                                 int stages, const at::Tensor& sample) {
-  if (static_cast<int>(chain->size()) < stages) {
-    throw UsageError("the model's chain has " + std::to_string(chain->size()) +
-                     " blocks, fewer than the " + std::to_string(stages) +
-                     " stages: give fewer devices (or --pipeline-stages)");
-  }
-  if (spec == "auto" || spec == "time") {
-    return balance_by_time(chain, sample.narrow(0, 0, std::min<int64_t>(sample.size(0), 8)), stages,
-                           2);
-  }
-  if (spec == "size") return balance_by_size(chain, stages);
+std::vector<int> parse_balance_list(const std::string& spec) {
   std::vector<int> out;
   std::stringstream in(spec);
   std::string item;
@@ -45,6 +34,22 @@ std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Seque
                        "' is not a positive number of blocks; give auto, time, size or N,M,...");
     }
   }
+  return out;
+}
+
+std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+                                 int stages, const at::Tensor& sample) {
+  if (static_cast<int>(chain->size()) < stages) {
+    throw UsageError("the model's chain has " + std::to_string(chain->size()) +
+                     " blocks, fewer than the " + std::to_string(stages) +
+                     " stages: give fewer devices (or --pipeline-stages)");
+  }
+  if (spec == "auto" || spec == "time") {
+    return balance_by_time(chain, sample.narrow(0, 0, std::min<int64_t>(sample.size(0), 8)), stages,
+                           2);
+  }
+  if (spec == "size") return balance_by_size(chain, stages);
+  std::vector<int> out = parse_balance_list(spec);
   const int total = std::accumulate(out.begin(), out.end(), 0);
   if (static_cast<int>(out.size()) != stages || total != static_cast<int>(chain->size())) {
     throw UsageError("--balance '" + spec + "' gives " + std::to_string(out.size()) +

@@ -12,6 +12,10 @@ namespace scaletrain {
 /// The model's chain of blocks; UsageError when the model has none (Model::blocks).
 torch::nn::Sequential chain_of(const Model& model);
 
+/// The blocks per stage of an "N,M,..." --balance list; UsageError for anything but positive
+/// whole numbers.
+std::vector<int> parse_balance_list(const std::string& spec);
+
 /// Layers per stage from a --balance spec: "auto" or "time" (each layer's measured forward and
 /// backward on `sample`), "size" (parameter bytes), or "N,M,..." (given). Throws UsageError for
 /// a list of another length or sum, or a chain of fewer blocks than stages.

@@ -32,6 +32,7 @@
 #include "scaletrain/data_parallel.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
+#include "scaletrain/intra_op_threads.h"
 #include "scaletrain/version.h"
 #include "train/balance.h"
 
@@ -114,6 +115,17 @@ int64_t count(const std::vector<at::Tensor>& params) {
   return n;
 }
 
+// dp's replicas and a pipeline's stages are threads of one process: on CPU "devices" they share
+// the process's cores, so each takes its share of the intra-op threads instead of all of them
+// (two replicas of two threads each on two cores ran at half the speed of one device).
+std::unique_ptr<IntraOpThreads> share_cores(const std::vector<at::Device>& devices) {
+  for (const auto& d : devices) {
+    if (!d.is_cpu()) return nullptr;
+  }
+  const int n = static_cast<int>(devices.size());
+  return std::make_unique<IntraOpThreads>(std::max(1, at::get_num_threads() / n));
+}
+
 LossFn weighted(const LossFn& loss, double weight) {
   if (weight == 1) return loss;
   return
@@ -191,7 +203,11 @@ class DdpStrategy : public TrainStrategy {
 class DpStrategy : public TrainStrategy {
  public:
   DpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
-      : TrainStrategy(d), model_(model), loss_(task.loss), devices_(local_devices(o)) {
+      : TrainStrategy(d),
+        model_(model),
+        loss_(task.loss),
+        devices_(local_devices(o)),
+        threads_(share_cores(devices_)) {
     std::vector<DataParallel::Replica> replicas{{model.module, model.forward}};
     for (size_t k = 1; k < devices_.size(); ++k) {
       Model other = task.model();
@@ -226,6 +242,7 @@ class DpStrategy : public TrainStrategy {
   Model& model_;
   LossFn loss_;
   std::vector<at::Device> devices_;
+  std::unique_ptr<IntraOpThreads> threads_;
   std::vector<Model> others_;
   std::unique_ptr<DataParallel> dp_;
 };
@@ -235,7 +252,11 @@ class PipelineStrategy : public TrainStrategy {
  public:
   PipelineStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                    const at::Tensor& sample)
-      : TrainStrategy(d), model_(model), loss_(task.loss), devices_(local_devices(o)) {
+      : TrainStrategy(d),
+        model_(model),
+        loss_(task.loss),
+        devices_(local_devices(o)),
+        threads_(share_cores(devices_)) {
     torch::nn::Sequential chain = chain_of(model);
     PipelineOptions po;
     po.devices = devices_;
@@ -269,6 +290,7 @@ class PipelineStrategy : public TrainStrategy {
   Model& model_;
   LossFn loss_;
   std::vector<at::Device> devices_;
+  std::unique_ptr<IntraOpThreads> threads_;
   std::unique_ptr<Pipeline> pipe_;
 };
 

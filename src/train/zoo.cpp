@@ -8,13 +8,13 @@
 
 #include <cmath>
 #include <filesystem>
-#include <sstream>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/image_folder.h"
 #include "scaletrain/lr_schedule.h"
 #include "scaletrain/trainer.h"
+#include "train/balance.h"
 #include "train/validation.h"
 
 namespace scaletrain {
@@ -110,15 +110,7 @@ void validate_zoo_balance(const TrainOptions& o) {
   if (o.dataset == "folder") mo.in_channels = 3;
   const auto blocks = static_cast<int64_t>(as_sequential(make_model(o.model, mo))->size());
   int64_t total = 0;
-  std::stringstream in(o.balance);
-  for (std::string item; std::getline(in, item, ',');) {
-    try {
-      total += std::stoll(item);
-    } catch (const std::exception&) {
-      throw UsageError("--balance '" + o.balance + "': '" + item +
-                       "' is not a number of blocks; give auto, time, size or N,M,...");
-    }
-  }
+  for (int n : parse_balance_list(o.balance)) total += n;
   if (total != blocks) {
     throw UsageError("--balance '" + o.balance + "' covers " + std::to_string(total) +
                      " blocks, and " + o.model + " has " + std::to_string(blocks) +

@@ -15,6 +15,22 @@ say() { printf '[examples] %s\n' "$*"; }
 if [ "$what" = install ]; then
   rm -rf "$prefix"
   cmake --install "$build" --prefix "$prefix" > /dev/null
+  # The installed tool finds its library beside it (RUNPATH $ORIGIN/../lib), with no
+  # LD_LIBRARY_PATH and whatever folder the prefix is in (regression: a first configure once left
+  # the RUNPATH at $ORIGIN/../ and every installed tool failed to start).
+  tool=$prefix/bin/scaletrain
+  if [ -x "$tool" ]; then
+    runpath=$(readelf -d "$tool" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')
+    case ":$runpath:" in
+      *':$ORIGIN/../lib:'* | *':$ORIGIN/../lib64:'* | *':$ORIGIN/../lib/'*) ;;
+      *) say "the installed tool's RUNPATH does not name its library folder: $runpath"; exit 1 ;;
+    esac
+    moved=$(mktemp -d)
+    cp -a "$prefix" "$moved/p"
+    env -u LD_LIBRARY_PATH "$moved/p/bin/scaletrain" --version > /dev/null ||
+      { rm -rf "$moved"; say "the installed tool does not start where it is moved"; exit 1; }
+    rm -rf "$moved"
+  fi
   say "installed into $prefix: $(find "$prefix" -type f | wc -l) files"
   exit 0
 fi

@@ -1,0 +1,166 @@
+#pragma once
+// Sharded data parallelism (ZeRO stages 1-3, FSDP-style parameter sharding) for any world size:
+// every rank runs forward and backward on its own slice of the batch, as with DDP, but each rank
+// keeps only 1/N of the model state that DDP replicates. Note [Units] and Note [Unit life cycle]
+// in src/zero/sharded.cpp; docs/zero.md has the algorithm, bytes on the wire and measurements.
+//
+//   auto dist = scaletrain::init_process_group();
+//   torch::nn::Sequential chain = my_model_as_blocks();             // stage 3: a chain (blocks.h)
+//   scaletrain::ShardedDataParallel zero(chain, dist, {.stage = 3});
+//   torch::optim::Adam opt(zero.parameters(), 1e-3);                 // this rank's shards only
+//   for (auto& [x, y] : my_slice_of_the_data) {
+//     opt.zero_grad();
+//     torch::nn::functional::cross_entropy(zero(x), y).backward();  // reduce-scatters overlap it
+//     zero.step(opt);                                                // update the shard, gather
+//   }
+//
+// Stages (Ψ parameters, fp32, Adam's two moments; bytes per rank of parameters + gradients +
+// optimizer state, as in Rajbhandari et al., "ZeRO", 2020):
+//   DDP                     16Ψ
+//   stage 1 (optimizer)      8Ψ + 8Ψ/N   gradients all there, reduce-scattered into the shard
+//   stage 2 (+ gradients)    4Ψ + 12Ψ/N  a unit's full gradient lives only until its reduction
+//   stage 3 (+ parameters)   16Ψ/N       + the units gathered at the moment (Note [Unit life
+//   cycle])
+//
+// Contract. Construct it on every rank, in the same order as other collectives, after the
+// module's parameters are final. The module must outlive it. Rank 0's parameters and buffers are
+// broadcast at construction. Hand parameters() — one flat shard per unit, not the module's
+// tensors — to the optimizer (any torch::optim optimizer; checkpoints know SGD, Adam and AdamW).
+// After backward the averaged gradient is in those shards' .grad; the module's own .grad is not
+// the averaged gradient (stage 1: averaged only in this rank's shard; stages 2 and 3: undefined).
+// After the optimizer steps, the other ranks' shards are all-gathered: by step(opt), or by the
+// next forward, which notices an updated shard by its version counter. Every backward must reach
+// every parameter (unused parameters are an error naming them). One thread drives an instance.
+// Stage 3: between forwards, the module's parameters of a resharded unit have no storage: read
+// them only after gather_full_parameters().
+//
+// Stages 1 and 2 take any module and run its forward through forward(fn); stage 3 takes the model
+// as a chain of blocks (torch::nn::Sequential of blocks.h's Block, or any Sequential), whose
+// blocks it groups into units and gathers one unit at a time.
+
+#include <c10/core/ScalarType.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/dist.h"
+
+namespace scaletrain {
+
+struct ShardOptions {
+  int stage = 3;  // 1: optimizer state, 2: + gradients, 3: + parameters (FSDP)
+  /// Units: runs of consecutive parameters (stages 1 and 2) or of consecutive blocks (stage 3)
+  /// of up to this many MB each (FSDP's wrapping by size); a block larger than this is a unit of
+  /// its own. Every collective moves one unit.
+  double unit_cap_mb = 25;
+  /// Stage 3: free a unit's gathered parameters after its forward (gathered again for its
+  /// backward), as FSDP's reshard_after_forward; false keeps them until their backward is done.
+  bool reshard_after_forward = true;
+  /// Stage 3: start gathering the next unit while the current one computes (forward and
+  /// backward), on a process group of its own.
+  bool prefetch = true;
+  /// The dtype gradients are reduced in (mixed precision's reduce dtype): e.g. at::kBFloat16
+  /// halves the bytes on the wire; the shard's gradient is back in the parameters' dtype.
+  std::optional<at::ScalarType> reduce_dtype;
+  /// > 0: a unit whose gathered parameters exceed this many MB is refused at construction with
+  /// an error naming it (split its block, or lower unit_cap_mb).
+  double unit_memory_budget_mb = 0;
+};
+
+/// A unit of the plan: `count` consecutive groups (parameters or blocks) from `first`, with
+/// `numel` elements, padded to `padded` (a multiple of the world size; the shard is padded/N).
+struct UnitRange {
+  size_t first = 0, count = 0;
+  int64_t numel = 0, padded = 0;
+};
+
+/// Note [Units]: groups consecutive `group_numels` into units of at most `cap_numel` elements
+/// (a group larger than the cap is a unit of its own; groups of 0 elements join the unit they
+/// stand in), each padded to a multiple of `world`. Pure; throws UsageError for world < 1.
+std::vector<UnitRange> plan_units(const std::vector<int64_t>& group_numels, int64_t cap_numel,
+                                  int world);
+
+/// Bytes this rank holds for the model's state, counted from the live storages (each once).
+struct ShardMemory {
+  int64_t parameters = 0, gradients = 0, optimizer = 0;
+  int64_t total() const { return parameters + gradients + optimizer; }
+};
+
+class ShardedDataParallel {
+ public:
+  /// Stages 1 and 2: any module (stage 3: a Sequential, else UsageError naming the fix). Throws
+  /// Error when ranks' models differ (naming the first parameter), UsageError for a stage other
+  /// than 1-3 and for a unit over unit_memory_budget_mb (naming it).
+  ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, Dist dist,
+                      ShardOptions options = {});
+  ShardedDataParallel(torch::nn::Sequential chain, Dist dist, ShardOptions options = {});
+  template <typename Impl>
+  ShardedDataParallel(torch::nn::ModuleHolder<Impl> module, Dist dist, ShardOptions options = {})
+      : ShardedDataParallel(std::static_pointer_cast<torch::nn::Module>(module.ptr()),
+                            std::move(dist), options) {}
+  ~ShardedDataParallel();
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+  /// The chain's forward on `input` (a model given as a Sequential), unit by unit.
+  at::Tensor forward(const at::Tensor& input);
+  at::Tensor operator()(const at::Tensor& input) { return forward(input); }
+  /// Stages 1 and 2: runs `fn`, which calls the module, after gathering updated shards.
+  at::Tensor forward(const std::function<at::Tensor()>& fn);
+
+  /// This rank's shard of each unit: the tensors to give the optimizer.
+  const std::vector<at::Tensor>& parameters() const { return shards_; }
+  /// opt.step() over parameters(), then every rank's updated shards gathered into the module
+  /// (stages 1 and 2; stage 3 gathers at the next forward). Throws Error naming the parameters
+  /// that got no gradient in the last backward.
+  void step(torch::optim::Optimizer& opt);
+  /// Collective: the module holds every current parameter (stage 3: until the next forward or
+  /// reshard()); e.g. for save_weights() on rank 0 or an evaluation outside forward().
+  void gather_full_parameters();
+  /// Stage 3: frees the gathered units again.
+  void reshard();
+
+  const std::vector<UnitRange>& units() const { return plan_; }
+  /// Each unit's parameters' indices in module.parameters() order.
+  std::vector<std::vector<size_t>> unit_parameters() const;
+  ShardMemory memory(const torch::optim::Optimizer* opt = nullptr) const;
+  torch::nn::Module& module() { return *module_; }
+  const Dist& dist() const { return dist_; }
+  const ShardOptions& options() const { return options_; }
+
+  /// Collective: writes this rank's shard of the parameters and of the optimizer's state (SGD,
+  /// Adam, AdamW) with `state` to `dir/rank-<r>/ckpt-<step>.st` (atomic, CRC; keeps the newest
+  /// `keep` of the run's). Returns this rank's path.
+  std::string save(const std::string& dir, const TrainingState& state,
+                   const torch::optim::Optimizer& opt, int keep) const;
+  /// Collective: loads the sharded checkpoint of `global_step` in `dir`, saved at any world size
+  /// (resharding: every rank reads every saved shard and takes its own slice), into the shards
+  /// and `opt`. Throws Error naming the file for a missing or damaged shard, UsageError for
+  /// another model (naming the first differing parameter) or, when `reshard` is false, another
+  /// world size (naming both).
+  TrainingState load(const std::string& dir, int64_t global_step, torch::optim::Optimizer& opt,
+                     bool reshard = true);
+
+  struct Impl;  // src/zero/sharded.cpp
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  Dist dist_;
+  ShardOptions options_;
+  std::vector<UnitRange> plan_;
+  std::vector<at::Tensor> shards_;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The newest step in `dir` with a valid shard for every rank of the world it was saved at;
+/// nullopt when there is none.
+std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir);
+
+}  // namespace scaletrain

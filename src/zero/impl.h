@@ -1,0 +1,69 @@
+#pragma once
+// ShardedDataParallel's state (internal). Note [Unit life cycle] in sharded.cpp.
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "scaletrain/zero.h"
+
+namespace scaletrain {
+
+struct ShardedDataParallel::Impl {
+  struct Unit {
+    std::vector<size_t> params;  // indices into Impl::params, consecutive
+    std::vector<size_t> blocks;  // stage 3: the chain's blocks it runs
+    int64_t numel = 0, padded = 0, shard_numel = 0;
+    at::Tensor full;       // [padded]: the parameters, back to back (stage 3: storage swapped)
+    at::Tensor grad_full;  // [padded]: gradients (stage 1: always; 2, 3: during backward only)
+    size_t pending = 0;    // parameters still without gradient in this backward
+    bool reduced = false;  // its reduction is done since the last step
+    bool gathered = true;
+    c10::intrusive_ptr<c10d::Work> gather_work;  // a gather in flight (stage 3 prefetch)
+    at::Tensor gather_input;
+    c10::intrusive_ptr<c10d::Work> reduce_work;
+    at::Tensor reduce_input, reduce_output;
+    int64_t shard_version = 0;  // the shard's version counter when last gathered (stages 1, 2)
+  };
+
+  Impl(ShardedDataParallel& owner, std::vector<at::Tensor> params, std::vector<std::string> names,
+       std::vector<torch::nn::AnyModule> blocks, std::vector<std::vector<size_t>> block_params);
+  ~Impl();
+
+  // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
+  void start_gather(size_t u);
+  void ensure_gathered(size_t u);
+  void free_unit(size_t u);
+  void gather_all();
+  void gather_if_stepped();
+
+  // Reduction, driven by the gradient hooks.
+  void on_gradient(size_t i);
+  void launch_ready();
+  void launch_reduce(size_t u);
+  void finish_reduce(size_t u);
+  void check_reduced() const;
+  at::Tensor forward_chain(at::Tensor x);
+
+  ShardedDataParallel& owner;
+  const Dist& dist;
+  const ShardOptions& opts;
+  int rank, world;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<size_t> unit_of;  // parameter -> unit
+  std::vector<bool> arrived;    // parameter got its gradient in this backward
+  std::vector<Unit> units;
+  std::vector<torch::nn::AnyModule> blocks;  // stage 3 (and any chain): the chain's blocks
+  size_t next_reduce = 0;                    // units are reduced last to first, in order
+  std::vector<size_t> in_flight;             // launched, not finished
+  c10::intrusive_ptr<c10d::Backend> gather_pg, reduce_pg;  // null for a world of one
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  int instance = 0;
+};
+
+}  // namespace scaletrain

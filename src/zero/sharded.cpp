@@ -1,0 +1,553 @@
+// Note [Unit life cycle]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Each unit (Note [Units] in units.cpp) keeps its parameters flat in one buffer, `full`; the
+// module's parameters are aliases into it (same storage, their own TensorImpl, so autograd,
+// the optimizer and state dicts see ordinary leaf tensors). This rank's shard of it is the leaf
+// the optimizer steps.
+//
+//   stage 1, 2   full lives always; the shard is an alias of its slice [r·S, (r+1)·S), so the
+//                optimizer updates it in place; after the step the other ranks' slices are
+//                all-gathered into it (step(), or the next forward when it sees the shard's
+//                version counter moved).
+//   stage 3      full's storage is allocated only while the unit computes: the shard has a
+//                storage of its own, and the buffer's bytes are swapped in and out of the one
+//                StorageImpl every alias shares (so the tensors autograd saved in forward see
+//                the gathered values again in backward).
+//
+// Gradients. A post-hook on each parameter's gradient accumulator moves the fresh gradient into
+// the unit's flat gradient buffer `grad_full` (stage 1: .grad is an alias into it, nothing
+// moves). When every parameter of a unit has its gradient, the unit is ready; ready units are
+// reduce-scattered last to first, in index order on every rank (as DDP launches its buckets), on
+// a process group of their own, at most two in flight. The result, divided by N, is this rank's
+// shard's .grad (stage 1: written into the alias of grad_full's slice; stages 2, 3: accumulated
+// into a [S] tensor, and grad_full is freed).
+//
+// Stage 3, one unit u of U, in time (a row per rank's thread; = computes, ~ communicates):
+//
+//   forward    gather u ~~~~| run u's blocks ==== | free u     (prefetch: gather u+1 ~~~~ here)
+//   backward   (hook on u's output) gather u ~~~| u's backward ==== | reduce-scatter u ~~~ | free u
+//
+// The last unit stays gathered from its forward to its backward (it is needed at once), and
+// the gathers run on a process group of their own, so a prefetch never waits behind a
+// reduction. Every rank issues the same collectives in the same order: gathers follow the chain
+// (0..U−1 forward, U−1..0 backward), reductions go last to first.
+
+#include <ATen/ops/zeros.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <set>
+
+#include "dist/model_sync.h"
+#include "scaletrain/error.h"
+#include "zero/impl.h"
+#include "zero/optimizer_state.h"
+
+namespace scaletrain {
+namespace {
+
+// A tensor over `storage` from element `offset` with `sizes` (contiguous), not an autograd view.
+at::Tensor alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  auto t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+std::string mb(int64_t bytes) { return c10::str(static_cast<double>(bytes) / (1 << 20), " MB"); }
+
+struct Collected {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<torch::nn::AnyModule> blocks;
+  std::vector<std::vector<size_t>> block_params;
+};
+
+Collected collect_module(torch::nn::Module& m) {
+  Collected c;
+  for (auto& item : m.named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    c.names.push_back(item.key());
+    c.params.push_back(item.value());
+  }
+  return c;
+}
+
+// Parameters in block order; a parameter two blocks share cannot live in two units.
+Collected collect_chain(torch::nn::SequentialImpl& chain) {
+  Collected c;
+  std::map<const void*, std::string> seen;
+  auto children = chain.named_children();
+  size_t b = 0;
+  for (auto& any : chain) {
+    c.blocks.push_back(any);
+    const std::string& block = children[b].key();
+    std::vector<size_t> mine;
+    for (auto& item : children[b].value()->named_parameters(/*recurse=*/true)) {
+      if (!item.value().requires_grad()) continue;
+      const auto name = block + "." + item.key();
+      auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), name);
+      if (!fresh) {
+        throw UsageError("ShardedDataParallel: parameter '" + name + "' is also '" + it->second +
+                         "' of another block; a parameter shared by blocks (tied weights) must "
+                         "live in one block");
+      }
+      mine.push_back(c.params.size());
+      c.names.push_back(name);
+      c.params.push_back(item.value());
+    }
+    c.block_params.push_back(std::move(mine));
+    ++b;
+  }
+  return c;
+}
+
+}  // namespace
+
+ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> ps,
+                                std::vector<std::string> ns, std::vector<torch::nn::AnyModule> bs,
+                                std::vector<std::vector<size_t>> block_params)
+    : owner(o),
+      dist(o.dist_),
+      opts(o.options_),
+      rank(o.dist_.rank()),
+      world(o.dist_.size()),
+      params(std::move(ps)),
+      names(std::move(ns)),
+      blocks(std::move(bs)) {
+  const std::string who = "rank " + std::to_string(rank) + ": ShardedDataParallel: ";
+  if (opts.stage < 1 || opts.stage > 3) {
+    throw UsageError(who + "stage " + std::to_string(opts.stage) +
+                     " does not exist; use 1 (optimizer state), 2 (+ gradients) or 3 (+ "
+                     "parameters)");
+  }
+  if (params.empty()) throw UsageError(who + "the module has no parameter that requires grad");
+  std::vector<std::string> described;
+  for (size_t i = 0; i < params.size(); ++i) {
+    described.push_back(describe_param(names[i], params[i]));
+    if (params[i].scalar_type() != params[0].scalar_type() ||
+        params[i].device() != params[0].device()) {
+      throw UsageError(who + "parameter '" + names[i] + "' is " + described.back() + " on " +
+                       params[i].device().str() + ", parameter '" + names[0] + "' " +
+                       c10::toString(params[0].scalar_type()) + " on " + params[0].device().str() +
+                       "; every parameter needs one dtype and device");
+    }
+  }
+  instance =
+      static_cast<int>(dist.store->add("scaletrain/zero/instances/" + std::to_string(rank), 1));
+  verify_same_model(dist, described, "zero", instance);
+  broadcast_coalesced(dist, params, "the parameters");
+  auto buffers = o.module_->buffers();
+  if (!buffers.empty()) broadcast_coalesced(dist, buffers, "the buffers");
+
+  // The plan: parameters (stages 1, 2) or blocks (stage 3) grouped by size.
+  const int64_t elem = static_cast<int64_t>(params[0].element_size());
+  const auto cap = static_cast<int64_t>(opts.unit_cap_mb * (1 << 20)) / elem;
+  std::vector<int64_t> groups;
+  if (opts.stage == 3) {
+    for (auto& bp : block_params) {
+      int64_t n = 0;
+      for (size_t i : bp) n += params[i].numel();
+      groups.push_back(n);
+    }
+  } else {
+    for (auto& p : params) groups.push_back(p.numel());
+  }
+  o.plan_ = plan_units(groups, std::max<int64_t>(cap, 1), world);
+
+  unit_of.resize(params.size());
+  arrived.assign(params.size(), false);
+  for (size_t u = 0; u < o.plan_.size(); ++u) {
+    const auto& r = o.plan_[u];
+    Unit unit;
+    unit.numel = r.numel;
+    unit.padded = r.padded;
+    unit.shard_numel = r.padded / world;
+    for (size_t g = r.first; g < r.first + r.count; ++g) {
+      if (opts.stage == 3) {
+        unit.blocks.push_back(g);
+        for (size_t i : block_params[g]) unit.params.push_back(i);
+      } else {
+        unit.params.push_back(g);
+      }
+    }
+    if (opts.unit_memory_budget_mb > 0 &&
+        unit.padded * elem > opts.unit_memory_budget_mb * (1 << 20)) {
+      throw UsageError(
+          who + "unit " + std::to_string(u) + " (" + names[unit.params.front()] + " .. " +
+          names[unit.params.back()] + ") gathers " + mb(unit.padded * elem) +
+          ", over unit_memory_budget_mb = " + std::to_string(opts.unit_memory_budget_mb) +
+          "; split its block into smaller ones, or raise the budget");
+    }
+    for (size_t i : unit.params) unit_of[i] = u;
+    units.push_back(std::move(unit));
+  }
+
+  // Flat buffers; the module's parameters become aliases into them.
+  at::NoGradGuard no_grad;
+  for (auto& unit : units) {
+    unit.full = at::zeros({unit.padded}, params[0].options());
+    int64_t offset = 0;
+    for (size_t i : unit.params) {
+      auto& p = params[i];
+      unit.full.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
+      p.set_data(alias(unit.full, offset, p.sizes()));
+      offset += p.numel();
+    }
+    const int64_t s = unit.shard_numel;
+    at::Tensor shard;
+    if (opts.stage == 3) {
+      shard = unit.full.narrow(0, rank * s, s).clone();
+    } else {
+      shard = alias(unit.full, rank * s, {s});
+    }
+    shard.requires_grad_(true);
+    if (opts.stage == 1) {
+      unit.grad_full = at::zeros({unit.padded}, params[0].options());
+      offset = 0;
+      for (size_t i : unit.params) {
+        params[i].mutable_grad() = alias(unit.grad_full, offset, params[i].sizes());
+        offset += params[i].numel();
+      }
+      shard.mutable_grad() = alias(unit.grad_full, rank * s, {s});
+    }
+    unit.pending = unit.params.size();
+    unit.shard_version = shard._version();
+    o.shards_.push_back(shard);
+  }
+  if (opts.stage == 3) {
+    for (size_t u = 0; u < units.size(); ++u) free_unit(u);
+  }
+
+  if (world > 1) {
+    const auto prefix = "scaletrain/zero/" + std::to_string(instance) + "/";
+    gather_pg = new_backend(dist, dist.backend_name, prefix + "gather", dist.timeout);
+    reduce_pg = new_backend(dist, dist.backend_name, prefix + "reduce", dist.timeout);
+  }
+  next_reduce = units.size();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          on_gradient(i);
+          return outputs;
+        }));
+    hooks.emplace_back(acc, key);
+  }
+}
+
+ShardedDataParallel::Impl::~Impl() {
+  for (auto& [acc, key] : hooks) acc->del_post_hook(key);
+  for (auto& u : units) {
+    try {
+      if (u.gather_work) u.gather_work->wait();
+      if (u.reduce_work) u.reduce_work->wait();
+    } catch (const std::exception&) {  // a destructor reports nothing; the next collective will
+    }
+  }
+}
+
+// ---- Gathering ---------------------------------------------------------------------------
+
+void ShardedDataParallel::Impl::start_gather(size_t u) {
+  auto& unit = units[u];
+  if (unit.gathered || unit.gather_work) return;
+  auto* storage = unit.full.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<size_t>(unit.padded) * unit.full.element_size();
+  if (storage->nbytes() != bytes) {
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+    storage->set_nbytes(bytes);
+  }
+  const auto& shard = owner.shards_[u];
+  if (!gather_pg) {
+    at::NoGradGuard no_grad;
+    unit.full.copy_(shard);
+    unit.gathered = true;
+    return;
+  }
+  unit.gather_input = shard.detach();
+  unit.gather_work = gather_pg->_allgather_base(unit.full, unit.gather_input);
+}
+
+void ShardedDataParallel::Impl::ensure_gathered(size_t u) {
+  start_gather(u);
+  auto& unit = units[u];
+  if (unit.gather_work) {
+    wait_for(unit.gather_work,
+             "all-gather of unit " + std::to_string(u) + "'s parameters (" +
+                 mb(unit.padded * unit.full.element_size()) + ")",
+             dist);
+    unit.gather_work.reset();
+    unit.gather_input.reset();
+  }
+  unit.gathered = true;
+}
+
+void ShardedDataParallel::Impl::free_unit(size_t u) {
+  auto& unit = units[u];
+  if (unit.gather_work) ensure_gathered(u);  // never free under a collective
+  auto* storage = unit.full.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, unit.full.device()));
+  storage->set_nbytes(0);
+  unit.gathered = false;
+}
+
+// Stages 1 and 2: every unit's full buffer from the ranks' shards.
+void ShardedDataParallel::Impl::gather_all() {
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& unit = units[u];
+    const auto& shard = owner.shards_[u];
+    if (gather_pg) {
+      auto input = shard.detach().clone();  // the shard is a slice of the output
+      wait_for(gather_pg->_allgather_base(unit.full, input),
+               "all-gather of unit " + std::to_string(u) + "'s parameters", dist);
+    }
+    unit.shard_version = shard._version();
+  }
+  if (opts.stage == 1) {
+    for (auto& unit : units) unit.grad_full.zero_();  // the step consumed them
+  }
+}
+
+void ShardedDataParallel::Impl::gather_if_stepped() {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (owner.shards_[u]._version() != units[u].shard_version) {
+      gather_all();
+      return;
+    }
+  }
+}
+
+// ---- Reduction ---------------------------------------------------------------------------
+
+void ShardedDataParallel::Impl::on_gradient(size_t i) {
+  arrived[i] = true;
+  const size_t u = unit_of[i];
+  auto& unit = units[u];
+  auto& p = params[i];
+  int64_t offset = 0;
+  for (size_t j : unit.params) {
+    if (j == i) break;
+    offset += params[j].numel();
+  }
+  auto& g = p.mutable_grad();
+  if (opts.stage == 1) {
+    auto view = alias(unit.grad_full, offset, p.sizes());
+    if (g.defined() && g.data_ptr() != view.data_ptr()) view.copy_(g);
+    g = view;
+  } else {
+    if (!unit.grad_full.defined()) unit.grad_full = at::zeros({unit.padded}, p.options());
+    unit.grad_full.narrow(0, offset, p.numel()).add_(g.reshape({-1}));
+    g = at::Tensor();
+  }
+  if (unit.pending > 0 && --unit.pending == 0) launch_ready();
+}
+
+void ShardedDataParallel::Impl::launch_ready() {
+  while (next_reduce > 0 && units[next_reduce - 1].pending == 0) {
+    launch_reduce(next_reduce - 1);
+    --next_reduce;
+  }
+  if (next_reduce == 0) {
+    for (size_t u : in_flight) finish_reduce(u);
+    in_flight.clear();
+    next_reduce = units.size();
+  }
+}
+
+void ShardedDataParallel::Impl::launch_reduce(size_t u) {
+  auto& unit = units[u];
+  unit.reduce_input = opts.reduce_dtype ? unit.grad_full.to(*opts.reduce_dtype) : unit.grad_full;
+  if (reduce_pg) {
+    unit.reduce_output = at::empty({unit.shard_numel}, unit.reduce_input.options());
+    c10d::ReduceScatterOptions ro;
+    ro.reduceOp = c10d::ReduceOp::SUM;
+    unit.reduce_work = reduce_pg->_reduce_scatter_base(unit.reduce_output, unit.reduce_input, ro);
+  } else {
+    unit.reduce_output = unit.reduce_input;
+  }
+  in_flight.push_back(u);
+  while (in_flight.size() > 2) {  // bounds the full gradients alive at once (stage 2)
+    finish_reduce(in_flight.front());
+    in_flight.erase(in_flight.begin());
+  }
+}
+
+void ShardedDataParallel::Impl::finish_reduce(size_t u) {
+  auto& unit = units[u];
+  if (unit.reduce_work) {
+    wait_for(unit.reduce_work, "reduce-scatter of unit " + std::to_string(u) + "'s gradients",
+             dist);
+    unit.reduce_work.reset();
+  }
+  at::NoGradGuard no_grad;
+  auto g = unit.reduce_output.to(params[0].scalar_type());
+  if (world > 1) g.div_(world);
+  auto& shard = owner.shards_[u];
+  auto& sg = shard.mutable_grad();
+  if (opts.stage == 1) {
+    auto view = alias(unit.grad_full, rank * unit.shard_numel, {unit.shard_numel});
+    if (!sg.defined() || sg.data_ptr() != view.data_ptr()) sg = view;
+    if (g.data_ptr() != view.data_ptr()) view.copy_(g);
+  } else {
+    if (!sg.defined()) {
+      sg = g.data_ptr() == unit.grad_full.data_ptr() ? g.clone() : g;
+    } else {
+      sg.add_(g);
+    }
+    unit.grad_full = at::Tensor();
+  }
+  unit.reduce_input = at::Tensor();
+  unit.reduce_output = at::Tensor();
+  unit.pending = unit.params.size();
+  unit.reduced = true;
+  if (opts.stage == 3) free_unit(u);
+}
+
+void ShardedDataParallel::Impl::check_reduced() const {
+  std::string missing;
+  bool any_missing = false;
+  for (const auto& unit : units) {
+    if (unit.reduced) continue;
+    any_missing = true;
+    for (size_t i : unit.params) {
+      if (!arrived[i]) missing += (missing.empty() ? "" : ", ") + names[i];
+    }
+  }
+  if (!any_missing) return;
+  throw Error("rank " + std::to_string(rank) +
+              ": ShardedDataParallel::step() before the gradients of every unit were reduced" +
+              (missing.empty() ? std::string(" (no backward since the last step?)")
+                               : "; no gradient reached: " + missing +
+                                     ". Every backward must reach every parameter (freeze "
+                                     "unused ones with requires_grad(false) before wrapping)"));
+}
+
+// ---- Forward -----------------------------------------------------------------------------
+
+at::Tensor ShardedDataParallel::Impl::forward_chain(at::Tensor x) {
+  if (opts.stage < 3) {
+    gather_if_stepped();
+    for (auto& b : blocks) x = b.forward(x);
+    return x;
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    ensure_gathered(u);
+    if (opts.prefetch && u + 1 < units.size()) start_gather(u + 1);
+    for (size_t b : units[u].blocks) x = blocks[b].forward(x);
+    const bool grad = at::GradMode::is_enabled() && x.requires_grad();
+    if (!grad || (u + 1 < units.size() && opts.reshard_after_forward)) free_unit(u);
+    if (grad) {
+      x.register_hook([this, u](const at::Tensor&) {
+        ensure_gathered(u);
+        if (opts.prefetch && u > 0) start_gather(u - 1);
+      });
+    }
+  }
+  return x;
+}
+
+// ---- The public class --------------------------------------------------------------------
+
+ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, Dist dist,
+                                         ShardOptions options)
+    : module_(std::move(module)), dist_(std::move(dist)), options_(options) {
+  if (!module_) throw UsageError("ShardedDataParallel: the module is null");
+  if (auto chain = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
+    auto c = collect_chain(*chain);
+    impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),
+                                   std::move(c.blocks), std::move(c.block_params));
+    return;
+  }
+  if (options_.stage == 3) {
+    throw UsageError(
+        "ShardedDataParallel: stage 3 gathers the model one unit of blocks at a time, so it "
+        "needs the model as a chain: a torch::nn::Sequential (of scaletrain::Block, blocks.h); "
+        "or use stage 1 or 2 for any module");
+  }
+  auto c = collect_module(*module_);
+  impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),
+                                 std::vector<torch::nn::AnyModule>{},
+                                 std::vector<std::vector<size_t>>{});
+}
+
+ShardedDataParallel::ShardedDataParallel(torch::nn::Sequential chain, Dist dist,
+                                         ShardOptions options)
+    : ShardedDataParallel(std::static_pointer_cast<torch::nn::Module>(chain.ptr()), std::move(dist),
+                          options) {}
+
+ShardedDataParallel::~ShardedDataParallel() = default;
+
+at::Tensor ShardedDataParallel::forward(const at::Tensor& input) {
+  if (impl_->blocks.empty()) {
+    throw UsageError(
+        "ShardedDataParallel::forward(x) runs a chain (a model given as torch::nn::Sequential); "
+        "for another module call forward([&] { return model->forward(x); })");
+  }
+  return impl_->forward_chain(input);
+}
+
+at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
+  if (options_.stage == 3) {
+    throw UsageError(
+        "ShardedDataParallel::forward(fn): stage 3 runs the chain itself; call "
+        "forward(x)");
+  }
+  impl_->gather_if_stepped();
+  return fn();
+}
+
+void ShardedDataParallel::step(torch::optim::Optimizer& opt) {
+  impl_->check_reduced();
+  opt.step();
+  for (auto& unit : impl_->units) unit.reduced = false;
+  std::fill(impl_->arrived.begin(), impl_->arrived.end(), false);
+  if (options_.stage < 3) impl_->gather_all();
+}
+
+void ShardedDataParallel::gather_full_parameters() {
+  if (options_.stage < 3) {
+    impl_->gather_if_stepped();
+    return;
+  }
+  for (size_t u = 0; u < impl_->units.size(); ++u) impl_->ensure_gathered(u);
+}
+
+void ShardedDataParallel::reshard() {
+  if (options_.stage < 3) return;
+  for (size_t u = 0; u < impl_->units.size(); ++u) impl_->free_unit(u);
+}
+
+std::vector<std::vector<size_t>> ShardedDataParallel::unit_parameters() const {
+  std::vector<std::vector<size_t>> out;
+  for (auto& unit : impl_->units) out.push_back(unit.params);
+  return out;
+}
+
+ShardMemory ShardedDataParallel::memory(const torch::optim::Optimizer* opt) const {
+  ShardMemory m;
+  std::set<const void*> seen;
+  auto count = [&](const at::Tensor& t, int64_t& into) {
+    if (!t.defined() || !t.has_storage()) return;
+    auto* s = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(s).second) into += static_cast<int64_t>(s->nbytes());
+  };
+  for (auto& p : module_->parameters()) count(p, m.parameters);
+  for (auto& s : shards_) count(s, m.parameters);
+  for (auto& p : module_->parameters()) count(p.grad(), m.gradients);
+  for (auto& unit : impl_->units) count(unit.grad_full, m.gradients);
+  for (auto& s : shards_) count(s.grad(), m.gradients);
+  if (opt) {
+    for (auto& s : shards_) {
+      if (auto st = param_state(*opt, s)) {
+        for (auto& [name, t] : st->tensors) count(t, m.optimizer);
+      }
+    }
+  }
+  return m;
+}
+
+}  // namespace scaletrain

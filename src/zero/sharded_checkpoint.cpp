@@ -1,0 +1,284 @@
+// Sharded checkpoints (docs/zero.md, "Checkpoints"). Every rank writes its own file,
+// `dir/world-<N>/rank-<r>/ckpt-<step>.st`, in the checkpoint format of checkpoint.h (atomic,
+// CRC-32), holding its shard of each unit's parameters and optimizer state
+// ("zero/unit<u>/param", "zero/unit<u>/exp_avg"...) and the layout they were cut from (the
+// world, each unit's size and padding, the parameters' names and sizes).
+//
+// Loading at M ranks what N ranks saved (resharding): the units' slices of every saved file,
+// without their padding, put back to back, are the model's parameters (or one optimizer
+// moment) flat in parameter order, whatever N and whatever unit sizes were used; each rank cuts
+// its own units and shards out of that. When N = M and the layout is the same, a rank reads only
+// its own file.
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include "dist/model_sync.h"
+#include "scaletrain/error.h"
+#include "zero/impl.h"
+#include "zero/optimizer_state.h"
+
+namespace scaletrain {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kShardModel = "scaletrain-zero-shard";
+
+std::string join(const std::vector<std::string>& lines) {
+  std::string out;
+  for (auto& l : lines) out += l + "\n";
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+std::string shard_dir(const std::string& dir, int world, int rank) {
+  return dir + "/world-" + std::to_string(world) + "/rank-" + std::to_string(rank);
+}
+
+std::string value_of(const TrainingState& s, const std::string& key, const std::string& path) {
+  auto it = s.values.find(key);
+  if (it == s.values.end()) {
+    throw Error("sharded checkpoint '" + path + "': no '" + key + "' in it (not a shard?)");
+  }
+  return it->second;
+}
+
+// The worlds that saved `step` in `dir`, with every rank's file present and sound.
+std::vector<int> complete_worlds(const std::string& dir, int64_t step) {
+  std::vector<int> worlds;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("world-", 0) != 0) continue;
+    int n = 0;
+    try {
+      n = std::stoi(name.substr(6));
+    } catch (const std::exception&) {
+      continue;
+    }
+    bool ok = n > 0;
+    std::optional<std::string> run;
+    for (int r = 0; ok && r < n; ++r) {
+      const auto path = checkpoint_path(shard_dir(dir, n, r), step);
+      ok = fs::exists(path) && !checkpoint_problem(path);
+      if (!ok) break;
+      auto this_run = checkpoint_run(path);
+      if (r == 0) run = this_run;
+      ok = this_run == run;
+    }
+    if (ok) worlds.push_back(n);
+  }
+  return worlds;
+}
+
+}  // namespace
+
+std::string ShardedDataParallel::save(const std::string& dir, const TrainingState& state,
+                                      const torch::optim::Optimizer& opt, int keep) const {
+  const auto kind = optimizer_kind(opt);
+  if (kind.empty()) {
+    throw UsageError("rank " + std::to_string(dist_.rank()) +
+                     ": ShardedDataParallel::save knows the state of torch::optim::SGD, Adam and "
+                     "AdamW; keep another optimizer's state in TrainingState::tensors yourself");
+  }
+  TrainingState s = state;
+  s.values["zero/model_name"] = state.model_name;
+  s.model_name = kShardModel;
+  s.values["zero/world"] = std::to_string(dist_.size());
+  s.values["zero/optimizer"] = kind;
+  std::vector<std::string> described, units;
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    described.push_back(describe_param(impl_->names[i], impl_->params[i]));
+  }
+  s.values["zero/params"] = join(described);
+  for (size_t u = 0; u < plan_.size(); ++u) {
+    units.push_back(std::to_string(plan_[u].numel));
+    const auto& shard = shards_[u];
+    const auto prefix = "zero/unit" + std::to_string(u) + "/";
+    s.tensors[prefix + "param"] = shard.detach();
+    if (auto st = param_state(opt, shard)) {
+      s.values[prefix + "step"] = std::to_string(st->step);
+      for (auto& [name, t] : st->tensors) s.tensors[prefix + name] = t;
+    }
+  }
+  s.values["zero/units"] = join(units);
+  torch::nn::Module none;
+  auto path = save_checkpoint(shard_dir(dir, dist_.size(), dist_.rank()), s, none, nullptr, keep);
+  dist_.barrier();  // every shard is on disk when save() returns
+  return path;
+}
+
+TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_step,
+                                        torch::optim::Optimizer& opt, bool reshard) {
+  const std::string who = "rank " + std::to_string(dist_.rank()) + ": ";
+  auto worlds = complete_worlds(dir, global_step);
+  if (worlds.empty()) {
+    throw Error(who + "no complete sharded checkpoint of step " + std::to_string(global_step) +
+                " in '" + dir + "' (every rank's " + dir + "/world-N/rank-R/ckpt-" +
+                std::to_string(global_step) + ".st, sound and of one run)");
+  }
+  // Prefer this world's own layout; else the largest world that saved it.
+  int saved = *std::max_element(worlds.begin(), worlds.end());
+  if (std::find(worlds.begin(), worlds.end(), dist_.size()) != worlds.end()) saved = dist_.size();
+  if (saved != dist_.size() && !reshard) {
+    throw UsageError(who + "the checkpoint of step " + std::to_string(global_step) + " in '" + dir +
+                     "' was saved by " + std::to_string(saved) + " ranks, this world has " +
+                     std::to_string(dist_.size()) + "; load it with reshard = true");
+  }
+  // The files this rank needs: its own when the layout is the same, else every one.
+  std::vector<std::string> own_units;
+  for (auto& u : plan_) own_units.push_back(std::to_string(u.numel));
+  const auto own_path = checkpoint_path(shard_dir(dir, saved, dist_.rank() % saved), global_step);
+  torch::nn::Module none;
+  std::vector<TrainingState> files;
+  std::vector<std::string> paths;
+  auto read = [&](int r) {
+    paths.push_back(checkpoint_path(shard_dir(dir, saved, r), global_step));
+    files.push_back(load_checkpoint(paths.back(), none, nullptr, kShardModel));
+  };
+  read(saved == dist_.size() ? dist_.rank() : 0);
+  const bool same_layout =
+      saved == dist_.size() && value_of(files[0], "zero/units", own_path) == join(own_units);
+
+  // The same model, the same optimizer.
+  std::vector<std::string> described;
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    described.push_back(describe_param(impl_->names[i], impl_->params[i]));
+  }
+  const auto theirs = lines_of(value_of(files[0], "zero/params", paths[0]));
+  for (size_t i = 0; i < std::max(theirs.size(), described.size()); ++i) {
+    const auto a = i < theirs.size() ? theirs[i] : "(none)";
+    const auto b = i < described.size() ? described[i] : "(none)";
+    if (a == b) continue;
+    throw UsageError(who + "sharded checkpoint '" + paths[0] +
+                     "' is of another model: parameter #" + std::to_string(i) + " is '" + a +
+                     "' there and '" + b + "' here");
+  }
+  const auto kind = value_of(files[0], "zero/optimizer", paths[0]);
+  if (kind != optimizer_kind(opt)) {
+    throw UsageError(who + "sharded checkpoint '" + paths[0] + "' holds the state of a '" + kind +
+                     "' optimizer, not of a '" + optimizer_kind(opt) + "' one");
+  }
+
+  // Every state kind ("param", "exp_avg"...) of every unit of this rank.
+  std::map<std::string, std::vector<at::Tensor>> pieces;  // kind -> per unit of this rank
+  int64_t step = 0;
+  if (same_layout) {
+    for (size_t u = 0; u < plan_.size(); ++u) {
+      const auto prefix = "zero/unit" + std::to_string(u) + "/";
+      for (auto& [key, t] : files[0].tensors) {
+        if (key.rfind(prefix, 0) == 0) pieces[key.substr(prefix.size())].push_back(t);
+      }
+      auto it = files[0].values.find(prefix + "step");
+      if (it != files[0].values.end()) step = std::stoll(it->second);
+    }
+  } else {
+    files.clear();
+    paths.clear();
+    for (int r = 0; r < saved; ++r) read(r);
+    std::vector<int64_t> saved_units;
+    for (auto& l : lines_of(value_of(files[0], "zero/units", paths[0]))) {
+      saved_units.push_back(std::stoll(l));
+    }
+    for (size_t f = 1; f < files.size(); ++f) {
+      if (value_of(files[f], "zero/units", paths[f]) !=
+              value_of(files[0], "zero/units", paths[0]) ||
+          files[f].run_id != files[0].run_id) {
+        throw Error(who + "shard '" + paths[f] + "' does not belong with '" + paths[0] +
+                    "' (another run or another layout)");
+      }
+    }
+    std::set<std::string> kinds;
+    for (auto& [key, t] : files[0].tensors) {
+      if (key.rfind("zero/unit0/", 0) == 0) kinds.insert(key.substr(11));
+    }
+    auto it = files[0].values.find("zero/unit0/step");
+    if (it != files[0].values.end()) step = std::stoll(it->second);
+    for (const auto& k : kinds) {
+      std::vector<at::Tensor> flat;  // the model's values of kind k, in parameter order
+      for (size_t v = 0; v < saved_units.size(); ++v) {
+        std::vector<at::Tensor> slices;
+        for (size_t f = 0; f < files.size(); ++f) {
+          const auto key = "zero/unit" + std::to_string(v) + "/" + k;
+          auto t = files[f].tensors.find(key);
+          if (t == files[f].tensors.end()) {
+            throw Error(who + "shard '" + paths[f] + "': no '" + key + "' in it");
+          }
+          slices.push_back(t->second);
+        }
+        flat.push_back(at::cat(slices).narrow(0, 0, saved_units[v]));
+      }
+      auto all = at::cat(flat);
+      int64_t offset = 0;
+      for (auto& u : plan_) {
+        auto padded = at::zeros({u.padded}, all.options());
+        padded.narrow(0, 0, u.numel).copy_(all.narrow(0, offset, u.numel));
+        const int64_t s = u.padded / dist_.size();
+        pieces[k].push_back(padded.narrow(0, dist_.rank() * s, s).clone());
+        offset += u.numel;
+      }
+    }
+  }
+
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < plan_.size(); ++u) {
+    auto& shard = shards_[u];
+    shard.detach().copy_(pieces.at("param")[u]);
+    ParamState st;
+    st.step = step;
+    for (auto& [k, v] : pieces) {
+      if (k != "param") st.tensors[k] = v[u].to(shard.device()).clone();
+    }
+    if (!st.tensors.empty()) set_param_state(opt, shard, st);
+  }
+  if (options_.stage < 3) {
+    impl_->gather_all();
+  } else {
+    this->reshard();
+  }
+  TrainingState out = files[0];
+  out.model_name = value_of(out, "zero/model_name", paths[0]);
+  for (auto it = out.values.begin(); it != out.values.end();) {
+    it = it->first.rfind("zero/", 0) == 0 ? out.values.erase(it) : std::next(it);
+  }
+  for (auto it = out.tensors.begin(); it != out.tensors.end();) {
+    it = it->first.rfind("zero/", 0) == 0 ? out.tensors.erase(it) : std::next(it);
+  }
+  out.optimizer_restored = pieces.size() > 1;
+  return out;
+}
+
+std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {
+  std::set<int64_t> steps;
+  std::error_code ec;
+  for (auto& w : fs::directory_iterator(dir, ec)) {
+    const auto rank0 = w.path() / "rank-0";
+    std::error_code ec2;
+    for (auto& f : fs::directory_iterator(rank0, ec2)) {
+      const auto name = f.path().filename().string();
+      if (name.rfind("ckpt-", 0) != 0 || f.path().extension() != ".st") continue;
+      try {
+        steps.insert(std::stoll(name.substr(5)));
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    if (!complete_worlds(dir, *it).empty()) return *it;
+  }
+  return std::nullopt;
+}
+
+}  // namespace scaletrain

@@ -152,10 +152,12 @@ void add_train_command(CLI::App& app, Action& action) {
       ->capture_default_str();
   cmd->add_option("--step-size", o.step_size, "Epochs between step-schedule decays");
   cmd->add_option("--gamma", o.gamma, "Step-schedule factor");
-  cmd->add_option("--strategy", args->strategy,
-                  "ddp (a process per device), dp (DataParallel over --devices), pipeline (the "
-                  "model's blocks over --devices), grid (a pipeline of --pipeline-stages ranks, "
-                  "replicated over the rest)")
+  cmd->add_option(
+         "--strategy", args->strategy,
+         "ddp (a process per device), dp (DataParallel over --devices), pipeline (the "
+         "model's blocks over --devices), grid (a pipeline of --pipeline-stages ranks, "
+         "replicated over the rest), zero1, zero2, fsdp (a process per device, sharding the "
+         "optimizer state; and the gradients; and the parameters too)")
       ->capture_default_str();
   cmd->add_option("--devices", args->devices,
                   "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
@@ -206,9 +208,11 @@ void add_train_command(CLI::App& app, Action& action) {
         LaunchOptions lo;
         const bool gpus = cuda_device_count() > 0 && args->o.device != "cpu";
         const auto s = args->o.strategy;
-        const int automatic = s == Strategy::kGrid  ? args->o.pipeline_stages
-                              : s == Strategy::kDDP ? (gpus ? cuda_device_count() : 2)
-                                                    : 1;  // dp, pipeline: one process
+        const bool per_device = s == Strategy::kDDP || s == Strategy::kZero1 ||
+                                s == Strategy::kZero2 || s == Strategy::kFsdp;
+        const int automatic = s == Strategy::kGrid ? args->o.pipeline_stages
+                              : per_device         ? (gpus ? cuda_device_count() : 2)
+                                                   : 1;  // dp, pipeline: one process
         lo.nproc_per_node = parse_nproc_per_node(args->nproc, automatic);
         if (lo.nproc_per_node < 1) {
           throw UsageError("--nproc-per-node " + args->nproc +

@@ -166,7 +166,9 @@ INSTANTIATE_TEST_SUITE_P(
              {"cpu", "cpu", "cpu"},
              PipelineSchedule::k1F1B,
              3},
-        Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3}),
+        Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3},
+        Case{"zero1", Strategy::kZero1, 2, {}}, Case{"zero2", Strategy::kZero2, 3, {}},
+        Case{"fsdp", Strategy::kFsdp, 4, {}}),
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 // ---- Batch norm's semantics per strategy -----------------------------------------------------

@@ -113,7 +113,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Resume{"dp", 1, "--strategy dp --devices cpu,cpu"},
                       Resume{"pipeline", 1,
                              "--strategy pipeline --devices cpu,cpu --schedule 1f1b --chunks 4"},
-                      Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"}),
+                      Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"},
+                      Resume{"zero1", 2, "--strategy zero1"},
+                      Resume{"zero2", 2, "--strategy zero2"}, Resume{"fsdp", 2, "--strategy fsdp"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
@@ -324,7 +326,12 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--strategy grid --pipeline-stages 3", "dividing the world: 2 processes, 3 stages"},
         Bad{"--strategy grid --pipeline-stages 2 --split-size 4", "a grid's stages take --chunks"},
         Bad{"--strategy ddp --pipeline-stages 4", "--pipeline-stages is for --strategy grid"},
-        Bad{"--strategy tp", "unknown --strategy 'tp'; use ddp, dp, pipeline or grid"},
+        Bad{"--strategy tp",
+            "unknown --strategy 'tp'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp"},
+        Bad{"--strategy fsdp --devices cpu,cpu", "--devices is for dp and pipeline"},
+        Bad{"--strategy zero1 --chunks 2", "are for the pipeline strategies"},
+        Bad{"--strategy zero2 --amp bf16", "runs with --strategy ddp only"},
+        Bad{"--strategy fsdp --uneven-inputs join", "--uneven-inputs is for --strategy ddp"},
         Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu", "at least 2 --devices"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1",

@@ -21,6 +21,9 @@
 //   pipeline  one process, the model's block chain split over `devices` (seeds 000, 002)
 //   grid      a pipeline of `pipeline_stages` ranks, and world / stages such pipelines in data
 //             parallel (DistPipeline, DDP per stage)
+//   zero1     one process per device, sharded data parallelism (zero.h): optimizer state sharded
+//   zero2     ... and gradients
+//   fsdp      ... and parameters (ZeRO stage 3, the model's block chain in units)
 // Every rank calls train() with the same task and options. What it does on each: a
 // DistributedSampler slice of the data per epoch, loaded by background threads; the strategy's
 // step; the optimizer; the learning-rate scheduler once per epoch; the metrics on the test data,
@@ -142,9 +145,10 @@ struct TrainTask {
 
 // ---- How it is trained ------------------------------------------------------------------------
 
-enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid };
+enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid, kZero1, kZero2, kFsdp };
 
-/// "ddp", "dp", "pipeline", "grid"; throws UsageError naming them for anything else.
+/// "ddp", "dp", "pipeline", "grid", "zero1", "zero2", "fsdp"; throws UsageError naming them for
+/// anything else.
 Strategy parse_strategy(const std::string& name);
 std::string to_string(Strategy s);
 

@@ -44,6 +44,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -118,14 +119,18 @@ class ShardedDataParallel {
   /// This rank's shard of each unit: the tensors to give the optimizer.
   const std::vector<at::Tensor>& parameters() const { return shards_; }
   /// opt.step() over parameters(), then every rank's updated shards gathered into the module
-  /// (stages 1 and 2; stage 3 gathers at the next forward). Throws Error naming the parameters
-  /// that got no gradient in the last backward.
+  /// (stages 1 and 2; stage 3 frees what is gathered, and gathers at the next forward). Throws
+  /// Error naming the parameters that got no gradient in the last backward.
   void step(torch::optim::Optimizer& opt);
   /// Collective: the module holds every current parameter (stage 3: until the next forward or
   /// reshard()); e.g. for save_weights() on rank 0 or an evaluation outside forward().
   void gather_full_parameters();
   /// Stage 3: frees the gathered units again.
   void reshard();
+  /// After the module's parameters were changed while gathered (gather_full_parameters(), then
+  /// load_weights() or load_checkpoint() into the module): this rank's shards take their values
+  /// from them. Every rank must have loaded the same values. Not collective.
+  void scatter_full_parameters();
 
   const std::vector<UnitRange>& units() const { return plan_; }
   /// Each unit's parameters' indices in module.parameters() order.
@@ -147,6 +152,16 @@ class ShardedDataParallel {
   /// world size (naming both).
   TrainingState load(const std::string& dir, int64_t global_step, torch::optim::Optimizer& opt,
                      bool reshard = true);
+
+  /// Collective: the optimizer's state over the whole model, each kind ("exp_avg",
+  /// "momentum_buffer"...) flat in parameter order without padding, and "step" (Adam's count) as
+  /// a 0-d tensor, on every rank: what a one-file checkpoint keeps (it loads at any world size
+  /// and stage). Empty before the first step.
+  std::map<std::string, at::Tensor> full_optimizer_state(const torch::optim::Optimizer& opt) const;
+  /// Makes this rank's shards' state in `opt` the slices of full_optimizer_state()'s result.
+  /// Throws UsageError when a kind's length is not the model's parameter count.
+  void load_full_optimizer_state(torch::optim::Optimizer& opt,
+                                 const std::map<std::string, at::Tensor>& state);
 
   struct Impl;  // src/zero/sharded.cpp
 

@@ -300,6 +300,10 @@ std::unique_ptr<TrainStrategy> make_grid_strategy(const TrainTask& task,
                                                   const TrainerOptions& options, const Dist& dist,
                                                   Model& model, const at::Tensor& sample);
 
+std::unique_ptr<TrainStrategy> make_zero_strategy(const TrainTask& task,
+                                                  const TrainerOptions& options, const Dist& dist,
+                                                  Model& model, int stage);
+
 std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const TrainerOptions& options,
                                              const Dist& dist, Model& model,
                                              const at::Tensor& sample) {
@@ -312,6 +316,12 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
       return std::make_unique<PipelineStrategy>(task, options, dist, model, sample);
     case Strategy::kGrid:
       return make_grid_strategy(task, options, dist, model, sample);
+    case Strategy::kZero1:
+      return make_zero_strategy(task, options, dist, model, 1);
+    case Strategy::kZero2:
+      return make_zero_strategy(task, options, dist, model, 2);
+    case Strategy::kFsdp:
+      return make_zero_strategy(task, options, dist, model, 3);
   }
   throw Error("unknown strategy");
 }

@@ -55,6 +55,9 @@ class TrainStrategy {
   /// After a load: restores the optimizer from `state` where the file's standard place did not;
   /// returns whether it is restored.
   virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);
+  /// After a checkpoint's weights were loaded into the model (a sharded strategy takes its shards
+  /// from them).
+  virtual void weights_loaded() {}
   /// The scaler's state for the checkpoint, and back.
   virtual GradScaler* scaler() { return nullptr; }
   virtual std::vector<DeviceReport> devices() const = 0;

@@ -150,6 +150,7 @@ void Run::resume() {
     torch::optim::Optimizer* standard =
         strategy_->saved_optimizer_is_standard() ? opt_.get() : nullptr;
     state_ = load_checkpoint(from, *model_.module, standard, model_.name);
+    strategy_->weights_loaded();
     sampler_->load_state(state_.sampler);
     const bool restored = strategy_->restore_optimizer(*opt_, state_);
     if (auto* scaler = strategy_->scaler()) {
@@ -374,7 +375,11 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "dp") return Strategy::kDataParallel;
   if (name == "pipeline") return Strategy::kPipeline;
   if (name == "grid") return Strategy::kGrid;
-  throw UsageError("unknown --strategy '" + name + "'; use ddp, dp, pipeline or grid");
+  if (name == "zero1") return Strategy::kZero1;
+  if (name == "zero2") return Strategy::kZero2;
+  if (name == "fsdp") return Strategy::kFsdp;
+  throw UsageError("unknown --strategy '" + name +
+                   "'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp");
 }
 
 std::string to_string(Strategy s) {
@@ -387,6 +392,12 @@ std::string to_string(Strategy s) {
       return "pipeline";
     case Strategy::kGrid:
       return "grid";
+    case Strategy::kZero1:
+      return "zero1";
+    case Strategy::kZero2:
+      return "zero2";
+    case Strategy::kFsdp:
+      return "fsdp";
   }
   return "?";
 }

@@ -43,6 +43,9 @@ namespace {
 int replicas(const TrainerOptions& o, int world) {
   switch (o.strategy) {
     case Strategy::kDDP:
+    case Strategy::kZero1:
+    case Strategy::kZero2:
+    case Strategy::kFsdp:
       return world;
     case Strategy::kGrid:
       return world / std::max(o.pipeline_stages, 1);
@@ -59,20 +62,22 @@ void validate_strategy(const TrainerOptions& o, int world) {
   const std::string name = to_string(o.strategy);
   const bool ddp = o.strategy == Strategy::kDDP, dp = o.strategy == Strategy::kDataParallel,
              pipeline = o.strategy == Strategy::kPipeline, grid = o.strategy == Strategy::kGrid;
+  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
+                    o.strategy == Strategy::kFsdp;
   if ((dp || pipeline) && world != 1) {
     refuse("--strategy " + name + " runs in one process (its devices are threads of it), and " +
            std::to_string(world) +
            " processes were started: start one (--nproc-per-node 1), or train with ddp or grid "
            "across processes");
   }
-  if ((ddp || grid) && !o.devices.empty()) {
+  if ((ddp || grid || zero) && !o.devices.empty()) {
     refuse("--devices is for dp and pipeline; --strategy " + name +
            " runs one device per process (--device)");
   }
   if (pipeline && !o.devices.empty() && o.devices.size() < 2) {
     refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
   }
-  if ((ddp || dp) &&
+  if ((ddp || dp || zero) &&
       (o.chunks > 0 || o.split_size > 0 || o.balance != "auto" ||
        o.schedule != PipelineSchedule::kGPipe || o.checkpointing != PipelineCheckpoint::kNever)) {
     refuse(

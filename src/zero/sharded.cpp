@@ -505,7 +505,26 @@ void ShardedDataParallel::step(torch::optim::Optimizer& opt) {
   opt.step();
   for (auto& unit : impl_->units) unit.reduced = false;
   std::fill(impl_->arrived.begin(), impl_->arrived.end(), false);
-  if (options_.stage < 3) impl_->gather_all();
+  if (options_.stage < 3) {
+    impl_->gather_all();
+  } else {
+    reshard();  // gathered values are stale now
+  }
+}
+
+void ShardedDataParallel::scatter_full_parameters() {
+  if (options_.stage < 3) return;  // the shards are slices of the module's own buffers
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < impl_->units.size(); ++u) {
+    auto& unit = impl_->units[u];
+    if (!unit.gathered) {
+      throw UsageError("ShardedDataParallel::scatter_full_parameters: unit " + std::to_string(u) +
+                       " is not gathered; call gather_full_parameters() before changing the "
+                       "module's parameters");
+    }
+    shards_[u].detach().copy_(
+        unit.full.narrow(0, impl_->rank * unit.shard_numel, unit.shard_numel));
+  }
 }
 
 void ShardedDataParallel::gather_full_parameters() {

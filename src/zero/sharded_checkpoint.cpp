@@ -11,6 +11,7 @@
 // its own file.
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -83,7 +84,72 @@ std::vector<int> complete_worlds(const std::string& dir, int64_t step) {
   return worlds;
 }
 
+// This rank's shard of each unit of `plan` from `all`, the model's values flat in parameter order.
+std::vector<at::Tensor> cut(const at::Tensor& all, const std::vector<UnitRange>& plan, int rank,
+                            int world) {
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (const auto& u : plan) {
+    auto padded = at::zeros({u.padded}, all.options());
+    padded.narrow(0, 0, u.numel).copy_(all.narrow(0, offset, u.numel));
+    const int64_t s = u.padded / world;
+    out.push_back(padded.narrow(0, rank * s, s).clone());
+    offset += u.numel;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::map<std::string, at::Tensor> ShardedDataParallel::full_optimizer_state(
+    const torch::optim::Optimizer& opt) const {
+  std::map<std::string, std::vector<at::Tensor>> parts;
+  std::map<std::string, at::Tensor> out;
+  for (size_t u = 0; u < plan_.size(); ++u) {
+    auto st = param_state(opt, shards_[u]);
+    if (!st) continue;
+    out["step"] = at::scalar_tensor(static_cast<double>(st->step), at::kLong);
+    for (auto& [k, t] : st->tensors) {
+      auto full = dist_.size() > 1 ? dist_.all_gather_into_tensor(t.contiguous()) : t;
+      parts[k].push_back(full.narrow(0, 0, plan_[u].numel));
+    }
+  }
+  for (auto& [k, v] : parts) {
+    if (v.size() != plan_.size()) {
+      throw Error("rank " + std::to_string(dist_.rank()) + ": the optimizer has '" + k + "' for " +
+                  std::to_string(v.size()) + " of " + std::to_string(plan_.size()) + " units");
+    }
+    out[k] = at::cat(v).cpu();
+  }
+  return out;
+}
+
+void ShardedDataParallel::load_full_optimizer_state(
+    torch::optim::Optimizer& opt, const std::map<std::string, at::Tensor>& state) {
+  int64_t total = 0;
+  for (auto& u : plan_) total += u.numel;
+  std::map<std::string, std::vector<at::Tensor>> pieces;
+  int64_t step = 0;
+  for (auto& [k, t] : state) {
+    if (k == "step") {
+      step = t.item<int64_t>();
+      continue;
+    }
+    if (t.dim() != 1 || t.numel() != total) {
+      throw UsageError("rank " + std::to_string(dist_.rank()) + ": optimizer state '" + k +
+                       "' holds " + std::to_string(t.numel()) + " values; the model has " +
+                       std::to_string(total) + " parameters");
+    }
+    pieces[k] = cut(t, plan_, dist_.rank(), dist_.size());
+  }
+  if (pieces.empty()) return;
+  for (size_t u = 0; u < plan_.size(); ++u) {
+    ParamState st;
+    st.step = step;
+    for (auto& [k, v] : pieces) st.tensors[k] = v[u].to(shards_[u].device());
+    set_param_state(opt, shards_[u], st);
+  }
+}
 
 std::string ShardedDataParallel::save(const std::string& dir, const TrainingState& state,
                                       const torch::optim::Optimizer& opt, int keep) const {
@@ -220,15 +286,7 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
         }
         flat.push_back(at::cat(slices).narrow(0, 0, saved_units[v]));
       }
-      auto all = at::cat(flat);
-      int64_t offset = 0;
-      for (auto& u : plan_) {
-        auto padded = at::zeros({u.padded}, all.options());
-        padded.narrow(0, 0, u.numel).copy_(all.narrow(0, offset, u.numel));
-        const int64_t s = u.padded / dist_.size();
-        pieces[k].push_back(padded.narrow(0, dist_.rank() * s, s).clone());
-        offset += u.numel;
-      }
+      pieces[k] = cut(at::cat(flat), plan_, dist_.rank(), dist_.size());
     }
   }
 

@@ -1,0 +1,100 @@
+// The trainer's sharded strategies (Note [Strategies] in strategy.cpp): zero1, zero2 and fsdp,
+// ShardedDataParallel (zero.h) over the ranks, one device each. The optimizer steps this rank's
+// shards; a checkpoint holds the model's weights, gathered, in the standard place, and the
+// optimizer's state over the whole model, flat, in TrainingState::tensors ("zero/optimizer/..."),
+// so it resumes at any world size and with any of the three stages.
+
+#include <ATen/ops/full.h>
+
+#include "scaletrain/error.h"
+#include "scaletrain/zero.h"
+#include "train/balance.h"
+#include "train/strategy.h"
+
+namespace scaletrain {
+namespace {
+
+const std::string kOptimizerPrefix = "zero/optimizer/";
+
+class ZeroStrategy : public TrainStrategy {
+ public:
+  ZeroStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
+               int stage)
+      : TrainStrategy(d), model_(model), loss_(task.loss), dev_(rank_device(o.device, d)) {
+    model.module->to(dev_);
+    ShardOptions so;
+    so.stage = stage;
+    if (stage == 3) {
+      zero_ = std::make_unique<ShardedDataParallel>(chain_of(model), d, so);
+      zero_->gather_full_parameters();  // a checkpoint may load into them before the first step
+    } else {
+      zero_ = std::make_unique<ShardedDataParallel>(model.module, d, so);
+    }
+  }
+
+  std::vector<at::Tensor> parameters() override { return zero_->parameters(); }
+  int data_rank() const override { return dist_.rank(); }
+  int data_replicas() const override { return dist_.size(); }
+  at::Device device() const override { return dev_; }
+
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
+    at::Tensor loss = loss_(forward(x), y);
+    (weight != 1 ? loss * weight : loss).backward();
+    return loss.detach();
+  }
+  at::Tensor predict(const at::Tensor& x) override { return forward(x); }
+
+  // Each rank sees its own shards' gradients: the ranks agree on one verdict.
+  bool gradients_finite() override {
+    auto finite = at::full({1}, TrainStrategy::gradients_finite() ? 1.0 : 0.0,
+                           at::TensorOptions().device(dev_));
+    dist_.all_reduce(finite, c10d::ReduceOp::MIN);
+    return finite.item<double>() > 0.5;
+  }
+  void optimizer_step(torch::optim::Optimizer& opt) override { zero_->step(opt); }
+  void weights_loaded() override { zero_->scatter_full_parameters(); }
+  void gather_weights() override { zero_->gather_full_parameters(); }
+  void train_mode(bool on) override { model_.module->train(on); }
+
+  const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
+                                                 TrainingState& state) override {
+    for (auto& [k, t] : zero_->full_optimizer_state(opt)) state.tensors[kOptimizerPrefix + k] = t;
+    return nullptr;
+  }
+  bool saved_optimizer_is_standard() const override { return false; }
+  bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
+    std::map<std::string, at::Tensor> full;
+    for (const auto& [k, t] : state.tensors) {
+      if (k.rfind(kOptimizerPrefix, 0) == 0) full[k.substr(kOptimizerPrefix.size())] = t;
+    }
+    if (full.empty()) return false;
+    zero_->load_full_optimizer_state(opt, full);
+    return true;
+  }
+  std::vector<DeviceReport> devices() const override {
+    int64_t n = 0;
+    for (const auto& s : zero_->parameters()) n += s.numel();
+    return {{dev_.str(), n, peak_memory(dev_)}};
+  }
+
+ private:
+  at::Tensor forward(const at::Tensor& x) {
+    if (zero_->options().stage == 3) return zero_->forward(x);
+    return zero_->forward([&] { return model_.forward(x); });
+  }
+
+  Model& model_;
+  LossFn loss_;
+  at::Device dev_;
+  std::unique_ptr<ShardedDataParallel> zero_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainStrategy> make_zero_strategy(const TrainTask& task,
+                                                  const TrainerOptions& options, const Dist& dist,
+                                                  Model& model, int stage) {
+  return std::make_unique<ZeroStrategy>(task, options, dist, model, stage);
+}
+
+}  // namespace scaletrain

@@ -98,6 +98,7 @@ struct Case {
   bool any_module = false;
   bool prefetch = true, reshard_after_forward = true;
   std::optional<at::ScalarType> reduce_dtype;
+  bool shared_memory = true;
 };
 
 std::string describe(const Case& c) {
@@ -165,6 +166,7 @@ void expect_transparent(const Case& c) {
     o.prefetch = c.prefetch;
     o.reshard_after_forward = c.reshard_after_forward;
     o.reduce_dtype = c.reduce_dtype;
+    o.shared_memory = c.shared_memory;
     std::unique_ptr<ShardedDataParallel> z;
     if (c.any_module) {
       wrapped = std::make_shared<Wrapped>(chain);
@@ -252,6 +254,18 @@ TEST(Zero, AnyModuleThroughForwardFnInStagesOneAndTwo) {
     c.world = 3;
     c.any_module = true;
     c.unit_cap_mb = 1e-4;
+    expect_transparent(c);
+  }
+}
+
+TEST(Zero, OverTheBackendAloneWithoutSharedMemory) {
+  for (int stage : {1, 2, 3}) {
+    Case c;
+    c.stage = stage;
+    c.world = 3;
+    c.unit_cap_mb = 1e-4;
+    c.shared_memory = false;
+    c.optimizer = "adam";
     expect_transparent(c);
   }
 }

@@ -29,12 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args) {
-  std::map<std::string, std::string> kv;
-  for (size_t i = 0; i + 1 < args.size(); i += 2) kv[args[i]] = args[i + 1];
-  return kv;
-}
-
 std::vector<double> read_values(const std::string& csv) {
   std::vector<double> v;
   std::ifstream in(csv);

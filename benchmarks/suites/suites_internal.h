@@ -3,6 +3,10 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/intra_op_threads.h"
 
@@ -21,7 +25,11 @@ SuiteResult new_result(const std::string& suite, const std::string& title, const
 void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
                      const std::string& what);
 
+/// `--key value` pairs of a worker's arguments.
+std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args);
+
 SuiteResult run_allreduce(const SuiteOptions& o);
+SuiteResult run_zero(const SuiteOptions& o);
 SuiteResult run_async(const SuiteOptions& o);
 SuiteResult run_ddp_vs_python(const SuiteOptions& o);
 SuiteResult run_ddp_overlap(const SuiteOptions& o);

@@ -70,6 +70,9 @@ struct ShardOptions {
   /// The dtype gradients are reduced in (mixed precision's reduce dtype): e.g. at::kBFloat16
   /// halves the bytes on the wire; the shard's gradient is back in the parameters' dtype.
   std::optional<at::ScalarType> reduce_dtype;
+  /// Ranks on one machine reduce and gather float32 CPU units through a shared-memory segment
+  /// (Note [Shared-memory reduce] in src/transport/shm.cpp), as DDP does; else the backend.
+  bool shared_memory = true;
   /// > 0: a unit whose gathered parameters exceed this many MB is refused at construction with
   /// an error naming it (split its block, or lower unit_cap_mb).
   double unit_memory_budget_mb = 0;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "dist/collectives.h"
 #include "scaletrain/zero.h"
 
 namespace scaletrain {
@@ -37,6 +38,7 @@ struct ShardedDataParallel::Impl {
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
   void start_gather(size_t u);
   void ensure_gathered(size_t u);
+  void shm_gather(size_t u, const at::Tensor& mine);
   void free_unit(size_t u);
   void gather_all();
   void gather_if_stepped();
@@ -62,6 +64,11 @@ struct ShardedDataParallel::Impl {
   size_t next_reduce = 0;                    // units are reduced last to first, in order
   std::vector<size_t> in_flight;             // launched, not finished
   c10::intrusive_ptr<c10d::Backend> gather_pg, reduce_pg;  // null for a world of one
+  // The same-machine path for float32 CPU units (null where any rank cannot map the segment).
+  std::unique_ptr<Collectives> gather_shm, reduce_shm;
+  bool shm(const std::unique_ptr<Collectives>& c, const at::Tensor& t) const {
+    return c && t.is_cpu() && t.scalar_type() == at::kFloat;
+  }
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
   int instance = 0;
 };

@@ -224,6 +224,18 @@ ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> 
     const auto prefix = "scaletrain/zero/" + std::to_string(instance) + "/";
     gather_pg = new_backend(dist, dist.backend_name, prefix + "gather", dist.timeout);
     reduce_pg = new_backend(dist, dist.backend_name, prefix + "reduce", dist.timeout);
+    if (opts.shared_memory) {
+      // Each over a group of its own, so that a fallback never interleaves with the other's.
+      Dist g = dist, r = dist;
+      g.backend = gather_pg;
+      r.backend = reduce_pg;
+      gather_shm = make_collectives(g, {}, prefix + "gather-shm");
+      reduce_shm = make_collectives(r, {}, prefix + "reduce-shm");
+      if (!gather_shm->shared_memory() || !reduce_shm->shared_memory()) {
+        gather_shm.reset();
+        reduce_shm.reset();
+      }
+    }
   }
   next_reduce = units.size();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -267,8 +279,24 @@ void ShardedDataParallel::Impl::start_gather(size_t u) {
     unit.gathered = true;
     return;
   }
+  if (shm(gather_shm, unit.full)) {
+    shm_gather(u, shard.detach());
+    return;
+  }
   unit.gather_input = shard.detach();
   unit.gather_work = gather_pg->_allgather_base(unit.full, unit.gather_input);
+}
+
+// All-gather as a sum: every rank contributes its shard in its own place and zeros elsewhere,
+// x + 0 is exact, so every rank ends with every shard's bits.
+void ShardedDataParallel::Impl::shm_gather(size_t u, const at::Tensor& mine) {
+  auto& unit = units[u];
+  at::NoGradGuard no_grad;
+  unit.full.zero_();
+  unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).copy_(mine);
+  const auto what = "all-gather of unit " + std::to_string(u) + "'s parameters";
+  if (auto work = gather_shm->all_reduce_sum(unit.full, what)) wait_for(work, what, dist);
+  unit.gathered = true;
 }
 
 void ShardedDataParallel::Impl::ensure_gathered(size_t u) {
@@ -300,7 +328,9 @@ void ShardedDataParallel::Impl::gather_all() {
   for (size_t u = 0; u < units.size(); ++u) {
     auto& unit = units[u];
     const auto& shard = owner.shards_[u];
-    if (gather_pg) {
+    if (shm(gather_shm, unit.full)) {
+      shm_gather(u, shard.detach().clone());  // the shard is a slice of the output
+    } else if (gather_pg) {
       auto input = shard.detach().clone();  // the shard is a slice of the output
       wait_for(gather_pg->_allgather_base(unit.full, input),
                "all-gather of unit " + std::to_string(u) + "'s parameters", dist);
@@ -361,7 +391,13 @@ void ShardedDataParallel::Impl::launch_ready() {
 void ShardedDataParallel::Impl::launch_reduce(size_t u) {
   auto& unit = units[u];
   unit.reduce_input = opts.reduce_dtype ? unit.grad_full.to(*opts.reduce_dtype) : unit.grad_full;
-  if (reduce_pg) {
+  if (reduce_pg && shm(reduce_shm, unit.reduce_input)) {
+    // Stage 1's buffer is the parameters' .grad, which later backwards accumulate into: sum a copy.
+    if (opts.stage == 1 && !opts.reduce_dtype) unit.reduce_input = unit.reduce_input.clone();
+    const auto what = "reduce of unit " + std::to_string(u) + "'s gradients";
+    if (auto work = reduce_shm->all_reduce_sum(unit.reduce_input, what)) wait_for(work, what, dist);
+    unit.reduce_output = unit.reduce_input.narrow(0, rank * unit.shard_numel, unit.shard_numel);
+  } else if (reduce_pg) {
     unit.reduce_output = at::empty({unit.shard_numel}, unit.reduce_input.options());
     c10d::ReduceScatterOptions ro;
     ro.reduceOp = c10d::ReduceOp::SUM;
@@ -394,7 +430,11 @@ void ShardedDataParallel::Impl::finish_reduce(size_t u) {
     if (g.data_ptr() != view.data_ptr()) view.copy_(g);
   } else {
     if (!sg.defined()) {
-      sg = g.data_ptr() == unit.grad_full.data_ptr() ? g.clone() : g;
+      // Never keep the whole buffer alive through a view of it.
+      sg = g.storage().is_alias_of(unit.grad_full.storage()) ||
+                   g.storage().is_alias_of(unit.reduce_input.storage())
+               ? g.clone()
+               : g;
     } else {
       sg.add_(g);
     }

@@ -30,6 +30,10 @@ const std::vector<Suite>& suites();
 /// 0's samples to `csv_path`. Returns the process exit status.
 int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats);
 
+/// Worker of the zero suite: `--csv F --mode ddp|1|2|3 [--batch-size B] [--steps N] [--warmup W]
+/// [--repeats R]`; rank 0 writes `metric,value` lines to F.
+int run_zero_worker(const std::vector<std::string>& args);
+
 /// Worker of the DDP suites: `--csv F [--model M] [--batch-size B] [--steps N] [--warmup W]
 /// [--repeats R] [--overlap 0|1]`; rank 0 appends samples/s per repetition to F.
 int run_ddp_worker(const std::vector<std::string>& args);

@@ -56,14 +56,14 @@ std::string source_dir(const SuiteOptions& o) {
 
 int run_ddp_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
-  const std::string model_name = kv.count("--model") ? kv["--model"] : "lenet";
-  const int64_t batch = std::stoll(kv.count("--batch-size") ? kv["--batch-size"] : "256");
-  const int steps = std::stoi(kv.count("--steps") ? kv["--steps"] : "40");
-  const int warmup = std::stoi(kv.count("--warmup") ? kv["--warmup"] : "5");
-  const int repeats = std::stoi(kv.count("--repeats") ? kv["--repeats"] : "5");
-  const bool overlap = !kv.count("--overlap") || kv["--overlap"] != "0";
-  const bool channels_last = !kv.count("--channels-last") || kv["--channels-last"] != "0";
-  const bool shared_memory = !kv.count("--shared-memory") || kv["--shared-memory"] != "0";
+  const std::string model_name = arg_or(kv, "--model", "lenet");
+  const int64_t batch = std::stoll(arg_or(kv, "--batch-size", "256"));
+  const int steps = std::stoi(arg_or(kv, "--steps", "40"));
+  const int warmup = std::stoi(arg_or(kv, "--warmup", "5"));
+  const int repeats = std::stoi(arg_or(kv, "--repeats", "5"));
+  const bool overlap = arg_or(kv, "--overlap", "1") != "0";
+  const bool channels_last = arg_or(kv, "--channels-last", "1") != "0";
+  const bool shared_memory = arg_or(kv, "--shared-memory", "1") != "0";
   Dist d = init_process_group();
   at::set_num_threads(1);
   Dataset data = load_fashion_mnist(kFashionMnistDir, true);

@@ -38,6 +38,12 @@ std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args
   return kv;
 }
 
+std::string arg_or(const std::map<std::string, std::string>& kv, const std::string& key,
+                   const std::string& fallback) {
+  auto it = kv.find(key);
+  return it == kv.end() ? fallback : it->second;
+}
+
 const std::vector<Suite>& suites() {
   static const std::vector<Suite> all = {
       {"mp-vs-single",

@@ -27,6 +27,9 @@ void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> comm
 
 /// `--key value` pairs of a worker's arguments.
 std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args);
+/// kv[key], or `fallback` when the worker was not given it.
+std::string arg_or(const std::map<std::string, std::string>& kv, const std::string& key,
+                   const std::string& fallback);
 
 SuiteResult run_allreduce(const SuiteOptions& o);
 SuiteResult run_zero(const SuiteOptions& o);

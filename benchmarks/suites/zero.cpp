@@ -12,7 +12,6 @@
 
 #include <chrono>
 #include <fstream>
-#include <set>
 #include <sstream>
 
 #include "scaletrain/bench_suites.h"
@@ -22,29 +21,9 @@
 #include "scaletrain/models.h"
 #include "scaletrain/zero.h"
 #include "suites_internal.h"
-#include "zero/optimizer_state.h"  // the library's private helper: DDP's optimizer bytes
 
 namespace scaletrain::bench {
 namespace {
-
-// DDP's model state, counted as ShardedDataParallel::memory() counts it (each storage once).
-ShardMemory ddp_memory(torch::nn::Module& m, const torch::optim::Optimizer& opt) {
-  ShardMemory out;
-  std::set<const void*> seen;
-  auto count = [&](const at::Tensor& t, int64_t& into) {
-    if (!t.defined()) return;
-    auto* s = t.storage().unsafeGetStorageImpl();
-    if (seen.insert(s).second) into += static_cast<int64_t>(s->nbytes());
-  };
-  for (auto& p : m.parameters()) count(p, out.parameters);
-  for (auto& p : m.parameters()) count(p.grad(), out.gradients);
-  for (auto& p : m.parameters()) {
-    if (auto st = param_state(opt, p)) {
-      for (auto& [name, t] : st->tensors) count(t, out.optimizer);
-    }
-  }
-  return out;
-}
 
 int64_t peak_rss() {
   rusage ru{};
@@ -69,11 +48,11 @@ double formula(const std::string& mode, double psi, int n) {
 
 int run_zero_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
-  const std::string mode = kv.count("--mode") ? kv["--mode"] : "ddp";
-  const int64_t batch = std::stoll(kv.count("--batch-size") ? kv["--batch-size"] : "16");
-  const int steps = std::stoi(kv.count("--steps") ? kv["--steps"] : "4");
-  const int warmup = std::stoi(kv.count("--warmup") ? kv["--warmup"] : "1");
-  const int repeats = std::stoi(kv.count("--repeats") ? kv["--repeats"] : "3");
+  const std::string mode = arg_or(kv, "--mode", "ddp");
+  const int64_t batch = std::stoll(arg_or(kv, "--batch-size", "16"));
+  const int steps = std::stoi(arg_or(kv, "--steps", "4"));
+  const int warmup = std::stoi(arg_or(kv, "--warmup", "1"));
+  const int repeats = std::stoi(arg_or(kv, "--repeats", "3"));
   Dist d = init_process_group();
   at::set_num_threads(1);
   torch::manual_seed(0);
@@ -123,7 +102,7 @@ int run_zero_worker(const std::vector<std::string>& args) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (d.rank() == 0) csv << "samples_per_s," << steps * batch * d.size() / s << "\n";
   }
-  const auto mem = ddp ? ddp_memory(*m.module, *opt) : zero->memory(opt.get());
+  const auto mem = ddp ? model_state_memory(*m.module, opt.get()) : zero->memory(opt.get());
   if (d.rank() == 0) {
     csv << "model_state_bytes," << mem.total() << "\n"
         << "parameter_bytes," << mem.parameters << "\n"

@@ -97,6 +97,11 @@ struct ShardMemory {
   int64_t total() const { return parameters + gradients + optimizer; }
 };
 
+/// The same for any module (DDP's side of a comparison): its parameters and their gradients, and
+/// `opt`'s state (SGD, Adam, AdamW) for the optimizer's parameters.
+ShardMemory model_state_memory(const torch::nn::Module& module,
+                               const torch::optim::Optimizer* opt = nullptr);
+
 class ShardedDataParallel {
  public:
   /// Stages 1 and 2: any module (stage 3: a Sequential, else UsageError naming the fix). Throws

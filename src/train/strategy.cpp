@@ -126,6 +126,16 @@ std::unique_ptr<IntraOpThreads> share_cores(const std::vector<at::Device>& devic
   return std::make_unique<IntraOpThreads>(std::max(1, at::get_num_threads() / n));
 }
 
+// One report per device: the parameters of the module on it, and its peak memory.
+std::vector<DeviceReport> reports(const std::vector<at::Device>& devices,
+                                  const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  std::vector<DeviceReport> out;
+  for (size_t k = 0; k < modules.size(); ++k) {
+    out.push_back({devices[k].str(), count(modules[k]->parameters()), peak_memory(devices[k])});
+  }
+  return out;
+}
+
 LossFn weighted(const LossFn& loss, double weight) {
   if (weight == 1) return loss;
   return
@@ -228,15 +238,7 @@ class DpStrategy : public TrainStrategy {
   void train_mode(bool on) override {
     for (auto& r : dp_->replicas()) r->train(on);
   }
-  std::vector<DeviceReport> devices() const override {
-    std::vector<DeviceReport> out;
-    const auto replicas = dp_->replicas();
-    for (size_t k = 0; k < replicas.size(); ++k) {
-      out.push_back(
-          {devices_[k].str(), count(replicas[k]->parameters()), peak_memory(devices_[k])});
-    }
-    return out;
-  }
+  std::vector<DeviceReport> devices() const override { return reports(devices_, dp_->replicas()); }
 
  private:
   Model& model_;
@@ -278,12 +280,9 @@ class PipelineStrategy : public TrainStrategy {
   at::Tensor predict(const at::Tensor& x) override { return pipe_->forward(x); }
   void train_mode(bool on) override { model_.module->train(on); }
   std::vector<DeviceReport> devices() const override {
-    std::vector<DeviceReport> out;
-    for (size_t s = 0; s < pipe_->stages().size(); ++s) {
-      out.push_back(
-          {devices_[s].str(), count(pipe_->stages()[s]->parameters()), peak_memory(devices_[s])});
-    }
-    return out;
+    std::vector<std::shared_ptr<torch::nn::Module>> stages;
+    for (const auto& s : pipe_->stages()) stages.push_back(s.ptr());
+    return reports(devices_, stages);
   }
 
  private:

@@ -32,8 +32,17 @@ struct ShardedDataParallel::Impl {
   };
 
   Impl(ShardedDataParallel& owner, std::vector<at::Tensor> params, std::vector<std::string> names,
-       std::vector<torch::nn::AnyModule> blocks, std::vector<std::vector<size_t>> block_params);
+       std::vector<torch::nn::AnyModule> blocks,
+       const std::vector<std::vector<size_t>>& block_params);
   ~Impl();
+
+  // Construction, in order.
+  void check_and_synchronise();
+  void make_units(const std::vector<std::vector<size_t>>& block_params);
+  void make_buffers();
+  void open_groups();
+  void install_hooks();
+  std::string who() const;  // "rank r: ShardedDataParallel: ", for errors
 
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
   void start_gather(size_t u);
@@ -57,8 +66,9 @@ struct ShardedDataParallel::Impl {
   int rank, world;
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
-  std::vector<size_t> unit_of;  // parameter -> unit
-  std::vector<bool> arrived;    // parameter got its gradient in this backward
+  std::vector<size_t> unit_of;     // parameter -> unit
+  std::vector<int64_t> offset_of;  // parameter -> its first element in its unit
+  std::vector<bool> arrived;       // parameter got its gradient in this backward
   std::vector<Unit> units;
   std::vector<torch::nn::AnyModule> blocks;  // stage 3 (and any chain): the chain's blocks
   size_t next_reduce = 0;                    // units are reduced last to first, in order

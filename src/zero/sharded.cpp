@@ -107,7 +107,7 @@ Collected collect_chain(torch::nn::SequentialImpl& chain) {
 
 ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> ps,
                                 std::vector<std::string> ns, std::vector<torch::nn::AnyModule> bs,
-                                std::vector<std::vector<size_t>> block_params)
+                                const std::vector<std::vector<size_t>>& block_params)
     : owner(o),
       dist(o.dist_),
       opts(o.options_),
@@ -116,19 +116,31 @@ ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> 
       params(std::move(ps)),
       names(std::move(ns)),
       blocks(std::move(bs)) {
-  const std::string who = "rank " + std::to_string(rank) + ": ShardedDataParallel: ";
+  check_and_synchronise();
+  make_units(block_params);
+  make_buffers();
+  open_groups();
+  install_hooks();
+}
+
+std::string ShardedDataParallel::Impl::who() const {
+  return "rank " + std::to_string(rank) + ": ShardedDataParallel: ";
+}
+
+// The options, one dtype and device, the same model on every rank; then rank 0's values.
+void ShardedDataParallel::Impl::check_and_synchronise() {
   if (opts.stage < 1 || opts.stage > 3) {
-    throw UsageError(who + "stage " + std::to_string(opts.stage) +
+    throw UsageError(who() + "stage " + std::to_string(opts.stage) +
                      " does not exist; use 1 (optimizer state), 2 (+ gradients) or 3 (+ "
                      "parameters)");
   }
-  if (params.empty()) throw UsageError(who + "the module has no parameter that requires grad");
+  if (params.empty()) throw UsageError(who() + "the module has no parameter that requires grad");
   std::vector<std::string> described;
   for (size_t i = 0; i < params.size(); ++i) {
     described.push_back(describe_param(names[i], params[i]));
     if (params[i].scalar_type() != params[0].scalar_type() ||
         params[i].device() != params[0].device()) {
-      throw UsageError(who + "parameter '" + names[i] + "' is " + described.back() + " on " +
+      throw UsageError(who() + "parameter '" + names[i] + "' is " + described.back() + " on " +
                        params[i].device().str() + ", parameter '" + names[0] + "' " +
                        c10::toString(params[0].scalar_type()) + " on " + params[0].device().str() +
                        "; every parameter needs one dtype and device");
@@ -138,10 +150,12 @@ ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> 
       static_cast<int>(dist.store->add("scaletrain/zero/instances/" + std::to_string(rank), 1));
   verify_same_model(dist, described, "zero", instance);
   broadcast_coalesced(dist, params, "the parameters");
-  auto buffers = o.module_->buffers();
+  auto buffers = owner.module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(dist, buffers, "the buffers");
+}
 
-  // The plan: parameters (stages 1, 2) or blocks (stage 3) grouped by size.
+// The plan (Note [Units]): parameters (stages 1, 2) or blocks (stage 3) grouped by size.
+void ShardedDataParallel::Impl::make_units(const std::vector<std::vector<size_t>>& block_params) {
   const int64_t elem = static_cast<int64_t>(params[0].element_size());
   const auto cap = static_cast<int64_t>(opts.unit_cap_mb * (1 << 20)) / elem;
   std::vector<int64_t> groups;
@@ -154,12 +168,13 @@ ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> 
   } else {
     for (auto& p : params) groups.push_back(p.numel());
   }
-  o.plan_ = plan_units(groups, std::max<int64_t>(cap, 1), world);
+  owner.plan_ = plan_units(groups, std::max<int64_t>(cap, 1), world);
 
   unit_of.resize(params.size());
+  offset_of.resize(params.size());
   arrived.assign(params.size(), false);
-  for (size_t u = 0; u < o.plan_.size(); ++u) {
-    const auto& r = o.plan_[u];
+  for (size_t u = 0; u < owner.plan_.size(); ++u) {
+    const auto& r = owner.plan_[u];
     Unit unit;
     unit.numel = r.numel;
     unit.padded = r.padded;
@@ -175,68 +190,67 @@ ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> 
     if (opts.unit_memory_budget_mb > 0 &&
         unit.padded * elem > opts.unit_memory_budget_mb * (1 << 20)) {
       throw UsageError(
-          who + "unit " + std::to_string(u) + " (" + names[unit.params.front()] + " .. " +
+          who() + "unit " + std::to_string(u) + " (" + names[unit.params.front()] + " .. " +
           names[unit.params.back()] + ") gathers " + mb(unit.padded * elem) +
           ", over unit_memory_budget_mb = " + std::to_string(opts.unit_memory_budget_mb) +
           "; split its block into smaller ones, or raise the budget");
     }
-    for (size_t i : unit.params) unit_of[i] = u;
+    int64_t offset = 0;
+    for (size_t i : unit.params) {
+      unit_of[i] = u;
+      offset_of[i] = offset;
+      offset += params[i].numel();
+    }
+    unit.pending = unit.params.size();
     units.push_back(std::move(unit));
   }
+}
 
-  // Flat buffers; the module's parameters become aliases into them.
+// Flat buffers; the module's parameters become aliases into them; the shards.
+void ShardedDataParallel::Impl::make_buffers() {
   at::NoGradGuard no_grad;
   for (auto& unit : units) {
     unit.full = at::zeros({unit.padded}, params[0].options());
-    int64_t offset = 0;
+    if (opts.stage == 1) unit.grad_full = at::zeros({unit.padded}, params[0].options());
     for (size_t i : unit.params) {
       auto& p = params[i];
-      unit.full.narrow(0, offset, p.numel()).copy_(p.detach().reshape({-1}));
-      p.set_data(alias(unit.full, offset, p.sizes()));
-      offset += p.numel();
+      unit.full.narrow(0, offset_of[i], p.numel()).copy_(p.detach().reshape({-1}));
+      p.set_data(alias(unit.full, offset_of[i], p.sizes()));
+      if (opts.stage == 1) p.mutable_grad() = alias(unit.grad_full, offset_of[i], p.sizes());
     }
     const int64_t s = unit.shard_numel;
-    at::Tensor shard;
-    if (opts.stage == 3) {
-      shard = unit.full.narrow(0, rank * s, s).clone();
-    } else {
-      shard = alias(unit.full, rank * s, {s});
-    }
+    at::Tensor shard = opts.stage == 3 ? unit.full.narrow(0, rank * s, s).clone()
+                                       : alias(unit.full, rank * s, {s});
     shard.requires_grad_(true);
-    if (opts.stage == 1) {
-      unit.grad_full = at::zeros({unit.padded}, params[0].options());
-      offset = 0;
-      for (size_t i : unit.params) {
-        params[i].mutable_grad() = alias(unit.grad_full, offset, params[i].sizes());
-        offset += params[i].numel();
-      }
-      shard.mutable_grad() = alias(unit.grad_full, rank * s, {s});
-    }
-    unit.pending = unit.params.size();
+    if (opts.stage == 1) shard.mutable_grad() = alias(unit.grad_full, rank * s, {s});
     unit.shard_version = shard._version();
-    o.shards_.push_back(shard);
+    owner.shards_.push_back(shard);
   }
   if (opts.stage == 3) {
     for (size_t u = 0; u < units.size(); ++u) free_unit(u);
   }
+}
 
-  if (world > 1) {
-    const auto prefix = "scaletrain/zero/" + std::to_string(instance) + "/";
-    gather_pg = new_backend(dist, dist.backend_name, prefix + "gather", dist.timeout);
-    reduce_pg = new_backend(dist, dist.backend_name, prefix + "reduce", dist.timeout);
-    if (opts.shared_memory) {
-      // Each over a group of its own, so that a fallback never interleaves with the other's.
-      Dist g = dist, r = dist;
-      g.backend = gather_pg;
-      r.backend = reduce_pg;
-      gather_shm = make_collectives(g, {}, prefix + "gather-shm");
-      reduce_shm = make_collectives(r, {}, prefix + "reduce-shm");
-      if (!gather_shm->shared_memory() || !reduce_shm->shared_memory()) {
-        gather_shm.reset();
-        reduce_shm.reset();
-      }
-    }
+// Gathers and reductions each on a process group of their own (Note [Unit life cycle]).
+void ShardedDataParallel::Impl::open_groups() {
+  if (world == 1) return;
+  const auto prefix = "scaletrain/zero/" + std::to_string(instance) + "/";
+  gather_pg = new_backend(dist, dist.backend_name, prefix + "gather", dist.timeout);
+  reduce_pg = new_backend(dist, dist.backend_name, prefix + "reduce", dist.timeout);
+  if (!opts.shared_memory) return;
+  // Each segment falls back on its own group, so the two never interleave.
+  Dist g = dist, r = dist;
+  g.backend = gather_pg;
+  r.backend = reduce_pg;
+  gather_shm = make_collectives(g, {}, prefix + "gather-shm");
+  reduce_shm = make_collectives(r, {}, prefix + "reduce-shm");
+  if (!gather_shm->shared_memory() || !reduce_shm->shared_memory()) {
+    gather_shm.reset();
+    reduce_shm.reset();
   }
+}
+
+void ShardedDataParallel::Impl::install_hooks() {
   next_reduce = units.size();
   for (size_t i = 0; i < params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
@@ -358,11 +372,7 @@ void ShardedDataParallel::Impl::on_gradient(size_t i) {
   const size_t u = unit_of[i];
   auto& unit = units[u];
   auto& p = params[i];
-  int64_t offset = 0;
-  for (size_t j : unit.params) {
-    if (j == i) break;
-    offset += params[j].numel();
-  }
+  const int64_t offset = offset_of[i];
   auto& g = p.mutable_grad();
   if (opts.stage == 1) {
     auto view = alias(unit.grad_full, offset, p.sizes());
@@ -499,7 +509,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   if (auto chain = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
     auto c = collect_chain(*chain);
     impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),
-                                   std::move(c.blocks), std::move(c.block_params));
+                                   std::move(c.blocks), c.block_params);
     return;
   }
   if (options_.stage == 3) {
@@ -586,7 +596,13 @@ std::vector<std::vector<size_t>> ShardedDataParallel::unit_parameters() const {
   return out;
 }
 
-ShardMemory ShardedDataParallel::memory(const torch::optim::Optimizer* opt) const {
+namespace {
+
+// Bytes of the storages of `module`'s parameters and `more_params` (and of their gradients, and
+// `more_grads`), and of `opt`'s state for its parameters, each storage counted once.
+ShardMemory count_state(const torch::nn::Module& module, const std::vector<at::Tensor>& more_params,
+                        const std::vector<at::Tensor>& more_grads,
+                        const torch::optim::Optimizer* opt) {
   ShardMemory m;
   std::set<const void*> seen;
   auto count = [&](const at::Tensor& t, int64_t& into) {
@@ -594,19 +610,34 @@ ShardMemory ShardedDataParallel::memory(const torch::optim::Optimizer* opt) cons
     auto* s = t.storage().unsafeGetStorageImpl();
     if (seen.insert(s).second) into += static_cast<int64_t>(s->nbytes());
   };
-  for (auto& p : module_->parameters()) count(p, m.parameters);
-  for (auto& s : shards_) count(s, m.parameters);
-  for (auto& p : module_->parameters()) count(p.grad(), m.gradients);
-  for (auto& unit : impl_->units) count(unit.grad_full, m.gradients);
-  for (auto& s : shards_) count(s.grad(), m.gradients);
+  auto params = module.parameters();
+  params.insert(params.end(), more_params.begin(), more_params.end());
+  for (auto& p : params) count(p, m.parameters);
+  for (auto& p : params) count(p.grad(), m.gradients);
+  for (auto& g : more_grads) count(g, m.gradients);
   if (opt) {
-    for (auto& s : shards_) {
-      if (auto st = param_state(*opt, s)) {
-        for (auto& [name, t] : st->tensors) count(t, m.optimizer);
+    for (auto& group : opt->param_groups()) {
+      for (auto& p : group.params()) {
+        if (auto st = param_state(*opt, p)) {
+          for (auto& [name, t] : st->tensors) count(t, m.optimizer);
+        }
       }
     }
   }
   return m;
+}
+
+}  // namespace
+
+ShardMemory model_state_memory(const torch::nn::Module& module,
+                               const torch::optim::Optimizer* opt) {
+  return count_state(module, {}, {}, opt);
+}
+
+ShardMemory ShardedDataParallel::memory(const torch::optim::Optimizer* opt) const {
+  std::vector<at::Tensor> grad_buffers;
+  for (auto& unit : impl_->units) grad_buffers.push_back(unit.grad_full);
+  return count_state(*module_, shards_, grad_buffers, opt);
 }
 
 }  // namespace scaletrain

@@ -206,7 +206,6 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   // The files this rank needs: its own when the layout is the same, else every one.
   std::vector<std::string> own_units;
   for (auto& u : plan_) own_units.push_back(std::to_string(u.numel));
-  const auto own_path = checkpoint_path(shard_dir(dir, saved, dist_.rank() % saved), global_step);
   torch::nn::Module none;
   std::vector<TrainingState> files;
   std::vector<std::string> paths;
@@ -216,7 +215,7 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   };
   read(saved == dist_.size() ? dist_.rank() : 0);
   const bool same_layout =
-      saved == dist_.size() && value_of(files[0], "zero/units", own_path) == join(own_units);
+      saved == dist_.size() && value_of(files[0], "zero/units", paths[0]) == join(own_units);
 
   // The same model, the same optimizer.
   std::vector<std::string> described;

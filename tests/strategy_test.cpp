@@ -90,9 +90,14 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
     TrainTask task;
     task.train_data = in_memory(data);
     task.model = [&] {
+      // train() seeds the global generator on each rank, and here the ranks are threads that
+      // share it: draw the start from a generator of the model's own, or a rank seeding while
+      // another draws changes that rank's start (a grid stage then starts elsewhere).
       std::lock_guard<std::mutex> lock(mu);
-      torch::manual_seed(3);
       auto net = std::make_shared<NetImpl>();
+      auto init = at::make_generator<at::CPUGeneratorImpl>(3);
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init) * 0.3);
       if (!primary.count(std::this_thread::get_id())) {
         primary[std::this_thread::get_id()] = net;
         if (start.empty()) start = testing::weights_of(*net);

@@ -31,9 +31,13 @@ TEST(Kernels, StemConvGradientsEqualLibTorchs) {
       {nn::Conv2dOptions(3, 8, 3).stride(2).padding({1, 2}).dilation(2), 17},  // odd options
       {nn::Conv2dOptions(2, 5, {4, 2}), 12},                                   // K = 16
   };
+  const int64_t budget = stem_unfold_bytes();
   for (const auto& c : cases) {
     for (bool channels_last : {false, true}) {
       for (bool input_grad : {false, true}) {
+        // Regression (stem unfold unbounded): the batch is unfolded in slices of at most
+        // stem_unfold_bytes(); with input gradients, this case takes one sample at a time.
+        set_stem_unfold_bytes(input_grad ? 1 : budget);
         torch::manual_seed(1);
         nn::Conv2d conv(c.options);
         auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
@@ -42,7 +46,8 @@ TEST(Kernels, StemConvGradientsEqualLibTorchs) {
         auto x_ref = x.clone().set_requires_grad(input_grad);
         x.set_requires_grad(input_grad);
         const std::string what = std::string(channels_last ? "NHWC" : "NCHW") +
-                                 (input_grad ? ", input grad" : "") + ", in_channels " +
+                                 (input_grad ? ", input grad, one sample per slice" : "") +
+                                 ", in_channels " +
                                  std::to_string(c.options.in_channels());
         auto y = conv2d(conv, x);
         ASSERT_TRUE(y.grad_fn());
@@ -50,6 +55,7 @@ TEST(Kernels, StemConvGradientsEqualLibTorchs) {
             << what << ": took " << y.grad_fn()->name();
         auto gy = at::randn_like(y);
         y.backward(gy);
+        set_stem_unfold_bytes(budget);
         auto gw = conv->weight.grad().clone();
         auto gb = conv->bias.defined() ? conv->bias.grad().clone() : at::Tensor();
         conv->zero_grad();

@@ -127,6 +127,82 @@ TEST(Models, BlockChainEqualsTheModel) {
 // output and gradients equal the uncropped layers' (LibTorch's conv, relu, avg_pool), for both
 // input sizes LeNet takes and both memory formats, through the model and its block chain. Both
 // are held to the exact (float64) uncropped function's values (Note [Tolerances]).
+// The names of every autograd node behind `out`.
+std::set<std::string> graph_nodes(const at::Tensor& out) {
+  std::set<std::string> names;
+  std::vector<torch::autograd::Node*> todo{out.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  while (!todo.empty()) {
+    auto* n = todo.back();
+    todo.pop_back();
+    if (n == nullptr || !seen.insert(n).second) continue;
+    names.insert(n->name());
+    for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+  }
+  return names;
+}
+
+bool any_contains(const std::set<std::string>& names, const std::string& part) {
+  for (const auto& n : names) {
+    if (n.find(part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Without model_optimizations, the zoo's models are what a Python user writes: LibTorch's ops
+// only (no custom autograd node), and LeNet is the uncropped composition bit for bit, forward
+// and backward, in both memory formats, so a comparison with a Python peer measures the
+// framework alone.
+TEST(Models, WithoutModelOptimizationsTheZooRunsLibTorchsOpsOnly) {
+  namespace F = torch::nn::functional;
+  for (const std::string name : {"lenet", "resnet18"}) {
+    for (bool optimized : {true, false}) {
+      ModelOptions o;
+      o.model_optimizations = optimized;
+      torch::manual_seed(4);
+      Model m = make_model(name, o);
+      to_channels_last(*m.module);
+      auto x = at::randn({2, 1, 28, 28}).contiguous(at::MemoryFormat::ChannelsLast);
+      auto nodes = graph_nodes(m.forward(x));
+      auto chain_nodes = graph_nodes(as_sequential(m)->forward(x));
+      EXPECT_EQ(any_contains(nodes, "CppNode"), optimized) << name << ", optimized " << optimized;
+      EXPECT_EQ(any_contains(chain_nodes, "CppNode"), optimized)
+          << name << " block chain, optimized " << optimized;
+      EXPECT_EQ(any_contains(nodes, "StemConv"), optimized) << name;
+    }
+  }
+  ModelOptions plain;
+  plain.model_optimizations = false;
+  for (bool channels_last : {false, true}) {
+    torch::manual_seed(5);
+    Model m = make_model("lenet", plain);
+    auto x = at::randn({3, 1, 28, 28});
+    if (channels_last) {
+      to_channels_last(*m.module);
+      x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    }
+    auto p = m.module->named_parameters();
+    std::map<std::string, at::Tensor> leaves;
+    for (auto& item : p) leaves[item.key()] = item.value().detach().clone().requires_grad_(true);
+    auto pool = [](const at::Tensor& t) {
+      return F::avg_pool2d(torch::relu(t), F::AvgPool2dFuncOptions(2));
+    };
+    auto h = pool(at::conv2d(x, leaves["conv1.weight"], leaves["conv1.bias"]));
+    h = pool(at::conv2d(h, leaves["conv2.weight"], leaves["conv2.bias"])).flatten(1);
+    h = torch::relu(at::linear(h, leaves["fc1.weight"], leaves["fc1.bias"]));
+    auto ref = at::linear(h, leaves["fc2.weight"], leaves["fc2.bias"]);
+    auto out = m.forward(x);
+    EXPECT_TRUE(at::equal(out, ref)) << "channels-last " << channels_last;
+    auto g = at::randn_like(ref);
+    out.backward(g);
+    ref.backward(g);
+    for (auto& item : p) {
+      EXPECT_TRUE(at::equal(item.value().grad(), leaves[item.key()].grad()))
+          << item.key() << ", channels-last " << channels_last;
+    }
+  }
+}
+
 TEST(Models, LeNetEqualsItsUncroppedLayers) {
   namespace F = torch::nn::functional;
   auto uncropped = [](torch::nn::Module& m, const at::Tensor& in) {

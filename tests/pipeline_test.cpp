@@ -8,7 +8,12 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/functional.h>
 #include <torch/nn/modules/linear.h>
+
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "scaletrain/error.h"
 #include "scaletrain/intra_op_threads.h"
@@ -44,6 +49,7 @@ struct Case {
   int chunks;
   PipelineSchedule schedule;
   PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
+  int per_device = 1;  // interleaved: stages per device
 };
 
 class PipelineTransparency : public ::testing::TestWithParam<Case> {};
@@ -59,7 +65,8 @@ TEST_P(PipelineTransparency, OutputsAndGradientsEqualTheWholeModel) {
 
   PipelineOptions o;
   o.balance = c.balance;
-  o.devices.assign(c.balance.size(), at::Device(at::kCPU));
+  o.devices.assign(c.balance.size() / static_cast<size_t>(c.per_device), at::Device(at::kCPU));
+  o.stages_per_device = c.per_device;
   o.chunks = c.chunks;
   o.schedule = c.schedule;
   o.checkpoint = c.checkpoint;
@@ -91,7 +98,72 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{2, 3}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kAlways},
                       Case{{2, 3}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kExceptLast},
                       Case{{1, 2, 2}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kExceptLast},
-                      Case{{1, 1, 1, 2}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kAlways}));
+                      Case{{1, 1, 1, 2}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kAlways},
+                      // Interleaved 1F1B: 4 stages on 2 devices, 3 on 3 (one per device).
+                      Case{{1, 1, 1, 2}, 4, PipelineSchedule::kInterleaved1F1B,
+                           PipelineCheckpoint::kNever, 2},
+                      Case{{1, 1, 1, 2}, 2, PipelineSchedule::kInterleaved1F1B,
+                           PipelineCheckpoint::kExceptLast, 2},
+                      Case{{1, 2, 2}, 3, PipelineSchedule::kInterleaved1F1B},
+                      // Zero bubble H1: the backward split into input and weight gradients.
+                      Case{{2, 3}, 3, PipelineSchedule::kZeroBubbleH1},
+                      Case{{1, 2, 2}, 4, PipelineSchedule::kZeroBubbleH1},
+                      Case{{1, 1, 1, 2}, 10, PipelineSchedule::kZeroBubbleH1},
+                      Case{{2, 3}, 4, PipelineSchedule::kZeroBubbleH1,
+                           PipelineCheckpoint::kExceptLast}));
+
+// Note [Stage threads]: one thread per device, kept from step to step; and a second step
+// accumulates onto the first's gradients under every schedule.
+TEST(Pipeline, StageThreadsPersistAcrossSteps) {
+  for (auto schedule : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
+                        PipelineSchedule::kInterleaved1F1B, PipelineSchedule::kZeroBubbleH1}) {
+    std::mutex mu;
+    std::vector<std::set<std::thread::id>> seen(2);
+    int step = 0;
+    auto spy = torch::nn::Functional([&](const at::Tensor& t) {
+      std::lock_guard lock(mu);
+      seen[static_cast<size_t>(step)].insert(std::this_thread::get_id());
+      return t;
+    });
+    auto model = make_model();
+    model->push_back(spy);  // 6 layers
+    PipelineOptions o;
+    o.balance = schedule == PipelineSchedule::kInterleaved1F1B ? std::vector<int>{1, 2, 2, 1}
+                                                              : std::vector<int>{3, 3};
+    o.stages_per_device = schedule == PipelineSchedule::kInterleaved1F1B ? 2 : 1;
+    o.devices = {at::kCPU, at::kCPU};
+    o.chunks = 4;
+    o.schedule = schedule;
+    Pipeline pipe(model, o);
+    auto x = at::randn({8, 8}), y = at::randn({8, 4});
+    pipe.train_step(x, y, mse);
+    auto first = pipe.stages()[0]->parameters()[0].grad().clone();
+    step = 1;
+    pipe.train_step(x, y, mse);
+    EXPECT_EQ(seen[0].size(), 1u) << "the spy runs on the last device's thread";
+    EXPECT_EQ(seen[0], seen[1]) << "a new thread ran the second step";
+    EXPECT_EQ(seen[0].count(std::this_thread::get_id()), 0u);
+    auto second = pipe.stages()[0]->parameters()[0].grad();
+    EXPECT_TRUE(at::allclose(second, 2 * first, 1e-5, 1e-6)) << "gradients accumulate";
+  }
+}
+
+TEST(Pipeline, InterleavedNeedsItsScheduleAndWholeRounds) {
+  PipelineOptions o;
+  o.balance = {1, 1, 1, 2};
+  o.devices = {at::kCPU, at::kCPU};
+  o.stages_per_device = 2;
+  EXPECT_THROW(Pipeline(make_model(), o), UsageError);  // GPipe with 2 stages per device
+  o.schedule = PipelineSchedule::kInterleaved1F1B;
+  o.chunks = 3;  // not a multiple of 2 devices
+  Pipeline pipe(make_model(), o);
+  try {
+    pipe.train_step(at::randn({6, 8}), at::randn({6, 4}), mse);
+    FAIL() << "expected an error";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("use a multiple of 2"), std::string::npos) << e.what();
+  }
+}
 
 // Checkpointing really drops the graph: with every micro-batch checkpointed, a forward keeps no
 // autograd graph, which shows as outputs without a grad_fn at the stage boundary. Measured in

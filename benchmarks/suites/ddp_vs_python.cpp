@@ -1,10 +1,13 @@
 // Suites `ddp-vs-python` and `ddp-overlap`.
 //
-// ddp-vs-python: LeNet on Fashion-MNIST, CPU, global batch 256, 1 and 2 processes with one
-// thread each: scaletrain's DDP against PyTorch's Python DDP (benchmarks/python/ddp_lenet.py,
-// DataLoader + DistributedSampler + gloo under torchrun, the same torch in the project's .venv),
-// measured one after the other in the same run. Both time whole training steps (batch
-// assembly, forward, backward, all-reduce, optimizer) between barriers.
+// ddp-vs-python: the framework compared, not models: MLP, LeNet and the small-image ResNet-18
+// on Fashion-MNIST, CPU, global batch 256, 1 and 2 processes with one thread each, the same
+// model definition on both sides (the zoo's with model_optimizations off; the Python peer
+// benchmarks/python/ddp_peer.py: DataLoader + DistributedSampler + gloo under torchrun, the same
+// torch in the project's .venv), measured one after the other in the same run. Both time whole
+// training steps (batch assembly, forward, backward, all-reduce, optimizer) between barriers.
+// The zoo's model-level optimisations are measured apart, against the same model without them,
+// and each side reports where its step's time goes.
 //
 // ddp-overlap: the small-image ResNet-18 on 2 processes, all-reduce overlapped with backward
 // (buckets launched as they fill) against all-reduce after backward.
@@ -54,6 +57,11 @@ std::string source_dir(const SuiteOptions& o) {
 
 }  // namespace
 
+// Where a step's time goes, in seconds summed over the timed steps.
+struct Phases {
+  double data = 0, forward = 0, backward = 0, step = 0;
+};
+
 int run_ddp_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
   const std::string model_name = arg_or(kv, "--model", "lenet");
@@ -64,11 +72,14 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   const bool overlap = arg_or(kv, "--overlap", "1") != "0";
   const bool channels_last = arg_or(kv, "--channels-last", "1") != "0";
   const bool shared_memory = arg_or(kv, "--shared-memory", "1") != "0";
+  const std::string phases_csv = arg_or(kv, "--phases", "");
+  ModelOptions mo;
+  mo.model_optimizations = arg_or(kv, "--plain", "0") == "0";
   Dist d = init_process_group();
   at::set_num_threads(1);
   Dataset data = load_fashion_mnist(kFashionMnistDir, true);
   torch::manual_seed(0);
-  Model m = make_model(model_name);
+  Model m = make_model(model_name, mo);
   if (channels_last) to_channels_last(*m.module);  // as `scaletrain train` does by default
   DDPOptions opts;
   opts.overlap = overlap;
@@ -81,7 +92,15 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   std::vector<int64_t> idx;
   size_t pos = 0;
   int64_t epoch = 0;
-  auto step = [&] {
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point& t) {
+    auto now = Clock::now();
+    double s = std::chrono::duration<double>(now - t).count();
+    t = now;
+    return s;
+  };
+  auto step = [&](Phases* ph) {
+    auto t = Clock::now();
     if (pos + static_cast<size_t>(per_rank) > idx.size()) {
       sampler.set_epoch(epoch++);
       idx = sampler.indices();
@@ -92,103 +111,216 @@ int run_ddp_worker(const std::vector<std::string>& args) {
     pos += static_cast<size_t>(per_rank);
     auto [x, y] = gather_batch(data, part);
     if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-    auto out = ddp.forward([&] { return m.forward(x); });
-    torch::nn::functional::cross_entropy(out, y).backward();
+    const double t_data = since(t);
+    auto loss = torch::nn::functional::cross_entropy(ddp.forward([&] { return m.forward(x); }), y);
+    const double t_forward = since(t);
+    loss.backward();
+    const double t_backward = since(t);
     opt.step();
     ddp.zero_grad();
+    if (ph != nullptr) {
+      ph->data += t_data;
+      ph->forward += t_forward;
+      ph->backward += t_backward;
+      ph->step += since(t);
+    }
   };
-  for (int i = 0; i < warmup; ++i) step();
+  for (int i = 0; i < warmup; ++i) step(nullptr);
   std::ofstream csv;
   if (d.rank() == 0) csv.open(kv["--csv"], std::ios::app);
+  Phases synced;
   for (int r = 0; r < repeats; ++r) {
     wait_for(d.backend->barrier(), "barrier", d);
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < steps; ++i) step();
+    auto t0 = Clock::now();
+    for (int i = 0; i < steps; ++i) step(&synced);
     wait_for(d.backend->barrier(), "barrier", d);
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     if (d.rank() == 0) csv << static_cast<double>(steps * batch) / secs << "\n" << std::flush;
+  }
+  if (!phases_csv.empty()) {
+    // The same steps without gradient synchronisation: backward alone, so that communication
+    // (what DDP adds to backward) is the difference.
+    Phases local;
+    {
+      auto no_sync = ddp.no_sync();
+      for (int i = 0; i < steps; ++i) step(&local);
+    }
+    wait_for(d.backend->barrier(), "barrier", d);
+    if (d.rank() == 0) {
+      const double n = static_cast<double>(steps) * repeats;
+      std::ofstream out(phases_csv);
+      out << "data," << 1e3 * synced.data / n << "\nforward," << 1e3 * synced.forward / n
+          << "\nbackward," << 1e3 * synced.backward / n << "\nstep," << 1e3 * synced.step / n
+          << "\nbackward_local," << 1e3 * local.backward / steps << "\n";
+    }
   }
   return 0;
 }
 
+namespace {
+
+std::map<std::string, double> read_phases(const std::string& csv) {
+  std::map<std::string, double> out;
+  std::ifstream in(csv);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto comma = line.find(',');
+    if (comma != std::string::npos) out[line.substr(0, comma)] = std::stod(line.substr(comma + 1));
+  }
+  return out;
+}
+
+std::string fixed(double v, int digits = 2) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+}  // namespace
+
 SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
   const std::string title =
-      "LeNet on Fashion-MNIST, DDP on CPU: scaletrain vs PyTorch's Python DDP";
+      "DDP on CPU, the same models on both sides: scaletrain vs PyTorch's Python DDP";
   SuiteResult r = new_result(
       "ddp-vs-python", title, "samples/s",
       {Plot::Kind::kBars, title, "", "samples per second (global batch 256)", false, false}, o);
   const std::string src = source_dir(o);
   const char* py_env = std::getenv("SCALETRAIN_PYTHON");
   const std::string python = py_env ? py_env : src + "/.venv/bin/python";
-  const std::string script = src + "/benchmarks/python/ddp_lenet.py";
+  const std::string script = src + "/benchmarks/python/ddp_peer.py";
   if (!fs::exists(python) || !fs::exists(script)) {
     throw Error("the Python peer needs " + python + " and " + script +
                 " (run from a build folder inside the source tree, or set SCALETRAIN_PYTHON and "
                 "SCALETRAIN_SOURCE_DIR)");
   }
-  const std::string steps = o.quick ? "20" : "60";
-  // This machine's speed drifts by more than the difference measured: each repetition is a
-  // round of all four configurations, launched afresh, alternating which side goes first, so
-  // drift hits both sides alike.
+  struct ModelRun {
+    std::string name;
+    int steps;
+  };
+  const std::vector<ModelRun> models = {{"mlp", o.quick ? 60 : 200},
+                                        {"lenet", o.quick ? 15 : 50},
+                                        {"resnet18", o.quick ? 2 : 5}};
+  // This machine's speed drifts by more than the differences measured: each repetition is a
+  // round of every configuration, launched afresh, alternating which side goes first, so drift
+  // hits both sides alike. Keys: "<side>/<model>/<n>", side "ours" (plain model, as the Python
+  // peer), "opt" (the zoo's model-level optimisations on), "py", "gloo" (ours, shared memory
+  // off). The last round also records where the time goes.
   std::map<std::string, std::vector<double>> runs;
+  std::map<std::string, std::map<std::string, double>> phases;
   for (int round = 0; round < o.repeats; ++round) {
-    for (int n : {1, 2}) {
-      const std::string tag = std::to_string(n) + "_" + std::to_string(round);
-      // `key`: "ours" (as `scaletrain train` runs) or "gloo" (shared memory off, as between
-      // machines: what shared memory adds).
-      auto ours = [&](const std::string& key) {
-        const std::string name = "scaletrain_" + key + "_" + tag;
-        const std::string csv = o.work_dir + "/" + name + ".csv";
-        for (double v :
-             run_ranks(o, n,
-                       {o.self_exe, "bench-worker", "ddp", "--csv", csv, "--steps", steps,
-                        "--repeats", "1", "--shared-memory", key == "ours" ? "1" : "0"},
-                       csv, name)) {
-          runs[key + std::to_string(n)].push_back(v);
-        }
-      };
-      auto theirs = [&] {
-        const std::string csv = o.work_dir + "/python_" + tag + ".csv";
-        for (double v :
-             run_ranks(o, n, {python, script, "--csv", csv, "--steps", steps, "--repeats", "1"},
-                       csv, "python_" + tag)) {
-          runs["py" + std::to_string(n)].push_back(v);
-        }
-      };
-      if (round % 2 == 1) theirs();
-      ours("ours");
-      if (n == 2) ours("gloo");
-      if (round % 2 == 0) theirs();
+    const bool last = round + 1 == o.repeats;
+    for (const auto& mr : models) {
+      for (int n : {1, 2}) {
+        const std::string steps = std::to_string(mr.steps);
+        const std::string tag = mr.name + "_" + std::to_string(n) + "_" + std::to_string(round);
+        auto record = [&](const std::string& side, std::vector<std::string> command) {
+          const std::string name = side + "_" + tag;
+          const std::string csv = o.work_dir + "/" + name + ".csv";
+          const std::string phase_csv = o.work_dir + "/" + name + "_phases.csv";
+          command.insert(command.end(), {"--csv", csv, "--model", mr.name, "--steps", steps,
+                                         "--warmup", mr.name == "resnet18" ? "1" : "3",
+                                         "--repeats", "1", "--channels-last", "1"});
+          if (last) command.insert(command.end(), {"--phases", phase_csv});
+          const std::string key = side + "/" + mr.name + "/" + std::to_string(n);
+          for (double v : run_ranks(o, n, command, csv, name)) runs[key].push_back(v);
+          if (last) phases[key] = read_phases(phase_csv);
+        };
+        auto ours = [&](const std::string& side, const std::string& plain,
+                        const std::string& shm) {
+          record(side,
+                 {o.self_exe, "bench-worker", "ddp", "--plain", plain, "--shared-memory", shm});
+        };
+        auto theirs = [&] { record("py", {python, script}); };
+        if (round % 2 == 1) theirs();
+        ours("ours", "1", "1");
+        if (mr.name != "mlp") ours("opt", "0", "1");
+        if (n == 2 && mr.name == "lenet") ours("gloo", "1", "0");
+        if (round % 2 == 0) theirs();
+      }
     }
   }
-  std::map<std::string, double> mean;
-  for (int n : {1, 2}) {
-    const std::string label = std::to_string(n) + (n == 1 ? " process" : " processes");
-    const std::string k = std::to_string(n);
-    r.samples.push_back({"scaletrain DDP (C++)", label, static_cast<double>(n), runs["ours" + k]});
-    r.samples.push_back({"PyTorch DDP (Python)", label, static_cast<double>(n), runs["py" + k]});
-    mean["ours" + k] = stats(runs["ours" + k]).mean;
-    mean["py" + k] = stats(runs["py" + k]).mean;
+  auto mean = [&](const std::string& key) { return stats(runs[key]).mean; };
+  for (const auto& mr : models) {
+    for (int n : {1, 2}) {
+      const std::string label = mr.name + ", " + std::to_string(n) + (n == 1 ? " proc" : " procs");
+      const std::string k = "/" + mr.name + "/" + std::to_string(n);
+      r.samples.push_back({"scaletrain DDP (C++)", label, 0.0, runs["ours" + k]});
+      r.samples.push_back({"PyTorch DDP (Python)", label, 0.0, runs["py" + k]});
+      if (runs.count("opt" + k)) {
+        r.samples.push_back({"scaletrain, model optimisations on", label, 0.0, runs["opt" + k]});
+      }
+    }
   }
-  r.samples.push_back({"scaletrain DDP (C++), Gloo only", "2 processes", 2.0, runs["gloo2"]});
-  mean["gloo2"] = stats(runs["gloo2"]).mean;
-  char note[512];
-  std::snprintf(note, sizeof(note),
-                "scaletrain / Python at 2 processes: %.2fx (at 1 process: %.2fx). Scaling "
-                "efficiency 1 -> 2 processes (throughput_2 / (2 x throughput_1)): scaletrain "
-                "%.2f, Python %.2f. scaletrain over Gloo alone (no shared memory): %.2fx the "
-                "Python peer, scaling %.2f.",
-                mean["ours2"] / mean["py2"], mean["ours1"] / mean["py1"],
-                mean["ours2"] / (2 * mean["ours1"]), mean["py2"] / (2 * mean["py1"]),
-                mean["gloo2"] / mean["py2"], mean["gloo2"] / (2 * mean["ours1"]));
-  r.notes.push_back(note);
+  r.samples.push_back(
+      {"scaletrain DDP (C++), Gloo only", "lenet, 2 procs", 0.0, runs["gloo/lenet/2"]});
+
+  // The framework comparison: the same model on both sides.
+  std::string t =
+      "**The framework, the same model on both sides** (samples/s, mean of the rounds; targets: "
+      ">= 1.5x on mlp and lenet, >= 1.0x on resnet18, 1 -> 2 scaling >= 0.9 for lenet and "
+      "resnet18):\n\n| model | processes | scaletrain | Python | scaletrain / Python | "
+      "scaling 1 -> 2, scaletrain | scaling 1 -> 2, Python |\n|---|---|---|---|---|---|---|\n";
+  for (const auto& mr : models) {
+    for (int n : {1, 2}) {
+      const std::string k = "/" + mr.name + "/" + std::to_string(n);
+      const std::string k1 = "/" + mr.name + "/1", k2 = "/" + mr.name + "/2";
+      const std::string scaling =
+          n == 2 ? fixed(mean("ours" + k2) / (2 * mean("ours" + k1))) + " | " +
+                       fixed(mean("py" + k2) / (2 * mean("py" + k1)))
+                 : std::string(" | ");
+      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) +
+           " | " + fixed(mean("py" + k), 0) + " | " + fixed(mean("ours" + k) / mean("py" + k)) +
+           "x | " + scaling + " |\n";
+    }
+  }
+  r.notes.push_back(t);
+
+  // The model-level optimisations, each against the same model without them.
+  t = "**Model-level optimisations** (scaletrain against itself, the same model without them: "
+      "LeNet's input crop, fused relu + pool and stem-convolution gradient; ResNet-18's "
+      "stem-convolution gradient). A Python user could write each of them too; they are not "
+      "part of the framework ratio above.\n\n| model | processes | plain | optimised | gain |\n"
+      "|---|---|---|---|---|\n";
+  for (const auto& mr : models) {
+    if (mr.name == "mlp") continue;
+    for (int n : {1, 2}) {
+      const std::string k = "/" + mr.name + "/" + std::to_string(n);
+      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) +
+           " | " + fixed(mean("opt" + k), 0) + " | " + fixed(mean("opt" + k) / mean("ours" + k)) +
+           "x |\n";
+    }
+  }
+  t += "\nShared memory's part at 2 processes (lenet, plain): " +
+       fixed(mean("ours/lenet/2") / mean("gloo/lenet/2")) +
+       "x against scaletrain over Gloo alone, which is " +
+       fixed(mean("gloo/lenet/2") / mean("py/lenet/2")) + "x the Python peer.";
+  r.notes.push_back(t);
+
+  // Where the time goes, per step at 2 processes.
+  t = "**Where a step's time goes** at 2 processes (ms per step, rank 0, last round; "
+      "communication = backward with DDP's synchronisation - backward under no_sync()):\n\n"
+      "| model | side | data | forward | backward (compute) | communication | optimizer step "
+      "| sum |\n|---|---|---|---|---|---|---|---|\n";
+  for (const auto& mr : models) {
+    for (const std::string side : {"ours", "py"}) {
+      auto& ph = phases[side + "/" + mr.name + "/2"];
+      const double comm = std::max(0.0, ph["backward"] - ph["backward_local"]);
+      const double compute = ph["backward"] - comm;
+      t += "| " + mr.name + " | " + (side == "ours" ? "scaletrain" : "Python") + " | " +
+           fixed(ph["data"]) + " | " + fixed(ph["forward"]) + " | " + fixed(compute) + " | " +
+           fixed(comm) + " | " + fixed(ph["step"]) + " | " +
+           fixed(ph["data"] + ph["forward"] + ph["backward"] + ph["step"]) + " |\n";
+    }
+  }
+  r.notes.push_back(t);
   r.notes.push_back(
-      "Both sides: one thread per process (OMP_NUM_THREADS=1), SGD with momentum, data in "
-      "memory, the Gloo process group; scaletrain as `scaletrain train` runs it (channels-last "
-      "convolutions; ranks on one machine sum gradients through shared memory, its default), "
-      "the Python peer as the seeds write it (DDP's all-reduce over Gloo). The Python side is "
-      "started by scaletrain's launcher with torchrun's environment, as torchrun would start "
-      "it.");
+      "Both sides: the same model definitions (scaletrain's zoo with model_optimizations off, "
+      "benchmarks/python/ddp_peer.py), channels-last on both, one thread per process "
+      "(OMP_NUM_THREADS=1), SGD with momentum and weight decay, Fashion-MNIST in memory, global "
+      "batch 256, the Gloo process group, the same torch. scaletrain's DDP sums same-machine "
+      "gradients through shared memory (its default); the Python peer is written as the seeds "
+      "write it (DataLoader + DistributedSampler, DDP over Gloo) and started by scaletrain's "
+      "launcher with torchrun's environment, as torchrun would start it.");
   return r;
 }
 

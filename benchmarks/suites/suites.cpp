@@ -62,8 +62,8 @@ const std::vector<Suite>& suites() {
       {"allreduce", "all-reduce bus bandwidth over 2..N ranks, 4 KB and up, vs memory copy",
        run_allreduce},
       {"ddp-vs-python",
-       "LeNet on Fashion-MNIST: scaletrain DDP vs PyTorch's Python DDP, 1 and 2 "
-       "processes",
+       "MLP, LeNet, ResNet-18 on Fashion-MNIST, the same models on both sides: scaletrain DDP "
+       "vs PyTorch's Python DDP, 1 and 2 processes; model-level gains apart; where time goes",
        run_ddp_vs_python},
       {"ddp-overlap",
        "small-image ResNet-18 on 2 processes: all-reduce overlapped with "

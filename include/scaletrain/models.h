@@ -37,6 +37,12 @@ struct ModelOptions {
   int64_t in_channels = 1;    // image models
   int64_t in_features = 784;  // MLP
   int64_t hidden = 256;       // MLP
+  /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read
+  /// (Note [Unread border]), its fused relu + 2x2 average pool, and the stem convolutions'
+  /// weight gradient as one batched product (Note [Stem conv]); each is the plain model's
+  /// function. false: LibTorch's own ops only, layer for layer what the Python model writes
+  /// (conv, relu, avg_pool2d), as the framework comparison needs.
+  bool model_optimizations = true;
 };
 
 /// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known

@@ -1,7 +1,8 @@
 #pragma once
 // Pipelined model parallelism in one process: a torch::nn::Sequential split into stages on a
 // list of devices (a device may repeat: "cpu,cpu"), a batch split into micro-batches, and a
-// schedule (GPipe or 1F1B, schedule.h) executed by one runner with one thread per stage.
+// schedule (GPipe, 1F1B, interleaved 1F1B or zero bubble H1, schedule.h) executed by one
+// runner with one persistent thread per device.
 //
 //   scaletrain::PipelineOptions o;
 //   o.balance = {2, 3};                       // layers per stage
@@ -26,14 +27,20 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "scaletrain/placement.h"
+#include "scaletrain/schedule.h"
 
 namespace scaletrain {
 
-enum class PipelineSchedule { kGPipe, k1F1B };
+/// GPipe and 1F1B (schedule.h); kInterleaved1F1B: stages_per_device stages on each device
+/// (Megatron-LM's virtual stages, bubble (p-1)/(v·m + p-1)); kZeroBubbleH1: each backward split
+/// into its input-gradient and weight-gradient halves, the latter run where 1F1B idles (Qi et
+/// al. 2023). Note [Split backward] in pipeline.cpp says how a stage's backward is split.
+enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 
 /// Activation checkpointing, as torchgpipe names it: a checkpointed micro-batch's forward keeps
 /// only the stage's input; its backward runs the forward again, with the graph, first.
@@ -42,7 +49,9 @@ enum class PipelineCheckpoint { kNever, kExceptLast, kAlways };
 
 struct PipelineOptions {
   std::vector<int> balance;         // layers per stage; their sum is the model's length
-  std::vector<at::Device> devices;  // one per stage
+  std::vector<at::Device> devices;  // one per stage (per stages_per_device stages)
+  int stages_per_device = 1;        // kInterleaved1F1B: v; stage k runs on devices[k % p], and
+                                    // the micro-batch count must be a multiple of p
   int chunks = 1;                   // micro-batches (the last ones may be smaller)
   int64_t split_size = 0;           // >0: micro-batches of this many samples instead (seed
                                     // 000's split_size); the count follows the batch
@@ -52,11 +61,18 @@ struct PipelineOptions {
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+class StageThreads;  // pipeline.cpp: one persistent thread per device
+
 class Pipeline {
  public:
-  /// Splits `model` by `options.balance` and moves stage k to `options.devices[k]`. Throws
-  /// UsageError when the balance does not cover the model or devices and stages differ.
+  /// Splits `model` by `options.balance` and moves stage k to `options.devices[k % p]`. Throws
+  /// UsageError when the balance does not cover the model or devices and stages differ. The
+  /// stage threads (one per device) start at the first train_step and live as long as the
+  /// pipeline.
   Pipeline(torch::nn::Sequential model, PipelineOptions options);
+  ~Pipeline();
+  Pipeline(Pipeline&&) noexcept;
+  Pipeline& operator=(Pipeline&&) noexcept;
 
   /// Forward only (no grad needed), micro-batched; returns the outputs joined on the last device.
   at::Tensor forward(const at::Tensor& input);
@@ -69,8 +85,10 @@ class Pipeline {
 
  private:
   int chunks_for(int64_t batch) const;
+  std::vector<std::vector<PipeTask>> orders(int microbatches) const;
   std::vector<torch::nn::Sequential> stages_;
   PipelineOptions options_;
+  std::unique_ptr<StageThreads> threads_;
 };
 
 /// One layer's measured cost, as balance_by_time() uses it.

@@ -20,6 +20,11 @@ namespace scaletrain {
 /// ops.cpp.
 at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
 
+/// The most bytes of unfolded input conv2d's weight gradient holds at once (32 MiB): the batch
+/// is unfolded in slices of that size. Settable for tests; one sample is the smallest slice.
+int64_t stem_unfold_bytes();
+void set_stem_unfold_bytes(int64_t bytes);
+
 /// avg_pool2d(relu(x), 2) (2x2 windows, stride 2), fused into one pass each way for channels-last
 /// float tensors on the CPU (Note [Fused ReLU + pool] in ops.cpp); other tensors take LibTorch's
 /// two ops. LeNet uses it after each convolution.

@@ -54,18 +54,29 @@ at::Tensor lenet_crop(const at::Tensor& x) {
   return x.slice(2, 0, h).slice(3, 0, w);
 }
 
+// The plain layers, as the Python model writes them: no crop, LibTorch's relu and pool.
+at::Tensor relu_pool(const at::Tensor& x) {
+  return F::avg_pool2d(torch::relu(x), F::AvgPool2dFuncOptions(2));
+}
+
 struct LeNetImpl : torch::nn::Module {
-  explicit LeNetImpl(const ModelOptions& o) {
+  explicit LeNetImpl(const ModelOptions& o) : optimized(o.model_optimizations) {
     conv1 = register_module("conv1", torch::nn::Conv2d(o.in_channels, 20, 3));
     conv2 = register_module("conv2", torch::nn::Conv2d(20, 50, 5));
     fc1 = register_module("fc1", torch::nn::Linear(800, 128));
     fc2 = register_module("fc2", torch::nn::Linear(128, o.num_classes));
   }
-  at::Tensor forward(const at::Tensor& x) {
-    auto h = relu_avg_pool2x2(conv2d(conv1, lenet_crop(x)));  // Note [Unread border]
-    h = relu_avg_pool2x2(conv2(h));
-    return fc2(torch::relu(fc1(h.flatten(1))));
+  at::Tensor stem(const at::Tensor& x) {
+    if (!optimized) return relu_pool(conv1(x));
+    return relu_avg_pool2x2(conv2d(conv1, lenet_crop(x)));  // Note [Unread border]
   }
+  at::Tensor second(const at::Tensor& x) {
+    return optimized ? relu_avg_pool2x2(conv2(x)) : relu_pool(conv2(x));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return fc2(torch::relu(fc1(second(stem(x)).flatten(1))));
+  }
+  bool optimized;
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
@@ -106,7 +117,7 @@ TORCH_MODULE(BasicBlock);
 // The small-image ResNet-18 of seed 003: a 3x3 stride-1 stem and no max-pool, so 28x28
 // inputs keep their resolution in layer1; torchvision's names otherwise.
 struct ResNet18SmallImpl : torch::nn::Module {
-  explicit ResNet18SmallImpl(const ModelOptions& o) {
+  explicit ResNet18SmallImpl(const ModelOptions& o) : optimized(o.model_optimizations) {
     namespace nn = torch::nn;
     conv1 = register_module(
         "conv1", nn::Conv2d(nn::Conv2dOptions(o.in_channels, 64, 3).padding(1).bias(false)));
@@ -122,11 +133,15 @@ struct ResNet18SmallImpl : torch::nn::Module {
     }
     fc = register_module("fc", nn::Linear(512, o.num_classes));
   }
+  at::Tensor stem(const at::Tensor& x) {
+    return torch::relu(bn1(optimized ? conv2d(conv1, x) : conv1(x)));
+  }
   at::Tensor forward(const at::Tensor& x) {
-    auto h = torch::relu(bn1(conv2d(conv1, x)));
+    auto h = stem(x);
     for (auto& l : layers) h = l->forward(h);
     return fc(h.mean({2, 3}));
   }
+  bool optimized;
   torch::nn::Conv2d conv1{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr};
   std::vector<torch::nn::Sequential> layers;
@@ -227,11 +242,9 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<MLPImpl>& m) {
 torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
   return torch::nn::Sequential(
       {{"conv1", Block(Parts{{"conv1", m->conv1.ptr()}},
-                       [m](const at::Tensor& x) {
-                         return relu_avg_pool2x2(conv2d(m->conv1, lenet_crop(x)));
-                       })},
+                       [m](const at::Tensor& x) { return m->stem(x); })},
        {"conv2", Block(Parts{{"conv2", m->conv2.ptr()}},
-                       [m](const at::Tensor& x) { return relu_avg_pool2x2(m->conv2(x)); })},
+                       [m](const at::Tensor& x) { return m->second(x); })},
        {"fc1", Block(Parts{{"fc1", m->fc1.ptr()}},
                      [m](const at::Tensor& x) { return torch::relu(m->fc1(x.flatten(1))); })},
        {"fc2",
@@ -242,7 +255,7 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<ResNet18SmallImpl>& m) {
   torch::nn::Sequential seq;
   seq->push_back(
       "stem", Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
-                    [m](const at::Tensor& x) { return torch::relu(m->bn1(conv2d(m->conv1, x))); }));
+                    [m](const at::Tensor& x) { return m->stem(x); }));
   push_layers(seq, m->layers);
   seq->push_back("head", Block(Parts{{"fc", m->fc.ptr()}}, [m](const at::Tensor& x) {
                    return m->fc(x.mean({2, 3}));

@@ -184,13 +184,13 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   const auto order = my_tasks(count);
   int last_backward = -1;  // the micro-batch whose backward averages gradients (grids)
   for (const auto& t : order) {
-    if (!t.forward) last_backward = t.microbatch;
+    if (!t.forward()) last_backward = t.microbatch;
   }
   std::vector<at::Tensor> inputs(m), outputs(m), losses(m);
   Transfers io(dist_, options_.device);
   for (const auto& t : order) {
     const auto i = static_cast<size_t>(t.microbatch);
-    if (t.forward) {
+    if (t.forward()) {
       inputs[i] = first ? xs[i].to(options_.device)
                         : io.recv_activation(neighbour(-1), t.microbatch).requires_grad_(true);
       outputs[i] = stage_module_->forward(inputs[i]);

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <thread>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #ifdef SCALETRAIN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -146,164 +148,348 @@ Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
     throw UsageError("the balance covers " + std::to_string(total) + " layers but the model has " +
                      std::to_string(model->size()));
   }
-  if (options_.devices.size() != options_.balance.size()) {
+  const int v = options_.stages_per_device;
+  if (v < 1) throw UsageError("stages_per_device must be at least 1, got " + std::to_string(v));
+  if (v > 1 && options_.schedule != PipelineSchedule::kInterleaved1F1B) {
+    throw UsageError("stages_per_device " + std::to_string(v) +
+                     " is for the interleaved 1F1B schedule; set schedule to kInterleaved1F1B or "
+                     "stages_per_device to 1");
+  }
+  if (options_.devices.size() * static_cast<size_t>(v) != options_.balance.size()) {
     throw UsageError("pipeline has " + std::to_string(options_.balance.size()) + " stages but " +
-                     std::to_string(options_.devices.size()) + " devices; give one per stage");
+                     std::to_string(options_.devices.size()) + " devices of " + std::to_string(v) +
+                     " stage(s) each; give one device per " + std::to_string(v) + " stage(s)");
   }
   std::vector<torch::nn::AnyModule> layers(model->begin(), model->end());
   size_t layer = 0;
   for (size_t s = 0; s < options_.balance.size(); ++s) {
     torch::nn::Sequential stage;
     for (int i = 0; i < options_.balance[s]; ++i) stage->push_back(layers[layer++]);
-    stage->to(options_.devices[s]);
+    stage->to(options_.devices[s % options_.devices.size()]);
     stages_.push_back(stage);
   }
 }
 
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
 at::Tensor Pipeline::forward(const at::Tensor& input) {
+  const size_t p = options_.devices.size();
   std::vector<at::Tensor> outs;
   for (auto& mb : split_microbatches(input, chunks_for(input.size(0)))) {
     at::Tensor h = mb;
-    for (size_t s = 0; s < stages_.size(); ++s) h = stages_[s]->forward(h.to(options_.devices[s]));
+    for (size_t k = 0; k < stages_.size(); ++k) {
+      h = stages_[k]->forward(h.to(options_.devices[k % p]));
+    }
     outs.push_back(h);
   }
   return at::cat(outs);
 }
 
-// Note [Pipeline runner]: the schedule's table gives each stage its order of tasks; each stage
-// runs them on its own thread, as soon as their data is there (Note [Stage threads]). A stage's
-// input is the previous stage's output, detached and moved to its device, so that each stage's
-// backward is its own autograd graph; the gradient of that input is what the previous stage's
-// backward starts from.
+// Note [Stage threads]: one thread per device, started at the first step and kept for the
+// pipeline's life, runs its column of the schedule in order, waiting only for its data — a
+// forward for the previous stage's forward, a backward for the next stage's input gradient —
+// not for a whole tick. A slow task (a backward costs about two forwards) then delays only what
+// depends on it. A thread that finds its data missing spins for a few microseconds before it
+// sleeps: on a machine with a core per stage, a micro-batch handed over by the neighbour is
+// usually there by then, and a sleeping thread takes tens of microseconds to wake.
+class StageThreads {
+ public:
+  explicit StageThreads(const std::vector<at::Device>& devices) {
+    errors_.resize(devices.size());
+    for (size_t d = 0; d < devices.size(); ++d) {
+      threads_.emplace_back([this, d, device = devices[d]] { loop(d, device); });
+    }
+  }
+  ~StageThreads() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  StageThreads(const StageThreads&) = delete;
+  StageThreads& operator=(const StageThreads&) = delete;
+
+  /// Runs job(d) on device d's thread, for every device; returns each one's exception, if any.
+  std::vector<std::exception_ptr> run(const std::function<void(size_t)>& job) {
+    std::unique_lock lock(mu_);
+    job_ = &job;
+    finished_ = 0;
+    for (auto& e : errors_) e = nullptr;
+    ++generation_;
+    start_.notify_all();
+    done_.wait(lock, [&] { return finished_ == threads_.size(); });
+    job_ = nullptr;
+    return errors_;
+  }
+
+ private:
+  void loop(size_t d, at::Device device) {
+#ifdef SCALETRAIN_WITH_CUDA
+    // Each CUDA device's stages work on a stream of their own, so two on one GPU overlap.
+    std::optional<c10::cuda::CUDAStreamGuard> stream;
+    if (device.is_cuda()) stream.emplace(c10::cuda::getStreamFromPool(false, device.index()));
+#else
+    (void)device;
+#endif
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(size_t)>* job = nullptr;
+      {
+        std::unique_lock lock(mu_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+      }
+      // The process's intra-op setting as it is now (a new thread starts with OpenMP's
+      // default team, every core: stages would oversubscribe them).
+      at::init_num_threads();
+      std::exception_ptr error;
+      try {
+        (*job)(d);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard lock(mu_);
+        errors_[d] = error;
+        ++finished_;
+      }
+      done_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable start_, done_;
+  const std::function<void(size_t)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  size_t finished_ = 0;
+  bool stop_ = false;
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::thread> threads_;
+};
+
+std::vector<std::vector<PipeTask>> Pipeline::orders(int m) const {
+  const int p = static_cast<int>(options_.devices.size());
+  switch (options_.schedule) {
+    case PipelineSchedule::kGPipe:
+      return gpipe_order(p, m);
+    case PipelineSchedule::k1F1B:
+      return one_f_one_b_order(p, m);
+    case PipelineSchedule::kInterleaved1F1B:
+      return interleaved_order(p, options_.stages_per_device, m);
+    case PipelineSchedule::kZeroBubbleH1:
+      return zero_bubble_h1_order(p, m);
+  }
+  throw Error("unknown pipeline schedule");
+}
+
+// Note [Pipeline runner]: each device's thread runs its order of tasks (Note [Stage threads]).
+// A stage's input is the previous stage's output, detached and moved to its device, so that
+// each stage's backward is its own autograd graph; the gradient of that input is what the
+// previous stage's backward starts from.
+//
+// Note [Split backward]: zero-bubble schedules split a stage's backward into I (the gradient
+// of the stage's input, which the previous stage waits for) and W (its weights' gradients,
+// which nobody waits for). Autograd computes a graph's gradients in one pass, so under these
+// schedules the stage runs each of its layers on a graph of its own (the layer's input detached
+// from the previous layer's output): I walks the layers from the last, asking each graph for
+// its input's gradient only and keeping the graph; W then asks each graph for its parameters'
+// gradients from the same output gradient. Within one layer (a residual block, say), W goes
+// through the layer's inner activations again; between layers nothing is computed twice. The
+// gradients are those of one whole backward; only their rounding order may differ.
 at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
                                 const LossFn& loss_fn) {
   const int chunks = chunks_for(input.size(0));
   const auto xs = split_microbatches(input, chunks);
   const auto ys = split_microbatches(target, chunks);
-  const int p = static_cast<int>(stages_.size());
+  const int p = static_cast<int>(options_.devices.size());
+  const auto stages = stages_.size();
   const int m = static_cast<int>(xs.size());
   const double total = static_cast<double>(input.size(0));
-  const ScheduleTable table = options_.schedule == PipelineSchedule::kGPipe
-                                  ? gpipe_schedule(p, m)
-                                  : one_f_one_b_schedule(p, m);
-  // inputs[s][i]: stage s's (detached) input of micro-batch i; outputs[s][i]: its output.
-  std::vector<std::vector<at::Tensor>> inputs(static_cast<size_t>(p),
-                                              std::vector<at::Tensor>(static_cast<size_t>(m)));
-  auto outputs = inputs;
+  const auto order = orders(m);
+  const bool split = options_.schedule == PipelineSchedule::kZeroBubbleH1;
+  auto slots = [&] {
+    return std::vector<std::vector<at::Tensor>>(stages,
+                                                std::vector<at::Tensor>(static_cast<size_t>(m)));
+  };
+  // [stage][micro-batch]: the stage's (detached) input, its output, and its input's gradient.
+  auto inputs = slots(), outputs = slots(), input_grads = slots();
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
+  // Under a split backward, each layer's graph (Note [Split backward]).
+  struct Piece {
+    at::Tensor in, out, grad;  // the layer's input, output (or loss), and the output's gradient
+  };
+  std::vector<std::vector<std::vector<Piece>>> pieces(
+      stages, std::vector<std::vector<Piece>>(static_cast<size_t>(m)));
+  std::vector<std::vector<std::vector<at::Tensor>>> layer_params(stages);
+  if (split) {
+    for (size_t k = 0; k < stages; ++k) {
+      for (const auto& layer : stages_[k]->children()) {
+        std::vector<at::Tensor> trainable;
+        for (auto& t : layer->parameters()) {
+          if (t.requires_grad()) trainable.push_back(t);
+        }
+        layer_params[k].push_back(trainable);
+      }
+    }
+  }
 
   const auto checkpointed = [&](size_t i) {
     return options_.checkpoint == PipelineCheckpoint::kAlways ||
            (options_.checkpoint == PipelineCheckpoint::kExceptLast &&
             i + 1 < static_cast<size_t>(m));
   };
-  // Forward of stage s on micro-batch i from its stored input; the last stage adds the loss.
-  auto forward = [&](size_t si, size_t i) {
-    outputs[si][i] = stages_[si]->forward(inputs[si][i]);
-    if (si + 1 == static_cast<size_t>(p)) {
-      const double share = static_cast<double>(xs[i].size(0)) / total;
-      losses[i] = loss_fn(outputs[si][i], ys[i].to(options_.devices[si])) * share;
-    }
-  };
-
-  auto run = [&](int s, const PipeTask& t) {
-    const auto si = static_cast<size_t>(s);
-    const auto i = static_cast<size_t>(t.microbatch);
-    const auto& dev = options_.devices[si];
-    if (t.forward) {
-      at::Tensor in = s == 0 ? xs[i].to(dev) : outputs[si - 1][i].detach().to(dev);
-      if (s > 0) in.requires_grad_(true);
-      inputs[si][i] = in;
-      if (checkpointed(i)) {
-        at::NoGradGuard no_graph;  // keep the input only; backward recomputes
-        forward(si, i);
-      } else {
-        forward(si, i);
+  // Forward of stage k on micro-batch i from its stored input; the last stage adds the loss.
+  auto forward = [&](size_t k, size_t i) {
+    if (split && torch::GradMode::is_enabled()) {
+      auto& ps = pieces[k][i];
+      ps.clear();
+      at::Tensor h = inputs[k][i];
+      for (auto& layer : *stages_[k]) {
+        at::Tensor in = ps.empty() ? h : h.detach().requires_grad_(h.requires_grad());
+        h = layer.forward(in);
+        ps.push_back({in, h, at::Tensor()});
       }
+      outputs[k][i] = h;
     } else {
-      if (checkpointed(i)) forward(si, i);  // again, now recording the graph
-      if (s == p - 1) {
-        losses[i].backward();
-      } else {
-        auto grad = inputs[si + 1][i].grad().to(dev);
-        outputs[si][i].backward(grad);
-        inputs[si + 1][i] = at::Tensor();  // release what the next stage no longer needs
+      outputs[k][i] = stages_[k]->forward(inputs[k][i]);
+    }
+    if (k + 1 == stages) {
+      const double share = static_cast<double>(xs[i].size(0)) / total;
+      losses[i] = loss_fn(outputs[k][i], ys[i].to(options_.devices[k % static_cast<size_t>(p)])) *
+                  share;
+      if (split && !pieces[k][i].empty()) pieces[k][i].back().out = losses[i];
+    }
+  };
+  // The gradient that stage k's backward starts from, on its device.
+  auto output_grad = [&](size_t k, size_t i, const at::Device& dev) {
+    if (k + 1 == stages) return at::ones_like(losses[i]);
+    at::Tensor g = input_grads[k + 1][i].to(dev);
+    input_grads[k + 1][i] = at::Tensor();  // released: the next stage no longer needs it
+    inputs[k + 1][i] = at::Tensor();
+    return g;
+  };
+
+  auto run = [&](size_t d, const PipeTask& t) {
+    const auto k = static_cast<size_t>(t.chunk * p) + d;
+    const auto i = static_cast<size_t>(t.microbatch);
+    const auto& dev = options_.devices[d];
+    switch (t.pass) {
+      case Pass::kForward: {
+        at::Tensor in = k == 0 ? xs[i].to(dev) : outputs[k - 1][i].detach().to(dev);
+        if (k > 0) in.requires_grad_(true);
+        inputs[k][i] = in;
+        if (checkpointed(i)) {
+          at::NoGradGuard no_graph;  // keep the input only; backward recomputes
+          forward(k, i);
+        } else {
+          forward(k, i);
+        }
+        break;
       }
-      outputs[si][i] = at::Tensor();
+      case Pass::kBackward: {
+        if (checkpointed(i)) forward(k, i);  // again, now recording the graph
+        at::Tensor start = k + 1 == stages ? losses[i] : outputs[k][i];
+        start.backward(output_grad(k, i, dev));
+        if (k > 0) input_grads[k][i] = inputs[k][i].grad();
+        outputs[k][i] = at::Tensor();
+        break;
+      }
+      case Pass::kInputGrad: {
+        if (checkpointed(i)) forward(k, i);
+        auto& ps = pieces[k][i];
+        at::Tensor g = output_grad(k, i, dev);
+        for (size_t l = ps.size(); l-- > 0;) {
+          ps[l].grad = g;
+          if (!ps[l].out.requires_grad() || !ps[l].in.requires_grad()) break;
+          g = torch::autograd::grad({ps[l].out}, {ps[l].in}, {g}, /*retain_graph=*/true,
+                                    /*create_graph=*/false, /*allow_unused=*/true)[0];
+          if (!g.defined()) g = at::zeros_like(ps[l].in);
+        }
+        if (k > 0) input_grads[k][i] = g;
+        outputs[k][i] = at::Tensor();
+        break;
+      }
+      case Pass::kWeightGrad: {
+        auto& ps = pieces[k][i];
+        for (size_t l = 0; l < ps.size(); ++l) {
+          const auto& params = layer_params[k][l];
+          if (params.empty() || !ps[l].grad.defined() || !ps[l].out.requires_grad()) continue;
+          torch::autograd::backward({ps[l].out}, {ps[l].grad}, /*keep_graph=*/false,
+                                    /*create_graph=*/false, params);
+        }
+        ps.clear();
+        break;
+      }
     }
   };
 
-  // Note [Stage threads]: one thread per stage runs its column of the table in order, waiting
-  // only for its data — stage s's forward of micro-batch i for the previous stage's, its
-  // backward for the next stage's backward — not for a whole tick. A slow task (a backward
-  // costs about two forwards) then delays only what depends on it, instead of every stage.
-  std::vector<std::vector<PipeTask>> order(static_cast<size_t>(p));
-  for (const auto& row : table) {
-    for (size_t s = 0; s < row.size(); ++s) {
-      if (row[s]) order[s].push_back(*row[s]);
-    }
-  }
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<std::vector<char>> forward_done(static_cast<size_t>(p),
-                                              std::vector<char>(static_cast<size_t>(m), 0));
-  auto backward_done = forward_done;
+  // done[kind][stage][micro-batch]: kind 0 forward, 1 input gradient (B or I).
+  std::vector<std::vector<std::vector<char>>> done(
+      2, std::vector<std::vector<char>>(stages, std::vector<char>(static_cast<size_t>(m), 0)));
   bool failed = false;
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(p));
-  auto ready = [&](size_t s, const PipeTask& t) {
+  auto ready = [&](size_t k, const PipeTask& t) {
     const auto i = static_cast<size_t>(t.microbatch);
-    if (t.forward) return s == 0 || forward_done[s - 1][i] != 0;
-    return s + 1 == static_cast<size_t>(p) ? forward_done[s][i] != 0 : backward_done[s + 1][i] != 0;
+    if (t.forward()) return k == 0 || done[0][k - 1][i] != 0;
+    if (!t.input_gradient()) return true;  // W follows its own stage's I, run before it
+    return k + 1 == stages ? done[0][k][i] != 0 : done[1][k + 1][i] != 0;
   };
-  std::vector<std::thread> workers;
-  for (size_t s = 0; s < static_cast<size_t>(p); ++s) {
-    workers.emplace_back([&, s] {
-      // A new thread starts with OpenMP's default team size (every core); take the process's
-      // intra-op setting instead, or stages oversubscribe the cores.
-      at::init_num_threads();
-      try {
+  auto wait_until_ready = [&](size_t k, const PipeTask& t) {
+    using Clock = std::chrono::steady_clock;
+    const auto spin_until = Clock::now() + std::chrono::microseconds(50);
+    std::unique_lock lock(mu);
+    while (!failed && !ready(k, t) && Clock::now() < spin_until) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+    cv.wait(lock, [&] { return failed || ready(k, t); });
+    return !failed;
+  };
+  const std::function<void(size_t)> job = [&](size_t d) {
+    try {
+      for (const PipeTask& t : order[d]) {
+        const auto k = static_cast<size_t>(t.chunk * p) + d;
+        if (!wait_until_ready(k, t)) return;
+        run(d, t);
 #ifdef SCALETRAIN_WITH_CUDA
-        // Each CUDA stage works on a stream of its own, so two stages on one GPU overlap.
-        std::optional<c10::cuda::CUDAStreamGuard> stream;
-        if (options_.devices[s].is_cuda()) {
-          stream.emplace(c10::cuda::getStreamFromPool(false, options_.devices[s].index()));
+        // The next stage reads what this task wrote, from another stream: finish it first.
+        if (options_.devices[d].is_cuda()) {
+          c10::cuda::getCurrentCUDAStream(options_.devices[d].index()).synchronize();
         }
 #endif
-        for (const PipeTask& t : order[s]) {
-          {
-            std::unique_lock lock(mu);
-            cv.wait(lock, [&] { return failed || ready(s, t); });
-            if (failed) return;
-          }
-          run(static_cast<int>(s), t);
-#ifdef SCALETRAIN_WITH_CUDA
-          // The next stage reads what this task wrote, from another stream: finish it first.
-          if (stream) stream->current_stream().synchronize();
-#endif
-          {
-            std::lock_guard lock(mu);
-            (t.forward ? forward_done : backward_done)[s][static_cast<size_t>(t.microbatch)] = 1;
-          }
-          cv.notify_all();
-        }
-      } catch (...) {
-        errors[s] = std::current_exception();
+        if (t.pass == Pass::kWeightGrad) continue;
         {
           std::lock_guard lock(mu);
-          failed = true;
+          done[t.forward() ? 0 : 1][k][static_cast<size_t>(t.microbatch)] = 1;
         }
         cv.notify_all();
       }
-    });
-  }
-  for (auto& w : workers) w.join();
-  for (int s = 0; s < p; ++s) {
-    if (!errors[static_cast<size_t>(s)]) continue;
+    } catch (...) {
+      {
+        std::lock_guard lock(mu);
+        failed = true;
+      }
+      cv.notify_all();
+      throw;
+    }
+  };
+  if (!threads_) threads_ = std::make_unique<StageThreads>(options_.devices);
+  const auto errors = threads_->run(job);
+  for (size_t d = 0; d < errors.size(); ++d) {
+    if (!errors[d]) continue;
     try {
-      std::rethrow_exception(errors[static_cast<size_t>(s)]);
+      std::rethrow_exception(errors[d]);
     } catch (const std::exception& e) {
-      throw Error("pipeline stage " + std::to_string(s) + " (" +
-                  options_.devices[static_cast<size_t>(s)].str() + ") failed: " + e.what());
+      throw Error("pipeline stage " + std::to_string(d) + " (" + options_.devices[d].str() +
+                  ") failed: " + e.what());
     }
   }
   at::Tensor sum = losses[0].detach().cpu();

@@ -34,8 +34,10 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats);
 /// [--repeats R]`; rank 0 writes `metric,value` lines to F.
 int run_zero_worker(const std::vector<std::string>& args);
 
-/// Worker of the DDP suites: `--csv F [--model M] [--batch-size B] [--steps N] [--warmup W]
-/// [--repeats R] [--overlap 0|1]`; rank 0 appends samples/s per repetition to F.
+/// Worker of the DDP suites: `--csv F [--model M] [--plain 0|1] [--channels-last 0|1]
+/// [--batch-size B] [--steps N] [--warmup W] [--repeats R] [--overlap 0|1] [--shared-memory 0|1]
+/// [--phases P]`; rank 0 appends samples/s per repetition to F, and with --phases writes
+/// milliseconds per step by phase to P (`--plain 1`: the model without model_optimizations).
 int run_ddp_worker(const std::vector<std::string>& args);
 
 }  // namespace scaletrain::bench

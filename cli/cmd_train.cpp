@@ -91,13 +91,15 @@ void apply_strategy_flags(Args& a) {
     a.o.schedule = PipelineSchedule::kGPipe;
   } else if (a.schedule == "1f1b") {
     a.o.schedule = PipelineSchedule::k1F1B;
+  } else if (a.schedule == "zb-h1") {
+    a.o.schedule = PipelineSchedule::kZeroBubbleH1;
   } else if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
     throw UsageError(
-        "--schedule is a pipeline's (gpipe or 1f1b); the learning-rate schedule is "
+        "--schedule is a pipeline's (gpipe, 1f1b or zb-h1); the learning-rate schedule is "
         "--lr-schedule " +
         a.schedule);
   } else {
-    throw UsageError("unknown --schedule '" + a.schedule + "'; use gpipe or 1f1b");
+    throw UsageError("unknown --schedule '" + a.schedule + "'; use gpipe, 1f1b or zb-h1");
   }
   if (a.checkpointing == "never") {
     a.o.checkpointing = PipelineCheckpoint::kNever;
@@ -162,7 +164,9 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--devices", args->devices,
                   "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
                   "GPU, else cpu,cpu)");
-  cmd->add_option("--schedule", args->schedule, "Pipelines: gpipe or 1f1b")->capture_default_str();
+  cmd->add_option("--schedule", args->schedule,
+                  "Pipelines: gpipe, 1f1b or zb-h1 (zero bubble, --strategy pipeline)")
+      ->capture_default_str();
   cmd->add_option("--chunks", o.chunks, "Pipelines: micro-batches per batch (0: twice the stages)")
       ->capture_default_str();
   cmd->add_option("--split-size", o.split_size,

@@ -190,6 +190,9 @@ TEST(DistPipeline, BadOptionsAreRefused) {
     EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
     o.stage_ranks = {0};
     o.chunks = 4;
+    o.schedule = PipelineSchedule::kZeroBubbleH1;  // in-process only
+    EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
+    o.schedule = PipelineSchedule::k1F1B;
     DistPipeline pipe(make_model(), o, d);
     EXPECT_THROW(pipe.train_step(at::Tensor(), at::randn({2, 4}), mse), UsageError);
     EXPECT_THROW(new_group(d, {0, 0}, "twice"), UsageError);

@@ -47,8 +47,7 @@ TEST(Kernels, StemConvGradientsEqualLibTorchs) {
         x.set_requires_grad(input_grad);
         const std::string what = std::string(channels_last ? "NHWC" : "NCHW") +
                                  (input_grad ? ", input grad, one sample per slice" : "") +
-                                 ", in_channels " +
-                                 std::to_string(c.options.in_channels());
+                                 ", in_channels " + std::to_string(c.options.in_channels());
         auto y = conv2d(conv, x);
         ASSERT_TRUE(y.grad_fn());
         EXPECT_NE(y.grad_fn()->name().find("StemConv"), std::string::npos)

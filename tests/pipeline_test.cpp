@@ -87,30 +87,30 @@ TEST_P(PipelineTransparency, OutputsAndGradientsEqualTheWholeModel) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, PipelineTransparency,
-    ::testing::Values(Case{{2, 3}, 1, PipelineSchedule::kGPipe},
-                      Case{{2, 3}, 4, PipelineSchedule::kGPipe},
-                      Case{{2, 3}, 3, PipelineSchedule::k1F1B},  // 3 does not divide 10
-                      Case{{1, 2, 2}, 5, PipelineSchedule::kGPipe},
-                      Case{{1, 2, 2}, 4, PipelineSchedule::k1F1B},
-                      Case{{1, 1, 1, 2}, 3, PipelineSchedule::kGPipe},
-                      Case{{1, 1, 1, 2}, 10, PipelineSchedule::k1F1B},
-                      // Activation checkpointing: recomputed forwards give the same gradients.
-                      Case{{2, 3}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kAlways},
-                      Case{{2, 3}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kExceptLast},
-                      Case{{1, 2, 2}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kExceptLast},
-                      Case{{1, 1, 1, 2}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kAlways},
-                      // Interleaved 1F1B: 4 stages on 2 devices, 3 on 3 (one per device).
-                      Case{{1, 1, 1, 2}, 4, PipelineSchedule::kInterleaved1F1B,
-                           PipelineCheckpoint::kNever, 2},
-                      Case{{1, 1, 1, 2}, 2, PipelineSchedule::kInterleaved1F1B,
-                           PipelineCheckpoint::kExceptLast, 2},
-                      Case{{1, 2, 2}, 3, PipelineSchedule::kInterleaved1F1B},
-                      // Zero bubble H1: the backward split into input and weight gradients.
-                      Case{{2, 3}, 3, PipelineSchedule::kZeroBubbleH1},
-                      Case{{1, 2, 2}, 4, PipelineSchedule::kZeroBubbleH1},
-                      Case{{1, 1, 1, 2}, 10, PipelineSchedule::kZeroBubbleH1},
-                      Case{{2, 3}, 4, PipelineSchedule::kZeroBubbleH1,
-                           PipelineCheckpoint::kExceptLast}));
+    ::testing::Values(
+        Case{{2, 3}, 1, PipelineSchedule::kGPipe}, Case{{2, 3}, 4, PipelineSchedule::kGPipe},
+        Case{{2, 3}, 3, PipelineSchedule::k1F1B},  // 3 does not divide 10
+        Case{{1, 2, 2}, 5, PipelineSchedule::kGPipe}, Case{{1, 2, 2}, 4, PipelineSchedule::k1F1B},
+        Case{{1, 1, 1, 2}, 3, PipelineSchedule::kGPipe},
+        Case{{1, 1, 1, 2}, 10, PipelineSchedule::k1F1B},
+        // Activation checkpointing: recomputed forwards give the same gradients.
+        Case{{2, 3}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kAlways},
+        Case{{2, 3}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kExceptLast},
+        Case{{1, 2, 2}, 4, PipelineSchedule::kGPipe, PipelineCheckpoint::kExceptLast},
+        Case{{1, 1, 1, 2}, 3, PipelineSchedule::k1F1B, PipelineCheckpoint::kAlways},
+        // Interleaved 1F1B: 4 stages on 2 devices, 3 on 3 (one per device).
+        Case{{1, 1, 1, 2}, 4, PipelineSchedule::kInterleaved1F1B, PipelineCheckpoint::kNever, 2},
+        Case{{1, 1, 1, 2},
+             2,
+             PipelineSchedule::kInterleaved1F1B,
+             PipelineCheckpoint::kExceptLast,
+             2},
+        Case{{1, 2, 2}, 3, PipelineSchedule::kInterleaved1F1B},
+        // Zero bubble H1: the backward split into input and weight gradients.
+        Case{{2, 3}, 3, PipelineSchedule::kZeroBubbleH1},
+        Case{{1, 2, 2}, 4, PipelineSchedule::kZeroBubbleH1},
+        Case{{1, 1, 1, 2}, 10, PipelineSchedule::kZeroBubbleH1},
+        Case{{2, 3}, 4, PipelineSchedule::kZeroBubbleH1, PipelineCheckpoint::kExceptLast}));
 
 // Note [Stage threads]: one thread per device, kept from step to step; and a second step
 // accumulates onto the first's gradients under every schedule.
@@ -129,7 +129,7 @@ TEST(Pipeline, StageThreadsPersistAcrossSteps) {
     model->push_back(spy);  // 6 layers
     PipelineOptions o;
     o.balance = schedule == PipelineSchedule::kInterleaved1F1B ? std::vector<int>{1, 2, 2, 1}
-                                                              : std::vector<int>{3, 3};
+                                                               : std::vector<int>{3, 3};
     o.stages_per_device = schedule == PipelineSchedule::kInterleaved1F1B ? 2 : 1;
     o.devices = {at::kCPU, at::kCPU};
     o.chunks = 4;

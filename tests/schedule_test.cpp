@@ -115,9 +115,7 @@ TEST(Schedule, ZeroBubbleNearItsTheoryAtOneFOneBsMemory) {
         for (int tick = 0; tick < len; ++tick) {
           const auto& c = t[static_cast<size_t>(tick)][static_cast<size_t>(s)];
           if (!c) continue;
-          auto& slot = c->pass == Pass::kForward     ? f
-                       : c->pass == Pass::kInputGrad ? i
-                                                     : w;
+          auto& slot = c->pass == Pass::kForward ? f : c->pass == Pass::kInputGrad ? i : w;
           ASSERT_NE(c->pass, Pass::kBackward);
           slot[static_cast<size_t>(c->microbatch)] = tick + 1;
         }

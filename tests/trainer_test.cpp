@@ -333,6 +333,8 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--strategy zero2 --amp bf16", "runs with --strategy ddp only"},
         Bad{"--strategy fsdp --uneven-inputs join", "--uneven-inputs is for --strategy ddp"},
         Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
+        Bad{"--strategy grid --pipeline-stages 2 --schedule zb-h1",
+            "the grid's pipeline across processes runs gpipe or 1f1b"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu", "at least 2 --devices"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1",
             "--balance '1,1' covers 2 blocks, and lenet has 4"},

@@ -197,9 +197,8 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
     std::string name;
     int steps;
   };
-  const std::vector<ModelRun> models = {{"mlp", o.quick ? 60 : 200},
-                                        {"lenet", o.quick ? 15 : 50},
-                                        {"resnet18", o.quick ? 2 : 5}};
+  const std::vector<ModelRun> models = {
+      {"mlp", o.quick ? 60 : 200}, {"lenet", o.quick ? 15 : 50}, {"resnet18", o.quick ? 2 : 5}};
   // This machine's speed drifts by more than the differences measured: each repetition is a
   // round of every configuration, launched afresh, alternating which side goes first, so drift
   // hits both sides alike. Keys: "<side>/<model>/<n>", side "ours" (plain model, as the Python
@@ -218,15 +217,14 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
           const std::string csv = o.work_dir + "/" + name + ".csv";
           const std::string phase_csv = o.work_dir + "/" + name + "_phases.csv";
           command.insert(command.end(), {"--csv", csv, "--model", mr.name, "--steps", steps,
-                                         "--warmup", mr.name == "resnet18" ? "1" : "3",
-                                         "--repeats", "1", "--channels-last", "1"});
+                                         "--warmup", mr.name == "resnet18" ? "1" : "3", "--repeats",
+                                         "1", "--channels-last", "1"});
           if (last) command.insert(command.end(), {"--phases", phase_csv});
           const std::string key = side + "/" + mr.name + "/" + std::to_string(n);
           for (double v : run_ranks(o, n, command, csv, name)) runs[key].push_back(v);
           if (last) phases[key] = read_phases(phase_csv);
         };
-        auto ours = [&](const std::string& side, const std::string& plain,
-                        const std::string& shm) {
+        auto ours = [&](const std::string& side, const std::string& plain, const std::string& shm) {
           record(side,
                  {o.self_exe, "bench-worker", "ddp", "--plain", plain, "--shared-memory", shm});
         };
@@ -264,13 +262,13 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
     for (int n : {1, 2}) {
       const std::string k = "/" + mr.name + "/" + std::to_string(n);
       const std::string k1 = "/" + mr.name + "/1", k2 = "/" + mr.name + "/2";
-      const std::string scaling =
-          n == 2 ? fixed(mean("ours" + k2) / (2 * mean("ours" + k1))) + " | " +
-                       fixed(mean("py" + k2) / (2 * mean("py" + k1)))
-                 : std::string(" | ");
-      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) +
-           " | " + fixed(mean("py" + k), 0) + " | " + fixed(mean("ours" + k) / mean("py" + k)) +
-           "x | " + scaling + " |\n";
+      const std::string scaling = n == 2
+                                      ? fixed(mean("ours" + k2) / (2 * mean("ours" + k1))) + " | " +
+                                            fixed(mean("py" + k2) / (2 * mean("py" + k1)))
+                                      : std::string(" | ");
+      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) + " | " +
+           fixed(mean("py" + k), 0) + " | " + fixed(mean("ours" + k) / mean("py" + k)) + "x | " +
+           scaling + " |\n";
     }
   }
   r.notes.push_back(t);
@@ -285,9 +283,8 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
     if (mr.name == "mlp") continue;
     for (int n : {1, 2}) {
       const std::string k = "/" + mr.name + "/" + std::to_string(n);
-      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) +
-           " | " + fixed(mean("opt" + k), 0) + " | " + fixed(mean("opt" + k) / mean("ours" + k)) +
-           "x |\n";
+      t += "| " + mr.name + " | " + std::to_string(n) + " | " + fixed(mean("ours" + k), 0) + " | " +
+           fixed(mean("opt" + k), 0) + " | " + fixed(mean("opt" + k) / mean("ours" + k)) + "x |\n";
     }
   }
   t += "\nShared memory's part at 2 processes (lenet, plain): " +

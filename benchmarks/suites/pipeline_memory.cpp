@@ -14,6 +14,8 @@
 #include <atomic>
 #include <cstring>
 
+#include <map>
+
 #include "scaletrain/pipeline.h"
 #include "scaletrain/schedule.h"
 #include "suites_internal.h"
@@ -105,11 +107,22 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
                         {PipelineCheckpoint::kExceptLast, "except last"},
                         {PipelineCheckpoint::kAlways, "always"}};
   double gpipe_plain = 0, one_f_plain = 0;
-  for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B}) {
-    const std::string series = sched == PipelineSchedule::kGPipe ? "GPipe" : "1F1B";
+  std::map<std::string, double> plain;
+  for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
+                     PipelineSchedule::kInterleaved1F1B, PipelineSchedule::kZeroBubbleH1}) {
+    const std::string series = sched == PipelineSchedule::kGPipe  ? "GPipe"
+                               : sched == PipelineSchedule::k1F1B ? "1F1B"
+                               : sched == PipelineSchedule::kInterleaved1F1B
+                                   ? "interleaved 1F1B (v=2)"
+                                   : "zero bubble H1";
     for (const auto& mode : modes) {
       PipelineOptions po;
-      po.balance = {2 * layers, 2 * layers};
+      if (sched == PipelineSchedule::kInterleaved1F1B) {
+        po.balance = {layers, layers, layers, layers};
+        po.stages_per_device = 2;
+      } else {
+        po.balance = {2 * layers, 2 * layers};
+      }
       po.devices = {at::kCPU, at::kCPU};
       po.chunks = m;
       po.schedule = sched;
@@ -124,7 +137,9 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
         s.values.push_back(static_cast<double>(counting.peak() - before) / (1 << 20));
       }
       if (mode.checkpoint == PipelineCheckpoint::kNever) {
-        (sched == PipelineSchedule::kGPipe ? gpipe_plain : one_f_plain) = stats(s.values).mean;
+        plain[series] = stats(s.values).mean;
+        if (sched == PipelineSchedule::kGPipe) gpipe_plain = plain[series];
+        if (sched == PipelineSchedule::k1F1B) one_f_plain = plain[series];
       }
       r.samples.push_back(s);
     }
@@ -143,6 +158,16 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
                     std::to_string(batch) + " in m = " + std::to_string(m) +
                     " micro-batches, on cpu,cpu. Peak bytes held by tensors during a step, "
                     "above those held before it, by a counting allocator.");
+  r.notes.push_back(line);
+  std::snprintf(line, sizeof line,
+                "Without checkpointing: interleaved 1F1B (v=2) %.1f MiB (%.2fx 1F1B's; its "
+                "first device holds %d stage-micro-batches of half a stage each), zero bubble "
+                "H1 %.1f MiB (%.2fx 1F1B's; at most %d micro-batches from F to W on a stage, "
+                "each layer's graph kept apart until W).",
+                plain["interleaved 1F1B (v=2)"], plain["interleaved 1F1B (v=2)"] / one_f_plain,
+                peak_in_flight(interleaved_schedule(p, 2, m), 0), plain["zero bubble H1"],
+                plain["zero bubble H1"] / one_f_plain,
+                peak_in_flight(zero_bubble_h1_schedule(p, m), 0));
   r.notes.push_back(line);
   return r;
 }

@@ -69,10 +69,12 @@ const std::vector<Suite>& suites() {
        "small-image ResNet-18 on 2 processes: all-reduce overlapped with "
        "backward vs after it",
        run_ddp_overlap},
-      {"pipeline-bubble", "GPipe and 1F1B on cpu,cpu: measured bubble vs (p-1)/(m+p-1)",
+      {"pipeline-bubble",
+       "GPipe, 1F1B, interleaved 1F1B, zero bubble H1 on cpu,cpu: measured bubble vs theory",
        run_pipeline_bubble},
       {"pipeline-memory",
-       "peak activation memory of one pipelined step: GPipe vs 1F1B, activation checkpointing",
+       "peak activation memory of one pipelined step: GPipe, 1F1B, interleaved, zero bubble; "
+       "activation checkpointing",
        run_pipeline_memory},
       {"loader", "Fashion-MNIST loader vs LeNet training throughput (target: loader >= 5x)",
        run_loader},

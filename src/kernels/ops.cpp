@@ -32,8 +32,8 @@ namespace F = torch::nn::functional;
 // pixels) and the output gradient seen as [B, L, C_out] (a view when it is channels-last), it
 // is bmm(cols, grad).sum(0): [K, C_out], 5x faster here. The unfolded input is K times the
 // input, so the path is kept to K <= 32, and the batch is unfolded a slice at a time, each
-// slice's columns at most stem_unfold_bytes(), 32 MiB (a 224x224 RGB stem at batch 256 would otherwise
-// unfold 1.4 GB at once). The forward and the input gradient stay LibTorch's.
+// slice's columns at most stem_unfold_bytes(), 32 MiB (a 224x224 RGB stem at batch 256 would
+// otherwise unfold 1.4 GB at once). The forward and the input gradient stay LibTorch's.
 constexpr int64_t kStemMaxTaps = 32;
 std::atomic<int64_t> stem_unfold_budget{int64_t{32} << 20};  // kStemUnfoldBytes
 

@@ -241,10 +241,10 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<MLPImpl>& m) {
 
 torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
   return torch::nn::Sequential(
-      {{"conv1", Block(Parts{{"conv1", m->conv1.ptr()}},
-                       [m](const at::Tensor& x) { return m->stem(x); })},
-       {"conv2", Block(Parts{{"conv2", m->conv2.ptr()}},
-                       [m](const at::Tensor& x) { return m->second(x); })},
+      {{"conv1",
+        Block(Parts{{"conv1", m->conv1.ptr()}}, [m](const at::Tensor& x) { return m->stem(x); })},
+       {"conv2",
+        Block(Parts{{"conv2", m->conv2.ptr()}}, [m](const at::Tensor& x) { return m->second(x); })},
        {"fc1", Block(Parts{{"fc1", m->fc1.ptr()}},
                      [m](const at::Tensor& x) { return torch::relu(m->fc1(x.flatten(1))); })},
        {"fc2",
@@ -253,9 +253,8 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {
 
 torch::nn::Sequential blocks_of(const std::shared_ptr<ResNet18SmallImpl>& m) {
   torch::nn::Sequential seq;
-  seq->push_back(
-      "stem", Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
-                    [m](const at::Tensor& x) { return m->stem(x); }));
+  seq->push_back("stem", Block(Parts{{"conv1", m->conv1.ptr()}, {"bn1", m->bn1.ptr()}},
+                               [m](const at::Tensor& x) { return m->stem(x); }));
   push_layers(seq, m->layers);
   seq->push_back("head", Block(Parts{{"fc", m->fc.ptr()}}, [m](const at::Tensor& x) {
                    return m->fc(x.mean({2, 3}));

@@ -50,6 +50,12 @@ DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions opti
   if (options_.chunks < 1) {
     throw UsageError("chunks must be at least 1, got " + std::to_string(options_.chunks));
   }
+  if (options_.schedule != PipelineSchedule::kGPipe &&
+      options_.schedule != PipelineSchedule::k1F1B) {
+    throw UsageError(
+        "a pipeline across ranks runs the GPipe or 1F1B schedule; interleaved 1F1B and zero "
+        "bubble H1 run in the in-process Pipeline (pipeline.h)");
+  }
   stage_ = static_cast<int>(me - ranks.begin());
   stage_module_->to(options_.device);
 }

@@ -361,8 +361,8 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
     }
     if (k + 1 == stages) {
       const double share = static_cast<double>(xs[i].size(0)) / total;
-      losses[i] = loss_fn(outputs[k][i], ys[i].to(options_.devices[k % static_cast<size_t>(p)])) *
-                  share;
+      losses[i] =
+          loss_fn(outputs[k][i], ys[i].to(options_.devices[k % static_cast<size_t>(p)])) * share;
       if (split && !pieces[k][i].empty()) pieces[k][i].back().out = losses[i];
     }
   };
@@ -405,7 +405,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
         auto& ps = pieces[k][i];
         at::Tensor g = output_grad(k, i, dev);
         for (size_t l = ps.size(); l-- > 0;) {
-          ps[l].grad = g;
+          if (!layer_params[k][l].empty()) ps[l].grad = g;  // W's start; none for others
           if (!ps[l].out.requires_grad() || !ps[l].in.requires_grad()) break;
           g = torch::autograd::grad({ps[l].out}, {ps[l].in}, {g}, /*retain_graph=*/true,
                                     /*create_graph=*/false, /*allow_unused=*/true)[0];

@@ -98,7 +98,8 @@ std::vector<std::vector<PipeTask>> zero_bubble_h1_order(int p, int m) {
       if (ii < m && before(f_at[s][static_cast<size_t>(ii)]) &&
           (s + 1 == P || before(i_at[s + 1][static_cast<size_t>(ii)]))) {
         row[s] = PipeTask{ii, Pass::kInputGrad};
-      } else if (fi < m && live[s] < cap && (s == 0 || before(f_at[s - 1][static_cast<size_t>(fi)]))) {
+      } else if (fi < m && live[s] < cap &&
+                 (s == 0 || before(f_at[s - 1][static_cast<size_t>(fi)]))) {
         row[s] = PipeTask{fi, Pass::kForward};
       } else if (!pending_w[s].empty()) {
         row[s] = PipeTask{pending_w[s].front(), Pass::kWeightGrad};
@@ -178,9 +179,7 @@ ScheduleTable one_f_one_b_schedule(int p, int m) { return schedule(one_f_one_b_o
 ScheduleTable interleaved_schedule(int p, int v, int m) {
   return schedule(interleaved_order(p, v, m));
 }
-ScheduleTable zero_bubble_h1_schedule(int p, int m) {
-  return schedule(zero_bubble_h1_order(p, m));
-}
+ScheduleTable zero_bubble_h1_schedule(int p, int m) { return schedule(zero_bubble_h1_order(p, m)); }
 
 double bubble_fraction(int p, int m) {
   check_counts(p, m);

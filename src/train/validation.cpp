@@ -91,6 +91,16 @@ void validate_strategy(const TrainerOptions& o, int world) {
            "stages run on threads of their own, which autocast does not reach yet)");
   }
   if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
+  if (o.schedule == PipelineSchedule::kInterleaved1F1B) {
+    refuse(
+        "the interleaved 1F1B schedule is a library option (PipelineOptions::"
+        "stages_per_device); use --schedule gpipe, 1f1b or zb-h1 here");
+  }
+  if (grid && o.schedule == PipelineSchedule::kZeroBubbleH1) {
+    refuse(
+        "--schedule zb-h1 runs in the in-process pipeline (--strategy pipeline); the grid's "
+        "pipeline across processes runs gpipe or 1f1b");
+  }
   if (grid) {
     if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
       refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +

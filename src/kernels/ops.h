@@ -11,8 +11,8 @@ class Conv2d;
 namespace scaletrain {
 
 /// `conv(x)`, with a faster weight gradient for the convolutions oneDNN handles worst on the CPU:
-/// those that read few input values per output (in_channels · kernel height · width ≤ 32, such
-/// as a stem over one-channel images), with groups 1 and padding_mode zeros. Their weight gradient
+/// a stem over one-channel images (in_channels 1, kernel height · width ≤ 32), with groups 1 and
+/// padding_mode zeros. Their weight gradient
 /// runs as one batched matrix product over the unfolded input (im2col) instead of oneDNN's
 /// kernel, which reaches 2 GFLOP/s on a 1-channel 3×3 convolution. The forward and the input
 /// gradient are LibTorch's; on other devices and other convolutions this is `conv(x)`. Results

@@ -6,7 +6,10 @@
 #include <chrono>
 #include <iostream>
 
+#include <torch/nn/modules/linear.h>
+
 #include "commands.h"
+#include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 
 namespace scaletrain::cli {
@@ -15,7 +18,8 @@ void add_check_command(CLI::App& app, Action& action) {
   auto* cmd =
       app.add_subcommand("check",
                          "Join the process group (from torchrun/Slurm/MPI variables) and verify "
-                         "all-reduce, broadcast and barrier across every rank");
+                         "all-reduce, broadcast, barrier and DDP's gradient sum across every "
+                         "rank");
   struct Args {
     std::string backend = "auto";
     int64_t numel = 1 << 20;
@@ -49,13 +53,23 @@ void add_check_command(CLI::App& app, Action& action) {
       wait_for(d.backend->broadcast(b), "broadcast", d);
       ok = ok && at::all(b[0].eq(42.0)).item<bool>();
       wait_for(d.backend->barrier(), "barrier", d);
+      // DDP's gradient sum, on the path it takes here (shared memory, hierarchical, backend):
+      // rank r feeds r + 1 to a linear layer, so the averaged weight gradient is (w + 1) / 2.
+      torch::nn::Linear lin(8, 4);
+      lin->to(device);
+      DistributedDataParallel ddp(lin.ptr(), d);
+      ddp(at::full({1, 8}, d.rank() + 1.0, at::TensorOptions().device(device))).sum().backward();
+      const bool ddp_ok = at::all(lin->weight.grad().eq((w + 1) / 2.0)).item<bool>() &&
+                          at::all(lin->bias.grad().eq(1.0)).item<bool>();
+      ok = ok && ddp_ok;
       double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       std::cout << describe(d.world) << "\n"
                 << "rank " << d.rank() << ": " << d.backend_name << " all-reduce of " << args->numel
                 << " floats " << (ok ? "ok" : "WRONG") << " (expected " << want << ", got "
                 << t[0][0].item<float>() << "), broadcast and barrier " << (ok ? "ok" : "checked")
-                << ", " << ms << " ms in all" << std::endl;
+                << ", DDP gradients through " << ddp.reduce_path() << " "
+                << (ddp_ok ? "ok" : "WRONG") << ", " << ms << " ms in all" << std::endl;
       return ok ? 0 : 1;
     };
   });

@@ -52,6 +52,33 @@ TEST(MultiNode, TwoNetworkNamespaceHostsFormOneWorld) {
   EXPECT_TRUE(contains(r.output, "master 10.77.")) << r.output;
 }
 
+// Note [Hierarchical reduce]: two namespace hosts x 2 ranks, each host with a /dev/shm of its
+// own, so that only the veth pair joins them: every rank's DDP sums through its host's segment
+// and one leader per host, and gets the right gradient.
+TEST(MultiNode, HierarchicalReduceAcrossTwoHostsWithTheirOwnSharedMemory) {
+  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 2 private");
+  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 4);
+  size_t n = 0;
+  for (size_t at = 0; (at = r.output.find("DDP gradients through hierarchical (2 machines) ok",
+                                           at)) != std::string::npos;
+       ++at) {
+    ++n;
+  }
+  EXPECT_EQ(n, 4u) << r.output;
+}
+
+// The same hosts sharing the host's /dev/shm: the segment joins all four ranks, and DDP takes it
+// (why the test above gives each host its own).
+TEST(MultiNode, NamespaceHostsSharingDevShmShareOneSegment) {
+  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 2 shared");
+  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_checked(r.output, 4);
+  EXPECT_TRUE(contains(r.output, "DDP gradients through shared memory ok")) << r.output;
+}
+
 TEST(MultiNode, PyTorchsTorchrunLaunchesOurBinary) {
   const std::string torchrun = std::string(VENV_DIR) + "/bin/torchrun";
   if (!std::filesystem::exists(torchrun)) GTEST_SKIP() << "no torchrun at " << torchrun;

@@ -45,7 +45,11 @@
 // (the default) and the Gloo backend, ranks that can all map one /dev/shm segment sum float32 CPU
 // gradient buckets and exchange the uneven-input flags through it, on the calling thread,
 // instead of through Gloo's sockets: ~0.2 ms instead of 2.4 ms for a 516 KB bucket. Every rank
-// gets the same bits. Where any rank cannot map it (another machine), all use the backend.
+// gets the same bits. Where the ranks span machines, with `hierarchical` (the default) each
+// machine sums through a segment of its own and one leader per machine all-reduces the machine
+// sums over the backend, then hands the result back through the segment: only the leaders'
+// bytes cross the network. Where any machine's ranks cannot map their segment, all use the
+// backend.
 
 #include <torch/nn/module.h>
 
@@ -92,6 +96,8 @@ struct DDPOptions {
   bool divide_by_initial_world_size = true;
   int check_replicas_every = 0;  // >0: replica drift check every N forwards
   bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
+  bool hierarchical = true;      // with shared_memory, across machines: within each machine
+                                 // through its segment, between machines by one leader each
 };
 
 class DistributedDataParallel {
@@ -168,6 +174,10 @@ class DistributedDataParallel {
   /// True when the gradient buckets and flags go through shared memory (DDPOptions::
   /// shared_memory, every rank on this machine, Gloo, float32 CPU buckets).
   bool uses_shared_memory() const;
+  /// How float32 CPU buckets are summed: "gloo" or "nccl" (the backend), "shared memory" (one
+  /// machine), or "hierarchical (M machines)" (Note [Hierarchical reduce] in
+  /// src/dist/collectives.cpp).
+  std::string reduce_path() const;
 
   struct Reducer;  // Note [Reducer] in src/ddp/reducer.cpp
 

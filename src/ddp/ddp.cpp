@@ -47,6 +47,8 @@ DistributedDataParallel::~DistributedDataParallel() = default;
 
 bool DistributedDataParallel::uses_shared_memory() const { return reducer_->comm->shared_memory(); }
 
+std::string DistributedDataParallel::reduce_path() const { return reducer_->comm->path(); }
+
 const std::vector<std::vector<size_t>>& DistributedDataParallel::buckets() const {
   return reducer_->assignment;
 }

@@ -250,6 +250,7 @@ void Reducer::open_collectives(int instance) {
   }
   CollectivesOptions co;
   co.shared_memory = opts.shared_memory && cpu;
+  co.hierarchical = opts.hierarchical;
   co.chunk_floats = std::clamp<int64_t>(largest, 1, int64_t{1} << 20);  // <= 4 MB per rank
   comm = make_collectives(dist, co, "scaletrain/ddp/shm/" + std::to_string(instance));
 }

@@ -27,8 +27,12 @@ class Collectives {
   /// Every rank's `mine`, by rank (blocking).
   virtual std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) = 0;
 
-  /// Whether float32 CPU tensors go through shared memory.
+  /// Whether float32 CPU tensors go through one shared-memory segment of the whole group.
   virtual bool shared_memory() const = 0;
+
+  /// The path float32 CPU sums take, for reports: "gloo", "nccl", "shared memory", or
+  /// "hierarchical (M machines)".
+  virtual std::string path() const = 0;
 };
 
 struct CollectivesOptions {
@@ -37,6 +41,11 @@ struct CollectivesOptions {
   bool shared_memory = true;
   int64_t chunk_floats = 1 << 20;  // the segment's floats per rank (a tensor larger goes through
                                    // it in rounds)
+  /// With shared_memory, when the group spans machines: sum within each machine through its
+  /// segment, across machines between one leader per machine over the backend, and hand the
+  /// result back through the segment (Note [Hierarchical reduce]). Needs every machine's ranks
+  /// to map their segment; else every rank uses the backend.
+  bool hierarchical = false;
 };
 
 /// Collective over `dist` (every rank calls it, in the same order): the collectives for it.

@@ -102,7 +102,13 @@ void add_bench_command(CLI::App& app, Action& action) {
             wargs->repeats = std::stoi(extras[i + 1]);
           if (extras[i] == "--quick") wargs->quick = true;
         }
-        return bench::run_allreduce_worker(wargs->csv, wargs->quick, wargs->repeats);
+        std::string only;
+        int64_t bytes = 0;
+        for (size_t i = 0; i + 1 < extras.size(); ++i) {
+          if (extras[i] == "--only") only = extras[i + 1];
+          if (extras[i] == "--bytes") bytes = std::stoll(extras[i + 1]);
+        }
+        return bench::run_allreduce_worker(wargs->csv, wargs->quick, wargs->repeats, only, bytes);
       }
       throw UsageError("no worker for suite '" + wargs->suite + "'");
     };

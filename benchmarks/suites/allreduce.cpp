@@ -42,15 +42,22 @@ double memcpy_gbps(int64_t bytes, int repeats) {
 
 }  // namespace
 
-int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
+int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats,
+                         const std::string& only, int64_t one_size) {
   Dist d = init_process_group();
   std::ofstream csv;
   if (d.rank() == 0) csv.open(csv_path);
-  // The path DDP takes for ranks on one machine (Note [Collectives]), 4 MB rounds.
+  // The path DDP takes (Note [Collectives]): one segment on one machine, hierarchical across
+  // machines (Note [Hierarchical reduce]), 4 MB rounds.
   CollectivesOptions co;
   co.chunk_floats = int64_t{1} << 20;
+  co.hierarchical = true;
   auto comm = make_collectives(d, co, "scaletrain/bench/allreduce");
-  for (int64_t bytes = 4 << 10; bytes <= max_bytes(quick); bytes *= 4) {
+  const bool hier = comm->path().rfind("hierarchical", 0) == 0;
+  auto wanted = [&](const std::string& path) { return only.empty() || only == path; };
+  const int64_t first = one_size > 0 ? one_size : 4 << 10;
+  const int64_t last = one_size > 0 ? one_size : max_bytes(quick);
+  for (int64_t bytes = first; bytes <= last; bytes *= 4) {
     std::vector<at::Tensor> t{at::ones({bytes / 4})};
     // One warm-up, then `repeats` timed all-reduces, each started together after a barrier.
     auto time = [&](const std::string& path, const std::function<void(const std::string&)>& op) {
@@ -62,9 +69,11 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats) {
         if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << "," << path << "\n";
       }
     };
-    time("gloo", [&](const std::string& what) { wait_for(d.backend->allreduce(t), what, d); });
-    if (comm->shared_memory()) {
-      time("shm", [&](const std::string& what) {
+    if (wanted("gloo")) {
+      time("gloo", [&](const std::string& what) { wait_for(d.backend->allreduce(t), what, d); });
+    }
+    if ((comm->shared_memory() && wanted("shm")) || (hier && wanted("hier"))) {
+      time(hier ? "hier" : "shm", [&](const std::string& what) {
         if (auto work = comm->all_reduce_sum(t[0], what)) wait_for(work, what, d);
       });
     }

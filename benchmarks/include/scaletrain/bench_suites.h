@@ -28,7 +28,9 @@ const std::vector<Suite>& suites();
 
 /// Worker side of multi-rank suites: runs inside a rank started by the launcher and writes rank
 /// 0's samples to `csv_path`. Returns the process exit status.
-int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats);
+/// `only`: "" (every path), "gloo", "shm" or "hier"; `bytes` > 0: that one message size.
+int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats,
+                         const std::string& only = "", int64_t bytes = 0);
 
 /// Worker of the zero suite: `--csv F --mode ddp|1|2|3 [--batch-size B] [--steps N] [--warmup W]
 /// [--repeats R]`; rank 0 writes `metric,value` lines to F.

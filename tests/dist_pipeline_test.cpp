@@ -118,7 +118,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DistPipelineTransparency,
                                            Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
                                            Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
                                            Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
-                                           Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B}));
+                                           Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B},
+                                           Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1},
+                                           Case{{0, 1, 3, 5}, 5, PipelineSchedule::kZeroBubbleH1}));
 
 // 4 ranks: rank = replica * 2 + stage. Replica r trains on half r of the batch; DDP averages
 // each stage's gradients over the two replicas: the whole model on the whole batch.
@@ -190,8 +192,14 @@ TEST(DistPipeline, BadOptionsAreRefused) {
     EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
     o.stage_ranks = {0};
     o.chunks = 4;
-    o.schedule = PipelineSchedule::kZeroBubbleH1;  // in-process only
+    o.schedule = PipelineSchedule::kInterleaved1F1B;  // in-process only
     EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
+    auto module = make_model();
+    DistributedDataParallel ddp(module.ptr(), d);
+    o.schedule = PipelineSchedule::kZeroBubbleH1;  // not with a grid's DDP
+    o.ddp = &ddp;
+    EXPECT_THROW(DistPipeline(module, o, d), UsageError);
+    o.ddp = nullptr;
     o.schedule = PipelineSchedule::k1F1B;
     DistPipeline pipe(make_model(), o, d);
     EXPECT_THROW(pipe.train_step(at::Tensor(), at::randn({2, 4}), mse), UsageError);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "scaletrain/dist.h"
@@ -44,9 +45,19 @@ TEST(MultiNode, TwoLaunchersOnLoopbackFormOneWorld) {
   EXPECT_TRUE(contains(r.output, "rank 3/4 (local 1/2, node 1/2)")) << r.output;
 }
 
+// Two network-namespace hosts of `nproc` ranks each (tests/scripts/netns_world.sh), /dev/shm
+// "shared" with the host or "private" to each; nullopt where namespaces are refused.
+std::optional<testing::CommandResult> netns_world(int nproc, const std::string& shm) {
+  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " " +
+                       std::to_string(nproc) + " " + shm);
+  if (r.exit_code == 77) return std::nullopt;
+  return r;
+}
+
 TEST(MultiNode, TwoNetworkNamespaceHostsFormOneWorld) {
-  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 1");
-  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  auto w = netns_world(1, "shared");
+  if (!w) GTEST_SKIP() << "network namespaces are refused here";
+  const auto& r = *w;
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_checked(r.output, 2);
   EXPECT_TRUE(contains(r.output, "master 10.77.")) << r.output;
@@ -56,13 +67,14 @@ TEST(MultiNode, TwoNetworkNamespaceHostsFormOneWorld) {
 // own, so that only the veth pair joins them: every rank's DDP sums through its host's segment
 // and one leader per host, and gets the right gradient.
 TEST(MultiNode, HierarchicalReduceAcrossTwoHostsWithTheirOwnSharedMemory) {
-  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 2 private");
-  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  auto w = netns_world(2, "private");
+  if (!w) GTEST_SKIP() << "network namespaces are refused here";
+  const auto& r = *w;
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_checked(r.output, 4);
   size_t n = 0;
   for (size_t at = 0; (at = r.output.find("DDP gradients through hierarchical (2 machines) ok",
-                                           at)) != std::string::npos;
+                                          at)) != std::string::npos;
        ++at) {
     ++n;
   }
@@ -72,8 +84,9 @@ TEST(MultiNode, HierarchicalReduceAcrossTwoHostsWithTheirOwnSharedMemory) {
 // The same hosts sharing the host's /dev/shm: the segment joins all four ranks, and DDP takes it
 // (why the test above gives each host its own).
 TEST(MultiNode, NamespaceHostsSharingDevShmShareOneSegment) {
-  auto r = run_command(script_path("netns_world.sh") + " " + cli_path() + " 2 shared");
-  if (r.exit_code == 77) GTEST_SKIP() << "skipped: " << r.output;
+  auto w = netns_world(2, "shared");
+  if (!w) GTEST_SKIP() << "network namespaces are refused here";
+  const auto& r = *w;
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_checked(r.output, 4);
   EXPECT_TRUE(contains(r.output, "DDP gradients through shared memory ok")) << r.output;

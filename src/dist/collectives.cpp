@@ -147,7 +147,7 @@ int64_t machine_key() {
   const bool have_ns = ::stat("/proc/self/ns/pid", &ns) == 0;
   const std::string all = id + "/" + std::to_string(have_shm ? shm.st_dev : 0) + "/" +
                           std::to_string(have_ns ? ns.st_ino : 0);
-  return static_cast<int64_t>(std::hash<std::string>{}(all) & 0x7fffffffffffffffULL);
+  return static_cast<int64_t>(std::hash<std::string>{}(all)&0x7fffffffffffffffULL);
 }
 
 // Note [Hierarchical reduce].
@@ -183,9 +183,9 @@ class HierarchicalCollectives : public BackendCollectives {
   }
 
  private:
-  std::optional<Dist> local_;              // this machine's ranks (kept: the segment's group)
-  std::unique_ptr<SharedGroup> segment_;   // null when this machine has one rank
-  std::optional<Dist> leaders_;            // set on the leaders only
+  std::optional<Dist> local_;             // this machine's ranks (kept: the segment's group)
+  std::unique_ptr<SharedGroup> segment_;  // null when this machine has one rank
+  std::optional<Dist> leaders_;           // set on the leaders only
   int machines_;
 };
 

@@ -1,5 +1,7 @@
 #include "scaletrain/dist_pipeline.h"
 
+#include "pipeline/split_backward.h"
+
 #include <ATen/ATen.h>
 
 #include "scaletrain/ddp.h"
@@ -50,11 +52,15 @@ DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions opti
   if (options_.chunks < 1) {
     throw UsageError("chunks must be at least 1, got " + std::to_string(options_.chunks));
   }
-  if (options_.schedule != PipelineSchedule::kGPipe &&
-      options_.schedule != PipelineSchedule::k1F1B) {
+  if (options_.schedule == PipelineSchedule::kInterleaved1F1B) {
     throw UsageError(
-        "a pipeline across ranks runs the GPipe or 1F1B schedule; interleaved 1F1B and zero "
-        "bubble H1 run in the in-process Pipeline (pipeline.h)");
+        "a pipeline across ranks runs GPipe, 1F1B or zero bubble H1; interleaved 1F1B runs in "
+        "the in-process Pipeline (pipeline.h)");
+  }
+  if (options_.schedule == PipelineSchedule::kZeroBubbleH1 && options_.ddp != nullptr) {
+    throw UsageError(
+        "zero bubble H1 across ranks runs without DDP sub-groups: a grid's stages take GPipe or "
+        "1F1B");
   }
   stage_ = static_cast<int>(me - ranks.begin());
   stage_module_->to(options_.device);
@@ -165,6 +171,8 @@ int DistPipeline::agree_microbatches(const at::Tensor& input) {
 std::vector<PipeTask> DistPipeline::my_tasks(int m) const {
   const ScheduleTable table = options_.schedule == PipelineSchedule::kGPipe
                                   ? gpipe_schedule(num_stages(), m)
+                              : options_.schedule == PipelineSchedule::kZeroBubbleH1
+                                  ? zero_bubble_h1_schedule(num_stages(), m)
                                   : one_f_one_b_schedule(num_stages(), m);
   std::vector<PipeTask> order;
   for (const auto& row : table) {
@@ -193,19 +201,37 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
     if (!t.forward()) last_backward = t.microbatch;
   }
   std::vector<at::Tensor> inputs(m), outputs(m), losses(m);
+  // Zero bubble H1: the backward split into I and W (Note [Split backward]).
+  const bool split = options_.schedule == PipelineSchedule::kZeroBubbleH1;
+  std::optional<SplitStage> halves;
+  if (split) halves.emplace(stage_module_);
+  std::vector<SplitStage::Graphs> graphs(m);
   Transfers io(dist_, options_.device);
   for (const auto& t : order) {
     const auto i = static_cast<size_t>(t.microbatch);
     if (t.forward()) {
       inputs[i] = first ? xs[i].to(options_.device)
                         : io.recv_activation(neighbour(-1), t.microbatch).requires_grad_(true);
-      outputs[i] = stage_module_->forward(inputs[i]);
+      outputs[i] =
+          split ? halves->forward(inputs[i], graphs[i]) : stage_module_->forward(inputs[i]);
       if (last) {
         const double share = static_cast<double>(ys[i].size(0)) / total;
         losses[i] = loss_fn(outputs[i], ys[i].to(options_.device)) * share;
+        if (split) graphs[i].back().out = losses[i];
       } else {
         io.send_activation(outputs[i], neighbour(+1), t.microbatch);
       }
+    } else if (t.pass == Pass::kInputGrad) {
+      at::Tensor grad = last ? at::ones_like(losses[i]) : at::empty_like(outputs[i]);
+      if (!last) {
+        io.recv(grad, neighbour(+1), gradient_tag(t.microbatch),
+                "gradient of micro-batch " + std::to_string(t.microbatch));
+      }
+      at::Tensor input_grad = halves->input_gradient(graphs[i], grad);
+      if (!first) io.send(input_grad, neighbour(-1), gradient_tag(t.microbatch));
+      outputs[i] = inputs[i] = at::Tensor();
+    } else if (t.pass == Pass::kWeightGrad) {
+      halves->weight_gradient(graphs[i]);
     } else {
       backward(io, t.microbatch, t.microbatch == last_backward, inputs[i], outputs[i], losses[i]);
       outputs[i] = inputs[i] = at::Tensor();

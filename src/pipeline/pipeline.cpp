@@ -10,13 +10,12 @@
 #include <sstream>
 #include <thread>
 
-#include <torch/csrc/autograd/autograd.h>
-
 #ifdef SCALETRAIN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "pipeline/split_backward.h"
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
 
@@ -293,15 +292,7 @@ std::vector<std::vector<PipeTask>> Pipeline::orders(int m) const {
 // each stage's backward is its own autograd graph; the gradient of that input is what the
 // previous stage's backward starts from.
 //
-// Note [Split backward]: zero-bubble schedules split a stage's backward into I (the gradient
-// of the stage's input, which the previous stage waits for) and W (its weights' gradients,
-// which nobody waits for). Autograd computes a graph's gradients in one pass, so under these
-// schedules the stage runs each of its layers on a graph of its own (the layer's input detached
-// from the previous layer's output): I walks the layers from the last, asking each graph for
-// its input's gradient only and keeping the graph; W then asks each graph for its parameters'
-// gradients from the same output gradient. Within one layer (a residual block, say), W goes
-// through the layer's inner activations again; between layers nothing is computed twice. The
-// gradients are those of one whole backward; only their rounding order may differ.
+// Zero-bubble schedules split each stage's backward: Note [Split backward] in split_backward.cpp.
 at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
                                 const LossFn& loss_fn) {
   const int chunks = chunks_for(input.size(0));
@@ -320,24 +311,13 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
   // [stage][micro-batch]: the stage's (detached) input, its output, and its input's gradient.
   auto inputs = slots(), outputs = slots(), input_grads = slots();
   std::vector<at::Tensor> losses(static_cast<size_t>(m));
-  // Under a split backward, each layer's graph (Note [Split backward]).
-  struct Piece {
-    at::Tensor in, out, grad;  // the layer's input, output (or loss), and the output's gradient
-  };
-  std::vector<std::vector<std::vector<Piece>>> pieces(
-      stages, std::vector<std::vector<Piece>>(static_cast<size_t>(m)));
-  std::vector<std::vector<std::vector<at::Tensor>>> layer_params(stages);
+  // Under a split backward, each stage's layers and each micro-batch's graphs.
+  std::vector<SplitStage> splits;
   if (split) {
-    for (size_t k = 0; k < stages; ++k) {
-      for (const auto& layer : stages_[k]->children()) {
-        std::vector<at::Tensor> trainable;
-        for (auto& t : layer->parameters()) {
-          if (t.requires_grad()) trainable.push_back(t);
-        }
-        layer_params[k].push_back(trainable);
-      }
-    }
+    for (auto& st : stages_) splits.emplace_back(st);
   }
+  std::vector<std::vector<SplitStage::Graphs>> graphs(
+      stages, std::vector<SplitStage::Graphs>(static_cast<size_t>(m)));
 
   const auto checkpointed = [&](size_t i) {
     return options_.checkpoint == PipelineCheckpoint::kAlways ||
@@ -347,15 +327,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
   // Forward of stage k on micro-batch i from its stored input; the last stage adds the loss.
   auto forward = [&](size_t k, size_t i) {
     if (split && torch::GradMode::is_enabled()) {
-      auto& ps = pieces[k][i];
-      ps.clear();
-      at::Tensor h = inputs[k][i];
-      for (auto& layer : *stages_[k]) {
-        at::Tensor in = ps.empty() ? h : h.detach().requires_grad_(h.requires_grad());
-        h = layer.forward(in);
-        ps.push_back({in, h, at::Tensor()});
-      }
-      outputs[k][i] = h;
+      outputs[k][i] = splits[k].forward(inputs[k][i], graphs[k][i]);
     } else {
       outputs[k][i] = stages_[k]->forward(inputs[k][i]);
     }
@@ -363,7 +335,7 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       const double share = static_cast<double>(xs[i].size(0)) / total;
       losses[i] =
           loss_fn(outputs[k][i], ys[i].to(options_.devices[k % static_cast<size_t>(p)])) * share;
-      if (split && !pieces[k][i].empty()) pieces[k][i].back().out = losses[i];
+      if (split && !graphs[k][i].empty()) graphs[k][i].back().out = losses[i];
     }
   };
   // The gradient that stage k's backward starts from, on its device.
@@ -402,30 +374,14 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       }
       case Pass::kInputGrad: {
         if (checkpointed(i)) forward(k, i);
-        auto& ps = pieces[k][i];
-        at::Tensor g = output_grad(k, i, dev);
-        for (size_t l = ps.size(); l-- > 0;) {
-          if (!layer_params[k][l].empty()) ps[l].grad = g;  // W's start; none for others
-          if (!ps[l].out.requires_grad() || !ps[l].in.requires_grad()) break;
-          g = torch::autograd::grad({ps[l].out}, {ps[l].in}, {g}, /*retain_graph=*/true,
-                                    /*create_graph=*/false, /*allow_unused=*/true)[0];
-          if (!g.defined()) g = at::zeros_like(ps[l].in);
-        }
+        at::Tensor g = splits[k].input_gradient(graphs[k][i], output_grad(k, i, dev));
         if (k > 0) input_grads[k][i] = g;
         outputs[k][i] = at::Tensor();
         break;
       }
-      case Pass::kWeightGrad: {
-        auto& ps = pieces[k][i];
-        for (size_t l = 0; l < ps.size(); ++l) {
-          const auto& params = layer_params[k][l];
-          if (params.empty() || !ps[l].grad.defined() || !ps[l].out.requires_grad()) continue;
-          torch::autograd::backward({ps[l].out}, {ps[l].grad}, /*keep_graph=*/false,
-                                    /*create_graph=*/false, params);
-        }
-        ps.clear();
+      case Pass::kWeightGrad:
+        splits[k].weight_gradient(graphs[k][i]);
         break;
-      }
     }
   };
 

@@ -23,6 +23,8 @@ struct ShardedDataParallel::Impl {
     at::Tensor grad_full;  // [padded]: gradients (stage 1: always; 2, 3: during backward only)
     size_t pending = 0;    // parameters still without gradient in this backward
     bool reduced = false;  // its reduction is done since the last step
+    bool carry = false;    // stage 1: the buffer holds a reduction's result (Note [Stage 1
+                           // accumulation]) that the next backward must carry on from
     bool gathered = true;
     c10::intrusive_ptr<c10d::Work> gather_work;  // a gather in flight (stage 3 prefetch)
     at::Tensor gather_input;
@@ -42,6 +44,7 @@ struct ShardedDataParallel::Impl {
   void make_buffers();
   void open_groups();
   void install_hooks();
+  void before_gradient(size_t param);
   std::string who() const;  // "rank r: ShardedDataParallel: ", for errors
 
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
@@ -80,6 +83,9 @@ struct ShardedDataParallel::Impl {
     return c && t.is_cpu() && t.scalar_type() == at::kFloat;
   }
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  // Pre-hooks cannot be removed from a node: they hold a weak pointer to this and do nothing
+  // once it is gone.
+  std::shared_ptr<Impl*> self = std::make_shared<Impl*>(this);
   int instance = 0;
 };
 

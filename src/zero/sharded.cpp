@@ -250,6 +250,19 @@ void ShardedDataParallel::Impl::open_groups() {
   }
 }
 
+namespace {
+
+struct LambdaPreHook : torch::autograd::FunctionPreHook {
+  explicit LambdaPreHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
 void ShardedDataParallel::Impl::install_hooks() {
   next_reduce = units.size();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -261,6 +274,37 @@ void ShardedDataParallel::Impl::install_hooks() {
           return outputs;
         }));
     hooks.emplace_back(acc, key);
+    if (opts.stage == 1) {
+      std::weak_ptr<Impl*> weak = self;
+      acc->add_pre_hook(std::make_unique<LambdaPreHook>([weak, i] {
+        if (auto alive = weak.lock()) (*alive)->before_gradient(i);
+      }));
+    }
+  }
+}
+
+// Note [Stage 1 accumulation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Stage 1 keeps the full gradient buffer: the module's .grad are aliases into it, so autograd
+// accumulates there without a copy, and this rank's shard's .grad is the slice it owns. A
+// reduction (every backward's) leaves the owned slice holding the average S/N of the sum S of
+// what every rank accumulated, and the rest of the buffer zero. Another backward before the
+// step (gradient accumulation) must sum to S plus its own gradients: before the first gradient
+// of a unit reaches the buffer (a pre-hook on its accumulator), the owned slice is multiplied by
+// N back to S — or, when the caller has let go of the shard's gradient (zero_grad), the buffer
+// starts from zero. The sum through shared memory then runs in place on the buffer itself.
+void ShardedDataParallel::Impl::before_gradient(size_t i) {
+  auto& unit = units[unit_of[i]];
+  if (!unit.carry) return;
+  unit.carry = false;
+  at::NoGradGuard no_grad;
+  const int64_t s = unit.shard_numel;
+  auto owned = unit.grad_full.narrow(0, rank * s, s);
+  const auto& sg = owner.shards_[unit_of[i]].grad();
+  if (sg.defined() && sg.data_ptr() == owned.data_ptr()) {
+    owned.mul_(world);
+  } else {
+    unit.grad_full.zero_();
   }
 }
 
@@ -352,7 +396,10 @@ void ShardedDataParallel::Impl::gather_all() {
     unit.shard_version = shard._version();
   }
   if (opts.stage == 1) {
-    for (auto& unit : units) unit.grad_full.zero_();  // the step consumed them
+    for (auto& unit : units) {
+      unit.grad_full.zero_();  // the step consumed them
+      unit.carry = false;
+    }
   }
 }
 
@@ -402,8 +449,7 @@ void ShardedDataParallel::Impl::launch_reduce(size_t u) {
   auto& unit = units[u];
   unit.reduce_input = opts.reduce_dtype ? unit.grad_full.to(*opts.reduce_dtype) : unit.grad_full;
   if (reduce_pg && shm(reduce_shm, unit.reduce_input)) {
-    // Stage 1's buffer is the parameters' .grad, which later backwards accumulate into: sum a copy.
-    if (opts.stage == 1 && !opts.reduce_dtype) unit.reduce_input = unit.reduce_input.clone();
+    // In place, also stage 1's buffer (Note [Stage 1 accumulation]).
     const auto what = "reduce of unit " + std::to_string(u) + "'s gradients";
     if (auto work = reduce_shm->all_reduce_sum(unit.reduce_input, what)) wait_for(work, what, dist);
     unit.reduce_output = unit.reduce_input.narrow(0, rank * unit.shard_numel, unit.shard_numel);
@@ -435,9 +481,14 @@ void ShardedDataParallel::Impl::finish_reduce(size_t u) {
   auto& shard = owner.shards_[u];
   auto& sg = shard.mutable_grad();
   if (opts.stage == 1) {
-    auto view = alias(unit.grad_full, rank * unit.shard_numel, {unit.shard_numel});
+    // The owned slice holds the average, the rest zero (Note [Stage 1 accumulation]).
+    const int64_t s = unit.shard_numel;
+    auto view = alias(unit.grad_full, rank * s, {s});
     if (!sg.defined() || sg.data_ptr() != view.data_ptr()) sg = view;
     if (g.data_ptr() != view.data_ptr()) view.copy_(g);
+    unit.grad_full.narrow(0, 0, rank * s).zero_();
+    unit.grad_full.narrow(0, (rank + 1) * s, unit.padded - (rank + 1) * s).zero_();
+    unit.carry = true;
   } else {
     if (!sg.defined()) {
       // Never keep the whole buffer alive through a view of it.

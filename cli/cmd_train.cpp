@@ -93,13 +93,17 @@ void apply_strategy_flags(Args& a) {
     a.o.schedule = PipelineSchedule::k1F1B;
   } else if (a.schedule == "zb-h1") {
     a.o.schedule = PipelineSchedule::kZeroBubbleH1;
+  } else if (a.schedule == "interleaved") {
+    a.o.schedule = PipelineSchedule::kInterleaved1F1B;
   } else if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
     throw UsageError(
-        "--schedule is a pipeline's (gpipe, 1f1b or zb-h1); the learning-rate schedule is "
+        "--schedule is a pipeline's (gpipe, 1f1b, interleaved or zb-h1); the learning-rate "
+        "schedule is "
         "--lr-schedule " +
         a.schedule);
   } else {
-    throw UsageError("unknown --schedule '" + a.schedule + "'; use gpipe, 1f1b or zb-h1");
+    throw UsageError("unknown --schedule '" + a.schedule +
+                     "'; use gpipe, 1f1b, interleaved or zb-h1");
   }
   if (a.checkpointing == "never") {
     a.o.checkpointing = PipelineCheckpoint::kNever;
@@ -165,7 +169,12 @@ void add_train_command(CLI::App& app, Action& action) {
                   "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
                   "GPU, else cpu,cpu)");
   cmd->add_option("--schedule", args->schedule,
-                  "Pipelines: gpipe, 1f1b or zb-h1 (zero bubble, --strategy pipeline)")
+                  "Pipelines: gpipe, 1f1b, interleaved (with --stages-per-device) or zb-h1 (zero "
+                  "bubble); the last two with --strategy pipeline")
+      ->capture_default_str();
+  cmd->add_option("--stages-per-device", o.stages_per_device,
+                  "Pipeline, --schedule interleaved: stages on each device (--balance then lists "
+                  "devices x this many)")
       ->capture_default_str();
   cmd->add_option("--chunks", o.chunks, "Pipelines: micro-batches per batch (0: twice the stages)")
       ->capture_default_str();

@@ -262,7 +262,9 @@ class PipelineStrategy : public TrainStrategy {
     torch::nn::Sequential chain = chain_of(model);
     PipelineOptions po;
     po.devices = devices_;
-    po.balance = resolve_balance(o.balance, chain, static_cast<int>(devices_.size()), sample);
+    po.stages_per_device = o.stages_per_device;
+    po.balance = resolve_balance(o.balance, chain,
+                                 static_cast<int>(devices_.size()) * o.stages_per_device, sample);
     po.chunks = o.chunks > 0 ? o.chunks : 2 * static_cast<int>(devices_.size());
     po.split_size = o.split_size;
     po.schedule = o.schedule;
@@ -280,9 +282,21 @@ class PipelineStrategy : public TrainStrategy {
   at::Tensor predict(const at::Tensor& x) override { return pipe_->forward(x); }
   void train_mode(bool on) override { model_.module->train(on); }
   std::vector<DeviceReport> devices() const override {
-    std::vector<std::shared_ptr<torch::nn::Module>> stages;
-    for (const auto& s : pipe_->stages()) stages.push_back(s.ptr());
-    return reports(devices_, stages);
+    // A device's modules: its stage, or with interleaving its stages k, k + p, ...
+    std::vector<std::shared_ptr<torch::nn::Module>> per_device;
+    const auto& stages = pipe_->stages();
+    for (size_t d = 0; d < devices_.size(); ++d) {
+      if (stages.size() == devices_.size()) {
+        per_device.push_back(stages[d].ptr());
+        continue;
+      }
+      auto mine = std::make_shared<torch::nn::Module>();
+      for (size_t k = d; k < stages.size(); k += devices_.size()) {
+        mine->register_module("stage" + std::to_string(k), stages[k].ptr());
+      }
+      per_device.push_back(mine);
+    }
+    return reports(devices_, per_device);
   }
 
  private:

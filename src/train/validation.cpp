@@ -91,10 +91,30 @@ void validate_strategy(const TrainerOptions& o, int world) {
            "stages run on threads of their own, which autocast does not reach yet)");
   }
   if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
-  if (o.schedule == PipelineSchedule::kInterleaved1F1B) {
+  if (o.stages_per_device < 1) {
+    refuse("--stages-per-device " + std::to_string(o.stages_per_device) + " must be at least 1");
+  }
+  if ((o.stages_per_device > 1) != (o.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(
-        "the interleaved 1F1B schedule is a library option (PipelineOptions::"
-        "stages_per_device); use --schedule gpipe, 1f1b or zb-h1 here");
+        "--schedule interleaved and --stages-per-device go together: interleaved 1F1B "
+        "needs at least 2 stages per device, and more than one stage per device is "
+        "interleaving");
+  }
+  if (o.schedule == PipelineSchedule::kInterleaved1F1B) {
+    if (!pipeline) {
+      refuse("--schedule interleaved runs in the in-process pipeline (--strategy pipeline)");
+    }
+    if (o.split_size > 0) {
+      refuse(
+          "--schedule interleaved takes --chunks (a multiple of the devices), not "
+          "--split-size");
+    }
+    const auto devices = static_cast<int>(o.devices.size());
+    if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
+      refuse("--schedule interleaved runs micro-batches in rounds of one per device: --chunks " +
+             std::to_string(o.chunks) + " on " + std::to_string(devices) +
+             " devices; use a multiple of " + std::to_string(devices));
+    }
   }
   if (grid && o.schedule == PipelineSchedule::kZeroBubbleH1) {
     refuse(

@@ -293,69 +293,96 @@ std::vector<std::vector<PipeTask>> Pipeline::orders(int m) const {
 // previous stage's backward starts from.
 //
 // Zero-bubble schedules split each stage's backward: Note [Split backward] in split_backward.cpp.
-at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
-                                const LossFn& loss_fn) {
-  const int chunks = chunks_for(input.size(0));
-  const auto xs = split_microbatches(input, chunks);
-  const auto ys = split_microbatches(target, chunks);
-  const int p = static_cast<int>(options_.devices.size());
-  const auto stages = stages_.size();
-  const int m = static_cast<int>(xs.size());
-  const double total = static_cast<double>(input.size(0));
-  const auto order = orders(m);
-  const bool split = options_.schedule == PipelineSchedule::kZeroBubbleH1;
-  auto slots = [&] {
-    return std::vector<std::vector<at::Tensor>>(stages,
-                                                std::vector<at::Tensor>(static_cast<size_t>(m)));
-  };
-  // [stage][micro-batch]: the stage's (detached) input, its output, and its input's gradient.
-  auto inputs = slots(), outputs = slots(), input_grads = slots();
-  std::vector<at::Tensor> losses(static_cast<size_t>(m));
-  // Under a split backward, each stage's layers and each micro-batch's graphs.
-  std::vector<SplitStage> splits;
-  if (split) {
-    for (auto& st : stages_) splits.emplace_back(st);
+namespace {
+
+// Which tasks of a step are done, shared by the device threads: a thread waits here until its
+// next task's data is there, or until another thread failed (Note [Stage threads]).
+class TaskBoard {
+ public:
+  TaskBoard(size_t stages, size_t microbatches)
+      : done_(2, std::vector<std::vector<char>>(stages, std::vector<char>(microbatches, 0))),
+        stages_(stages) {}
+
+  /// False when another thread failed (the step is over).
+  bool wait_until_ready(size_t k, const PipeTask& t) {
+    using Clock = std::chrono::steady_clock;
+    const auto spin_until = Clock::now() + std::chrono::microseconds(50);
+    std::unique_lock lock(mu_);
+    while (!failed_ && !ready(k, t) && Clock::now() < spin_until) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+    cv_.wait(lock, [&] { return failed_ || ready(k, t); });
+    return !failed_;
   }
-  std::vector<std::vector<SplitStage::Graphs>> graphs(
-      stages, std::vector<SplitStage::Graphs>(static_cast<size_t>(m)));
-
-  const auto checkpointed = [&](size_t i) {
-    return options_.checkpoint == PipelineCheckpoint::kAlways ||
-           (options_.checkpoint == PipelineCheckpoint::kExceptLast &&
-            i + 1 < static_cast<size_t>(m));
-  };
-  // Forward of stage k on micro-batch i from its stored input; the last stage adds the loss.
-  auto forward = [&](size_t k, size_t i) {
-    if (split && torch::GradMode::is_enabled()) {
-      outputs[k][i] = splits[k].forward(inputs[k][i], graphs[k][i]);
-    } else {
-      outputs[k][i] = stages_[k]->forward(inputs[k][i]);
+  void mark_done(size_t k, const PipeTask& t) {
+    if (t.pass == Pass::kWeightGrad) return;  // nothing waits for a W
+    {
+      std::lock_guard lock(mu_);
+      done_[t.forward() ? 0 : 1][k][static_cast<size_t>(t.microbatch)] = 1;
     }
-    if (k + 1 == stages) {
-      const double share = static_cast<double>(xs[i].size(0)) / total;
-      losses[i] =
-          loss_fn(outputs[k][i], ys[i].to(options_.devices[k % static_cast<size_t>(p)])) * share;
-      if (split && !graphs[k][i].empty()) graphs[k][i].back().out = losses[i];
+    cv_.notify_all();
+  }
+  void fail() {
+    {
+      std::lock_guard lock(mu_);
+      failed_ = true;
     }
-  };
-  // The gradient that stage k's backward starts from, on its device.
-  auto output_grad = [&](size_t k, size_t i, const at::Device& dev) {
-    if (k + 1 == stages) return at::ones_like(losses[i]);
-    at::Tensor g = input_grads[k + 1][i].to(dev);
-    input_grads[k + 1][i] = at::Tensor();  // released: the next stage no longer needs it
-    inputs[k + 1][i] = at::Tensor();
-    return g;
-  };
+    cv_.notify_all();
+  }
 
-  auto run = [&](size_t d, const PipeTask& t) {
-    const auto k = static_cast<size_t>(t.chunk * p) + d;
+ private:
+  // done_[0]: forwards; done_[1]: input gradients (B or I); [stage][micro-batch].
+  bool ready(size_t k, const PipeTask& t) const {
+    const auto i = static_cast<size_t>(t.microbatch);
+    if (t.forward()) return k == 0 || done_[0][k - 1][i] != 0;
+    if (!t.input_gradient()) return true;  // W follows its own stage's I, run before it
+    return k + 1 == stages_ ? done_[0][k][i] != 0 : done_[1][k + 1][i] != 0;
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::vector<std::vector<char>>> done_;
+  size_t stages_;
+  bool failed_ = false;
+};
+
+// One training step's tensors, and the four kinds of task on them (Note [Pipeline runner]).
+class StepRun {
+ public:
+  StepRun(const std::vector<torch::nn::Sequential>& stages, const PipelineOptions& options,
+          const at::Tensor& input, const at::Tensor& target, int chunks, const LossFn& loss_fn)
+      : stages_(stages),
+        options_(options),
+        loss_fn_(loss_fn),
+        xs_(split_microbatches(input, chunks)),
+        ys_(split_microbatches(target, chunks)),
+        m_(xs_.size()),
+        total_(static_cast<double>(input.size(0))),
+        inputs_(slots()),
+        outputs_(slots()),
+        input_grads_(slots()),
+        losses_(m_),
+        split_(options.schedule == PipelineSchedule::kZeroBubbleH1),
+        graphs_(stages.size(), std::vector<SplitStage::Graphs>(m_)) {
+    if (split_) {
+      for (const auto& st : stages_) splits_.emplace_back(st);
+    }
+  }
+
+  int microbatches() const { return static_cast<int>(m_); }
+
+  /// Runs task `t` of device `d`.
+  void run(size_t d, const PipeTask& t) {
+    const auto k = stage_of(d, t);
     const auto i = static_cast<size_t>(t.microbatch);
     const auto& dev = options_.devices[d];
     switch (t.pass) {
       case Pass::kForward: {
-        at::Tensor in = k == 0 ? xs[i].to(dev) : outputs[k - 1][i].detach().to(dev);
+        at::Tensor in = k == 0 ? xs_[i].to(dev) : outputs_[k - 1][i].detach().to(dev);
         if (k > 0) in.requires_grad_(true);
-        inputs[k][i] = in;
+        inputs_[k][i] = in;
         if (checkpointed(i)) {
           at::NoGradGuard no_graph;  // keep the input only; backward recomputes
           forward(k, i);
@@ -366,74 +393,106 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       }
       case Pass::kBackward: {
         if (checkpointed(i)) forward(k, i);  // again, now recording the graph
-        at::Tensor start = k + 1 == stages ? losses[i] : outputs[k][i];
+        at::Tensor start = k + 1 == stages_.size() ? losses_[i] : outputs_[k][i];
         start.backward(output_grad(k, i, dev));
-        if (k > 0) input_grads[k][i] = inputs[k][i].grad();
-        outputs[k][i] = at::Tensor();
+        if (k > 0) input_grads_[k][i] = inputs_[k][i].grad();
+        outputs_[k][i] = at::Tensor();
         break;
       }
       case Pass::kInputGrad: {
         if (checkpointed(i)) forward(k, i);
-        at::Tensor g = splits[k].input_gradient(graphs[k][i], output_grad(k, i, dev));
-        if (k > 0) input_grads[k][i] = g;
-        outputs[k][i] = at::Tensor();
+        at::Tensor g = splits_[k].input_gradient(graphs_[k][i], output_grad(k, i, dev));
+        if (k > 0) input_grads_[k][i] = g;
+        outputs_[k][i] = at::Tensor();
         break;
       }
       case Pass::kWeightGrad:
-        splits[k].weight_gradient(graphs[k][i]);
+        splits_[k].weight_gradient(graphs_[k][i]);
         break;
     }
-  };
+  }
 
-  std::mutex mu;
-  std::condition_variable cv;
-  // done[kind][stage][micro-batch]: kind 0 forward, 1 input gradient (B or I).
-  std::vector<std::vector<std::vector<char>>> done(
-      2, std::vector<std::vector<char>>(stages, std::vector<char>(static_cast<size_t>(m), 0)));
-  bool failed = false;
-  auto ready = [&](size_t k, const PipeTask& t) {
-    const auto i = static_cast<size_t>(t.microbatch);
-    if (t.forward()) return k == 0 || done[0][k - 1][i] != 0;
-    if (!t.input_gradient()) return true;  // W follows its own stage's I, run before it
-    return k + 1 == stages ? done[0][k][i] != 0 : done[1][k + 1][i] != 0;
-  };
-  auto wait_until_ready = [&](size_t k, const PipeTask& t) {
-    using Clock = std::chrono::steady_clock;
-    const auto spin_until = Clock::now() + std::chrono::microseconds(50);
-    std::unique_lock lock(mu);
-    while (!failed && !ready(k, t) && Clock::now() < spin_until) {
-      lock.unlock();
-      std::this_thread::yield();
-      lock.lock();
+  /// The stage a device's task belongs to: its chunk's, on that device.
+  size_t stage_of(size_t d, const PipeTask& t) const {
+    return static_cast<size_t>(t.chunk) * options_.devices.size() + d;
+  }
+
+  /// The whole batch's loss, on the CPU.
+  at::Tensor loss() const {
+    at::Tensor sum = losses_[0].detach().cpu();
+    for (size_t i = 1; i < losses_.size(); ++i) sum = sum + losses_[i].detach().cpu();
+    return sum;
+  }
+
+ private:
+  std::vector<std::vector<at::Tensor>> slots() const {
+    return std::vector<std::vector<at::Tensor>>(stages_.size(), std::vector<at::Tensor>(m_));
+  }
+  bool checkpointed(size_t i) const {
+    return options_.checkpoint == PipelineCheckpoint::kAlways ||
+           (options_.checkpoint == PipelineCheckpoint::kExceptLast && i + 1 < m_);
+  }
+  // Forward of stage k on micro-batch i from its stored input; the last stage adds the loss.
+  void forward(size_t k, size_t i) {
+    if (split_ && torch::GradMode::is_enabled()) {
+      outputs_[k][i] = splits_[k].forward(inputs_[k][i], graphs_[k][i]);
+    } else {
+      outputs_[k][i] = stages_[k]->forward(inputs_[k][i]);
     }
-    cv.wait(lock, [&] { return failed || ready(k, t); });
-    return !failed;
-  };
+    if (k + 1 == stages_.size()) {
+      const double share = static_cast<double>(xs_[i].size(0)) / total_;
+      const auto& dev = options_.devices[k % options_.devices.size()];
+      losses_[i] = loss_fn_(outputs_[k][i], ys_[i].to(dev)) * share;
+      if (split_ && !graphs_[k][i].empty()) graphs_[k][i].back().out = losses_[i];
+    }
+  }
+  // The gradient that stage k's backward starts from, on its device.
+  at::Tensor output_grad(size_t k, size_t i, const at::Device& dev) {
+    if (k + 1 == stages_.size()) return at::ones_like(losses_[i]);
+    at::Tensor g = input_grads_[k + 1][i].to(dev);
+    input_grads_[k + 1][i] = at::Tensor();  // released: the next stage no longer needs it
+    inputs_[k + 1][i] = at::Tensor();
+    return g;
+  }
+
+  std::vector<torch::nn::Sequential> stages_;  // holders: the pipeline's own modules
+  const PipelineOptions& options_;
+  const LossFn& loss_fn_;
+  const std::vector<at::Tensor> xs_, ys_;
+  const size_t m_;
+  const double total_;
+  // [stage][micro-batch]: the stage's (detached) input, its output, and its input's gradient.
+  std::vector<std::vector<at::Tensor>> inputs_, outputs_, input_grads_;
+  std::vector<at::Tensor> losses_;
+  // Under a split backward, each stage's layers and each micro-batch's graphs.
+  const bool split_;
+  std::vector<SplitStage> splits_;
+  std::vector<std::vector<SplitStage::Graphs>> graphs_;
+};
+
+}  // namespace
+
+at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
+                                const LossFn& loss_fn) {
+  StepRun step(stages_, options_, input, target, chunks_for(input.size(0)), loss_fn);
+  const auto order = orders(step.microbatches());
+  TaskBoard board(stages_.size(), static_cast<size_t>(step.microbatches()));
   const std::function<void(size_t)> job = [&](size_t d) {
     try {
       for (const PipeTask& t : order[d]) {
-        const auto k = static_cast<size_t>(t.chunk * p) + d;
-        if (!wait_until_ready(k, t)) return;
-        run(d, t);
+        const auto k = step.stage_of(d, t);
+        if (!board.wait_until_ready(k, t)) return;
+        step.run(d, t);
 #ifdef SCALETRAIN_WITH_CUDA
         // The next stage reads what this task wrote, from another stream: finish it first.
         if (options_.devices[d].is_cuda()) {
           c10::cuda::getCurrentCUDAStream(options_.devices[d].index()).synchronize();
         }
 #endif
-        if (t.pass == Pass::kWeightGrad) continue;
-        {
-          std::lock_guard lock(mu);
-          done[t.forward() ? 0 : 1][k][static_cast<size_t>(t.microbatch)] = 1;
-        }
-        cv.notify_all();
+        board.mark_done(k, t);
       }
     } catch (...) {
-      {
-        std::lock_guard lock(mu);
-        failed = true;
-      }
-      cv.notify_all();
+      board.fail();
       throw;
     }
   };
@@ -444,13 +503,13 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
     try {
       std::rethrow_exception(errors[d]);
     } catch (const std::exception& e) {
-      throw Error("pipeline stage " + std::to_string(d) + " (" + options_.devices[d].str() +
-                  ") failed: " + e.what());
+      const std::string where = stages_.size() == options_.devices.size()
+                                    ? "pipeline stage " + std::to_string(d)
+                                    : "pipeline device " + std::to_string(d);
+      throw Error(where + " (" + options_.devices[d].str() + ") failed: " + e.what());
     }
   }
-  at::Tensor sum = losses[0].detach().cpu();
-  for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i].detach().cpu();
-  return sum;
+  return step.loss();
 }
 
 }  // namespace scaletrain

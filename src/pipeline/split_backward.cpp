@@ -14,9 +14,11 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
+#include <utility>
+
 namespace scaletrain {
 
-SplitStage::SplitStage(torch::nn::Sequential& stage) : stage_(stage) {
+SplitStage::SplitStage(torch::nn::Sequential stage) : stage_(std::move(stage)) {
   for (const auto& layer : stage_->children()) {
     std::vector<at::Tensor> trainable;
     for (auto& t : layer->parameters()) {

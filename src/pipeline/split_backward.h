@@ -11,7 +11,7 @@ namespace scaletrain {
 class SplitStage {
  public:
   /// Remembers each layer's trainable parameters (those requiring gradients now).
-  explicit SplitStage(torch::nn::Sequential& stage);
+  explicit SplitStage(torch::nn::Sequential stage);
 
   /// One micro-batch's graphs: each layer's input, output (the loss for the last layer of the
   /// last stage) and, after I, the output's gradient.

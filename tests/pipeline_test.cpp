@@ -156,13 +156,36 @@ TEST(Pipeline, InterleavedNeedsItsScheduleAndWholeRounds) {
   EXPECT_THROW(Pipeline(make_model(), o), UsageError);  // GPipe with 2 stages per device
   o.schedule = PipelineSchedule::kInterleaved1F1B;
   o.chunks = 3;  // not a multiple of 2 devices
-  Pipeline pipe(make_model(), o);
   try {
-    pipe.train_step(at::randn({6, 8}), at::randn({6, 4}), mse);
+    Pipeline pipe(make_model(), o);
     FAIL() << "expected an error";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("use a multiple of 2"), std::string::npos) << e.what();
   }
+}
+
+// Regression (interleaved short batch): a batch smaller than the chunks (a trainer's last
+// batch) gives 3 micro-batches on 2 devices, not whole rounds; the step runs fill-drain over the
+// chunks instead of failing mid-epoch, with the whole model's gradients.
+TEST(Pipeline, InterleavedShortBatchRunsFillDrain) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto x = at::randn({3, 8}, gen), y = at::randn({3, 4}, gen);
+  auto exact = testing::exact_and_magnitudes([] { return make_model().ptr(); }, run_sequential,
+                                             testing::weights_of(*make_model()), x,
+                                             testing::mse_gradient(y));
+  PipelineOptions o;
+  o.balance = {1, 1, 1, 2};
+  o.devices = {at::kCPU, at::kCPU};
+  o.stages_per_device = 2;
+  o.schedule = PipelineSchedule::kInterleaved1F1B;
+  o.chunks = 4;
+  Pipeline pipe(make_model(), o);
+  pipe.train_step(x, y, mse);
+  std::vector<at::Tensor> got;
+  for (auto& st : pipe.stages()) {
+    for (auto& p : st->parameters()) got.push_back(p.grad());
+  }
+  testing::expect_gradients_within_rounding(got, exact, terms(3, 3), "3 micro-batches");
 }
 
 // Checkpointing really drops the graph: with every micro-batch checkpointed, a forward keeps no

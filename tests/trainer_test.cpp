@@ -349,6 +349,10 @@ INSTANTIATE_TEST_SUITE_P(
             "--chunks 3 on 2 devices; use a multiple of 2"},
         Bad{"--strategy ddp --schedule interleaved --stages-per-device 2",
             "are for the pipeline strategies"},
+        // Regression (interleaved balance): the list has devices x stages-per-device entries.
+        Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --schedule interleaved "
+            "--stages-per-device 2 --balance 2,2",
+            "--balance '2,2' gives 2 stages; the pipeline has 4"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu", "at least 2 --devices"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1",
             "--balance '1,1' covers 2 blocks, and lenet has 4"},

@@ -1,7 +1,8 @@
 #pragma once
 // Pipeline parallelism across processes: one stage per rank, activations sent forward and
 // gradients backward through the process group (Gloo on CPU, NCCL on CUDA), under the same
-// schedules as the in-process Pipeline (schedule.h: GPipe or 1F1B).
+// schedules as the in-process Pipeline (schedule.h: GPipe, 1F1B or zero bubble H1; not
+// interleaved 1F1B, and zero bubble H1 not with `ddp`).
 //
 //   // ranks 0 and 1 hold the two halves of a model
 //   auto seq = scaletrain::as_sequential(model);
@@ -44,7 +45,8 @@ struct DistPipelineOptions {
 class DistPipeline {
  public:
   /// `stage`: this rank's layers, moved to options.device. Throws UsageError when this rank is
-  /// not in stage_ranks or chunks < 1.
+  /// not in stage_ranks, chunks < 1, the schedule is interleaved 1F1B, or zero bubble H1 comes
+  /// with `ddp`.
   DistPipeline(torch::nn::Sequential stage, DistPipelineOptions options, const Dist& dist);
 
   /// One training step. The first stage passes the batch's `input`, the last its `target`;

@@ -39,7 +39,8 @@ namespace scaletrain {
 /// GPipe and 1F1B (schedule.h); kInterleaved1F1B: stages_per_device stages on each device
 /// (Megatron-LM's virtual stages, bubble (p-1)/(v·m + p-1)); kZeroBubbleH1: each backward split
 /// into its input-gradient and weight-gradient halves, the latter run where 1F1B idles (Qi et
-/// al. 2023). Note [Split backward] in pipeline.cpp says how a stage's backward is split.
+/// al. 2023). Note [Split backward] in src/pipeline/split_backward.cpp says how a stage's
+/// backward is split.
 enum class PipelineSchedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 
 /// Activation checkpointing, as torchgpipe names it: a checkpointed micro-batch's forward keeps

@@ -53,8 +53,9 @@ std::vector<std::vector<PipeTask>> gpipe_order(int stages, int microbatches);
 std::vector<std::vector<PipeTask>> one_f_one_b_order(int stages, int microbatches);
 /// Interleaved 1F1B over `devices` devices of `chunks` stages each (Megatron-LM's order:
 /// forwards in rounds of `devices` micro-batches per chunk, warm-up 2(p-1-s) + (v-1)p
-/// forwards on device s). Needs microbatches to be a multiple of devices (UsageError
-/// otherwise); chunks 1 is one_f_one_b_order.
+/// forwards on device s) when microbatches is a multiple of devices; otherwise (a short last
+/// batch) a fill-drain order over the chunks, every forward of chunk 0, then of chunk 1, ...,
+/// then the backwards from the last chunk down. chunks 1 is one_f_one_b_order.
 std::vector<std::vector<PipeTask>> interleaved_order(int devices, int chunks, int microbatches);
 /// Zero bubble H1: no stage holds more micro-batches in flight (from F to W) than 1F1B's first
 /// stage does (p), and at every tick each runs, of what is ready, an I first, then an F within

@@ -1,8 +1,10 @@
 #pragma once
 // The collectives DDP runs on gradient buckets and flags (internal). Note [Collectives] in
-// collectives.cpp: one interface, and behind it either the process group's c10d backend alone,
+// collectives.cpp: one interface, and behind it either the process group's c10d backend alone;
 // or, for ranks that share a machine, one shared-memory segment for float32 CPU tensors with the
-// backend for everything else. The reducer never chooses a path itself.
+// backend for everything else; or, for ranks on several machines, a segment per machine and the
+// backend between one leader per machine (Note [Hierarchical reduce]). The reducer never
+// chooses a path itself.
 
 #include <c10/util/intrusive_ptr.h>
 

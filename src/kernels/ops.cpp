@@ -8,6 +8,7 @@
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/im2col.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/pooling.h>
 #include <torch/nn/modules/conv.h>
@@ -72,7 +73,7 @@ struct StemConvFunction : torch::autograd::Function<StemConvFunction> {
       const int64_t taps = w.size(1) * w.size(2) * w.size(3);
       const int64_t slice = std::max<int64_t>(
           1, stem_unfold_budget.load() / std::max<int64_t>(1, taps * pixels * x.element_size()));
-      at::Tensor k_by_out;  // [K, C_out]
+      auto k_by_out = at::zeros({taps, c_out}, g.options());  // [K, C_out]
       for (int64_t b = 0; b < batch; b += slice) {
         const int64_t n = std::min(slice, batch - b);
         auto cols = at::im2col(x.narrow(0, b, n), {w.size(2), w.size(3)}, dilation, padding,
@@ -80,7 +81,7 @@ struct StemConvFunction : torch::autograd::Function<StemConvFunction> {
         auto g_rows =
             g.narrow(0, b, n).permute({0, 2, 3, 1}).reshape({n, pixels, c_out});  // [n, L, C_out]
         auto part = at::bmm(cols, g_rows).sum(0);
-        k_by_out = k_by_out.defined() ? k_by_out.add_(part) : part;
+        k_by_out.add_(part);
       }
       grad_w = at::empty_like(w);
       grad_w.copy_(k_by_out.t().reshape(w.sizes()));

@@ -154,6 +154,16 @@ Pipeline::Pipeline(torch::nn::Sequential model, PipelineOptions options)
                      " is for the interleaved 1F1B schedule; set schedule to kInterleaved1F1B or "
                      "stages_per_device to 1");
   }
+  if (options_.schedule == PipelineSchedule::kInterleaved1F1B) {
+    const auto p = static_cast<int>(options_.devices.size());
+    if (options_.split_size > 0 || options_.chunks % p != 0) {
+      throw UsageError("interleaved 1F1B runs micro-batches in rounds of one per device: chunks " +
+                       std::to_string(options_.chunks) +
+                       (options_.split_size > 0 ? " (by split_size)" : "") + " on " +
+                       std::to_string(p) + " devices; use a multiple of " + std::to_string(p) +
+                       " (a batch too short for them runs fill-drain)");
+    }
+  }
   if (options_.devices.size() * static_cast<size_t>(v) != options_.balance.size()) {
     throw UsageError("pipeline has " + std::to_string(options_.balance.size()) + " stages but " +
                      std::to_string(options_.devices.size()) + " devices of " + std::to_string(v) +
@@ -197,18 +207,16 @@ class StageThreads {
  public:
   explicit StageThreads(const std::vector<at::Device>& devices) {
     errors_.resize(devices.size());
-    for (size_t d = 0; d < devices.size(); ++d) {
-      threads_.emplace_back([this, d, device = devices[d]] { loop(d, device); });
+    try {
+      for (size_t d = 0; d < devices.size(); ++d) {
+        threads_.emplace_back([this, d, device = devices[d]] { loop(d, device); });
+      }
+    } catch (...) {  // a thread that could not start: stop those that did, then report it
+      stop();
+      throw;
     }
   }
-  ~StageThreads() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    start_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
+  ~StageThreads() { stop(); }
   StageThreads(const StageThreads&) = delete;
   StageThreads& operator=(const StageThreads&) = delete;
 
@@ -226,6 +234,17 @@ class StageThreads {
   }
 
  private:
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+  }
+
   void loop(size_t d, at::Device device) {
 #ifdef SCALETRAIN_WITH_CUDA
     // Each CUDA device's stages work on a stream of their own, so two on one GPU overlap.
@@ -450,6 +469,11 @@ class StepRun {
   at::Tensor output_grad(size_t k, size_t i, const at::Device& dev) {
     if (k + 1 == stages_.size()) return at::ones_like(losses_[i]);
     at::Tensor g = input_grads_[k + 1][i].to(dev);
+#ifdef SCALETRAIN_WITH_CUDA
+    // Made on stage k+1's stream, read by kernels this thread queues on its own: the caching
+    // allocator must not hand the block back to k+1's stream before they ran.
+    if (g.is_cuda()) g.record_stream(c10::cuda::getCurrentCUDAStream(dev.index()));
+#endif
     input_grads_[k + 1][i] = at::Tensor();  // released: the next stage no longer needs it
     inputs_[k + 1][i] = at::Tensor();
     return g;

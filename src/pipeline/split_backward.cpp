@@ -8,7 +8,10 @@
 // W then asks each graph for its parameters' gradients from the output gradient I kept (kept
 // only for layers with parameters). Within one layer (a residual block, say), W goes through
 // the layer's inner activations again; between layers nothing is computed twice. The gradients
-// are those of one whole backward; only their rounding order may differ.
+// are those of one whole backward; only their rounding order may differ. A layer gets its
+// input as a leaf of its own graph, so a layer whose first operation writes its input in place
+// (an in-place ReLU as a layer of its own) is refused by autograd under these schedules: make
+// it out of place.
 
 #include "pipeline/split_backward.h"
 
@@ -45,8 +48,10 @@ at::Tensor SplitStage::input_gradient(Graphs& graphs, const at::Tensor& grad) co
     auto& piece = graphs[l];
     if (!trainable_[l].empty()) piece.grad = g;  // W's start; none for layers without weights
     if (!piece.out.requires_grad() || !piece.in.requires_grad()) return at::Tensor();
-    g = torch::autograd::grad({piece.out}, {piece.in}, {g}, /*retain_graph=*/true,
-                              /*create_graph=*/false, /*allow_unused=*/true)[0];
+    // Only W's layers (those with weights) keep their graph; the others' is freed here.
+    g = torch::autograd::grad({piece.out}, {piece.in}, {g},
+                              /*retain_graph=*/!trainable_[l].empty(), /*create_graph=*/false,
+                              /*allow_unused=*/true)[0];
     if (!g.defined()) g = at::zeros_like(piece.in);
   }
   return g;

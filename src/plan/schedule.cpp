@@ -51,10 +51,19 @@ std::vector<std::vector<PipeTask>> interleaved_order(int p, int v, int m) {
   check_counts(p, m);
   if (v < 1) throw UsageError("an interleaved schedule needs at least 1 chunk per device");
   if (v == 1) return one_f_one_b_order(p, m);
+  std::vector<std::vector<PipeTask>> order(static_cast<size_t>(p));
   if (m % p != 0) {
-    throw UsageError("interleaved 1F1B runs micro-batches in rounds of one per device: " +
-                     std::to_string(m) + " micro-batches on " + std::to_string(p) +
-                     " devices; use a multiple of " + std::to_string(p));
+    // Not whole rounds (a short last batch): fill and drain, chunk by chunk — every forward of
+    // chunk 0, of chunk 1, ..., then the backwards from the last chunk down.
+    for (auto& o : order) {
+      for (int c = 0; c < v; ++c) {
+        for (int i = 0; i < m; ++i) o.push_back({i, Pass::kForward, c});
+      }
+      for (int c = v - 1; c >= 0; --c) {
+        for (int i = m - 1; i >= 0; --i) o.push_back({i, Pass::kBackward, c});
+      }
+    }
+    return order;
   }
   const int total = m * v;  // tasks of each direction per device
   // The k-th forward of a device: micro-batches in rounds of p per chunk, chunks in turn; the
@@ -65,7 +74,6 @@ std::vector<std::vector<PipeTask>> interleaved_order(int p, int v, int m) {
     return PipeTask{microbatch, forward ? Pass::kForward : Pass::kBackward,
                     forward ? chunk : v - 1 - chunk};
   };
-  std::vector<std::vector<PipeTask>> order(static_cast<size_t>(p));
   for (int s = 0; s < p; ++s) {
     auto& o = order[static_cast<size_t>(s)];
     const int warmup = std::min(2 * (p - 1 - s) + (v - 1) * p, total);

@@ -42,7 +42,7 @@ std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Seque
   if (static_cast<int>(chain->size()) < stages) {
     throw UsageError("the model's chain has " + std::to_string(chain->size()) +
                      " blocks, fewer than the " + std::to_string(stages) +
-                     " stages: give fewer devices (or --pipeline-stages)");
+                     " stages: give fewer devices (or --pipeline-stages, or --stages-per-device)");
   }
   if (spec == "auto" || spec == "time") {
     return balance_by_time(chain, sample.narrow(0, 0, std::min<int64_t>(sample.size(0), 8)), stages,

@@ -137,7 +137,8 @@ void validate_strategy(const TrainerOptions& o, int world) {
   }
   if (pipeline || grid) {
     const auto stages = grid ? static_cast<size_t>(o.pipeline_stages)
-                             : (o.devices.empty() ? size_t{2} : o.devices.size());
+                             : (o.devices.empty() ? size_t{2} : o.devices.size()) *
+                                   static_cast<size_t>(std::max(o.stages_per_device, 1));
     if (o.balance != "auto" && o.balance != "time" && o.balance != "size") {
       const auto parts =
           static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;

@@ -22,7 +22,8 @@
 // time, and a layer drawing random numbers (dropout) draws new ones: use checkpointing with
 // deterministic layers, or accept both.
 // An exception on a stage thread is raised again on the caller's thread. Not thread-safe: one
-// caller at a time.
+// caller at a time. The stage threads live as long as the pipeline: a process forked after a
+// step has none of them (as with LibTorch's own thread pools, fork before training, or exec).
 
 #include <torch/nn/modules/container/sequential.h>
 

@@ -263,11 +263,12 @@ class StageThreads {
         seen = generation_;
         job = job_;
       }
-      // The process's intra-op setting as it is now (a new thread starts with OpenMP's
-      // default team, every core: stages would oversubscribe them).
-      at::init_num_threads();
       std::exception_ptr error;
       try {
+        // The process's intra-op setting as it is now (a new thread starts with OpenMP's
+        // default team, every core: stages would oversubscribe them). An error here is the
+        // step's, raised on the caller's thread.
+        at::init_num_threads();
         (*job)(d);
       } catch (...) {
         error = std::current_exception();

@@ -86,7 +86,6 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   // Of ideal: the step time the schedule's theory gives, T_one_stage / p / (1 - bubble), over
   // the measured one (1.0: the theory reached).
   std::string table = "| schedule | theory / measured step time at m = ";
-  std::string rule = "|---|";
   for (size_t k = 0; k < ms.size(); ++k) {
     table += (k ? ", " : "") + std::to_string(ms[k]);
   }

@@ -76,6 +76,10 @@ const std::vector<Suite>& suites() {
        "peak activation memory of one pipelined step: GPipe, 1F1B, interleaved, zero bubble; "
        "activation checkpointing",
        run_pipeline_memory},
+      {"stem-conv",
+       "stem convolution weight gradient: LibTorch vs the batched product, sliced and not, "
+       "time and peak bytes",
+       run_stem_conv},
       {"loader", "Fashion-MNIST loader vs LeNet training throughput (target: loader >= 5x)",
        run_loader},
       {"zero",

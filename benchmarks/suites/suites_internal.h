@@ -42,5 +42,6 @@ SuiteResult run_mp_vs_single(const SuiteOptions& o);
 SuiteResult run_split_sweep(const SuiteOptions& o);
 SuiteResult run_dp_scaling(const SuiteOptions& o);
 SuiteResult run_pipeline_memory(const SuiteOptions& o);
+SuiteResult run_stem_conv(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

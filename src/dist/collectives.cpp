@@ -153,10 +153,9 @@ int64_t machine_key() {
 // Note [Hierarchical reduce].
 class HierarchicalCollectives : public BackendCollectives {
  public:
-  HierarchicalCollectives(Dist dist, std::optional<Dist> local, std::unique_ptr<SharedGroup> seg,
-                          std::optional<Dist> leaders, int machines)
+  HierarchicalCollectives(Dist dist, std::unique_ptr<SharedGroup> seg, std::optional<Dist> leaders,
+                          int machines)
       : BackendCollectives(std::move(dist)),
-        local_(std::move(local)),
         segment_(std::move(seg)),
         leaders_(std::move(leaders)),
         machines_(machines) {}
@@ -183,7 +182,6 @@ class HierarchicalCollectives : public BackendCollectives {
   }
 
  private:
-  std::optional<Dist> local_;             // this machine's ranks (kept: the segment's group)
   std::unique_ptr<SharedGroup> segment_;  // null when this machine has one rank
   std::optional<Dist> leaders_;           // set on the leaders only
   int machines_;
@@ -227,8 +225,8 @@ std::unique_ptr<Collectives> make_hierarchical(const Dist& dist, const std::stri
   ao.reduceOp = c10d::ReduceOp::MIN;
   wait_for(dist.backend->allreduce(agree, ao), "agreement on per-machine segments", dist);
   if (agree[0].item<int>() != 1) return nullptr;
-  return std::make_unique<HierarchicalCollectives>(dist, std::move(local), std::move(segment),
-                                                   std::move(leaders), m);
+  // The machine's group was needed to agree on its segment only: the segment works alone.
+  return std::make_unique<HierarchicalCollectives>(dist, std::move(segment), std::move(leaders), m);
 }
 
 }  // namespace

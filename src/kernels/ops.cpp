@@ -17,6 +17,7 @@
 #include <atomic>
 
 #include "kernels/loops.h"
+#include "scaletrain/error.h"
 
 namespace scaletrain {
 namespace {
@@ -34,9 +35,9 @@ namespace F = torch::nn::functional;
 // is bmm(cols, grad).sum(0): [K, C_out], 5x faster here. The unfolded input is K times the
 // input, so the path is kept to K <= 32, and the batch is unfolded a slice at a time, each
 // slice's columns at most stem_unfold_bytes(), 32 MiB (a 224x224 RGB stem at batch 256 would
-// otherwise unfold 1.4 GB at once: 8.2 GB peak RSS against 6.9 GB sliced). One input channel
-// only: on that RGB stem oneDNN's own weight gradient took 0.20 s, this path 0.53 s sliced and
-// 1.50 s unsliced. The forward and the input gradient stay LibTorch's.
+// otherwise unfold 1.4 GB at once). One input channel only: on that RGB stem oneDNN's own
+// weight gradient is ~2.8x faster than this path (`scaletrain bench stem-conv`). The forward
+// and the input gradient stay LibTorch's.
 constexpr int64_t kStemMaxTaps = 32;
 std::atomic<int64_t> stem_unfold_budget{int64_t{32} << 20};  // kStemUnfoldBytes
 
@@ -149,13 +150,23 @@ at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x) {
                     x.scalar_type() == w.scalar_type() &&
                     !at::autocast::is_autocast_enabled(at::kCPU) && w.size(1) == 1 &&
                     w.size(2) * w.size(3) <= kStemMaxTaps;
-  if (!fast) return conv->forward(x);
+  return fast ? stem_conv2d(conv, x) : conv->forward(x);
+}
+
+at::Tensor stem_conv2d(torch::nn::Conv2d conv, const at::Tensor& x) {
+  const auto& o = conv->options;
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+  if (padding == nullptr || o.groups() != 1 ||
+      !std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    throw UsageError("stem_conv2d: the path takes numeric zero padding and groups 1");
+  }
   auto vec = [](const torch::ExpandingArray<2>& a) {
     return std::vector<int64_t>(a->begin(), a->end());
   };
   std::optional<at::Tensor> bias;
   if (conv->bias.defined()) bias = conv->bias;
-  return StemConvFunction::apply(x, w, bias, vec(o.stride()), vec(*padding), vec(o.dilation()));
+  return StemConvFunction::apply(x, conv->weight, bias, vec(o.stride()), vec(*padding),
+                                 vec(o.dilation()));
 }
 
 at::Tensor relu_avg_pool2x2(const at::Tensor& x) {

@@ -20,6 +20,11 @@ namespace scaletrain {
 /// ops.cpp.
 at::Tensor conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
 
+/// conv2d's faster weight gradient taken unconditionally, whatever the channel count (for
+/// measuring it; conv2d decides when to take it). Throws UsageError for padding given by name,
+/// groups other than 1 or a padding mode other than zeros.
+at::Tensor stem_conv2d(torch::nn::Conv2d conv, const at::Tensor& x);
+
 /// The most bytes of unfolded input conv2d's weight gradient holds at once (32 MiB): the batch
 /// is unfolded in slices of that size. Settable for tests; one sample is the smallest slice.
 int64_t stem_unfold_bytes();

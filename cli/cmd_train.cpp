@@ -137,7 +137,9 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--image-size", o.image_size, "Crop size of --dataset folder images")
       ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
-  cmd->add_option("--amp", o.amp, "Mixed precision: none, bf16 or fp16 (loss scaling)")
+  cmd->add_option("--amp", o.amp,
+                  "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). zero1, zero2, fsdp: "
+                  "bf16 parameters over fp32 master shards")
       ->capture_default_str();
   cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
   cmd->add_option("--init-weights", o.init_weights,

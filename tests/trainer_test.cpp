@@ -120,7 +120,9 @@ INSTANTIATE_TEST_SUITE_P(
                              "--strategy pipeline --devices cpu,cpu --schedule zb-h1 --chunks 4"},
                       Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"},
                       Resume{"zero1", 2, "--strategy zero1"},
-                      Resume{"zero2", 2, "--strategy zero2"}, Resume{"fsdp", 2, "--strategy fsdp"}),
+                      Resume{"zero2", 2, "--strategy zero2"}, Resume{"fsdp", 2, "--strategy fsdp"},
+                      Resume{"zero1_bf16", 2, "--strategy zero1 --amp bf16"},
+                      Resume{"fsdp_bf16", 2, "--strategy fsdp --amp bf16"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
@@ -335,7 +337,9 @@ INSTANTIATE_TEST_SUITE_P(
             "unknown --strategy 'tp'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp"},
         Bad{"--strategy fsdp --devices cpu,cpu", "--devices is for dp and pipeline"},
         Bad{"--strategy zero1 --chunks 2", "are for the pipeline strategies"},
-        Bad{"--strategy zero2 --amp bf16", "runs with --strategy ddp only"},
+        Bad{"--strategy zero2 --amp fp16", "needs loss scaling, which the sharded strategies"},
+        Bad{"--strategy grid --pipeline-stages 2 --amp bf16",
+            "runs with --strategy ddp (autocast) and zero1, zero2, fsdp"},
         Bad{"--strategy fsdp --uneven-inputs join", "--uneven-inputs is for --strategy ddp"},
         Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
         Bad{"--strategy grid --pipeline-stages 2 --schedule zb-h1",
@@ -358,7 +362,8 @@ INSTANTIATE_TEST_SUITE_P(
             "--balance '1,1' covers 2 blocks, and lenet has 4"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1,2",
             "--balance '1,1,2' gives 3 stages; the pipeline has 2"},
-        Bad{"--strategy dp --nproc-per-node 1 --amp bf16", "runs with --strategy ddp only"},
+        Bad{"--strategy dp --nproc-per-node 1 --amp bf16",
+            "runs with --strategy ddp (autocast) and zero1, zero2, fsdp"},
         Bad{"--devices gpu0,cpu --strategy dp --nproc-per-node 1", "'gpu0' is not a device"}),
     [](const ::testing::TestParamInfo<Bad>& p) { return "combination" + std::to_string(p.index); });
 

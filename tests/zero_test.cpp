@@ -381,38 +381,49 @@ torch::nn::Sequential make_wide() {
 }
 
 TEST(ZeroMemory, ModelStatePerRankFollowsTheZeroFormulas) {
-  // Ψ parameters in fp32 with Adam (two moments): DDP 16Ψ; stage 1 4Ψ + 4Ψ + 8Ψ/N; stage 2
-  // 4Ψ + 12Ψ/N; stage 3 16Ψ/N (Rajbhandari et al.), measured from the live storages after a
-  // step, with the units padded to a multiple of N (at most N − 1 elements each).
-  const double psi = 4 * (256 * 256 + 256);
-  for (int world : {2, 4}) {
-    for (int stage : {1, 2, 3}) {
-      std::vector<ShardMemory> got(static_cast<size_t>(world));
-      auto errors = run_ranks(world, [&](Dist& d) {
-        auto chain = make_wide();
-        ShardOptions o;
-        o.stage = stage;
-        o.unit_cap_mb = 0.3;  // one linear layer per unit
-        ShardedDataParallel z(chain, d, o);
-        torch::optim::Adam opt(z.parameters(), 1e-3);
-        auto x = at::randn({8, 256});
-        opt.zero_grad();
-        z(x).square().mean().backward();
-        z.step(opt);
-        got[static_cast<size_t>(d.rank())] = z.memory(&opt);
-      });
-      for (auto& e : errors) ASSERT_EQ(e, "");
-      const double n = world;
-      const double expected[] = {0, 4 * psi + 4 * psi + 8 * psi / n, 4 * psi + 12 * psi / n,
-                                 16 * psi / n};
-      for (int r = 0; r < world; ++r) {
-        const auto& m = got[static_cast<size_t>(r)];
-        const double total = static_cast<double>(m.total());
-        EXPECT_GE(total, expected[stage]) << "stage " << stage << ", world " << world;
-        EXPECT_LE(total, 1.10 * expected[stage])
-            << "stage " << stage << ", world " << world << ", rank " << r << ": parameters "
-            << m.parameters << ", gradients " << m.gradients << ", optimizer " << m.optimizer;
-        EXPECT_NEAR(static_cast<double>(m.optimizer), 8 * psi / n, 8 * 4 * n);  // padding only
+  // Ψ parameters in fp32 with Adam (two moments), in bytes: DDP 16Ψ; stage 1 4Ψ + 4Ψ + 8Ψ/N; stage
+  // 2 4Ψ + 12Ψ/N; stage 3 16Ψ/N (Rajbhandari et al.), measured from the live storages after a
+  // step, with the units padded to a multiple of N (at most N − 1 elements each). With bf16
+  // parameters over fp32 masters (Note [Mixed precision]): stage 1 2Ψ + 2Ψ + 16Ψ/N, stage 2
+  // 2Ψ + 16Ψ/N, stage 3 16Ψ/N.
+  const double psi = 4 * (256 * 256 + 256);  // four layers' parameters
+  for (bool mixed : {false, true}) {
+    for (int world : {2, 4}) {
+      for (int stage : {1, 2, 3}) {
+        std::vector<ShardMemory> got(static_cast<size_t>(world));
+        auto errors = run_ranks(world, [&](Dist& d) {
+          auto chain = make_wide();
+          ShardOptions o;
+          o.stage = stage;
+          o.unit_cap_mb = mixed ? 0.15 : 0.3;  // one linear layer per unit
+          if (mixed) o.param_dtype = at::kBFloat16;
+          ShardedDataParallel z(chain, d, o);
+          torch::optim::Adam opt(z.parameters(), 1e-3);
+          auto x = at::randn({8, 256});
+          opt.zero_grad();
+          z(x).square().mean().backward();
+          z.step(opt);
+          got[static_cast<size_t>(d.rank())] = z.memory(&opt);
+        });
+        for (auto& e : errors) ASSERT_EQ(e, "");
+        const double n = world;
+        const double fp32[] = {0, 4 * psi + 4 * psi + 8 * psi / n, 4 * psi + 12 * psi / n,
+                               16 * psi / n};
+        const double bf16[] = {0, 2 * psi + 2 * psi + 16 * psi / n, 2 * psi + 16 * psi / n,
+                               16 * psi / n};
+        const double* expected = mixed ? bf16 : fp32;
+        for (int r = 0; r < world; ++r) {
+          const auto& m = got[static_cast<size_t>(r)];
+          const double total = static_cast<double>(m.total());
+          const auto where = std::string(mixed ? "bf16 parameters, " : "") + "stage " +
+                             std::to_string(stage) + ", world " + std::to_string(world) +
+                             ", rank " + std::to_string(r);
+          EXPECT_GE(total, expected[stage]) << where;
+          EXPECT_LE(total, 1.10 * expected[stage])
+              << where << ": parameters " << m.parameters << ", gradients " << m.gradients
+              << ", optimizer " << m.optimizer;
+          EXPECT_NEAR(static_cast<double>(m.optimizer), 8 * psi / n, 8 * 4 * n) << where;
+        }
       }
     }
   }
@@ -436,7 +447,8 @@ struct TempDir {
 // Adam, after loading `load_dir`'s step `from` when given; saves to `save_dir` when given;
 // returns the weights.
 std::vector<at::Tensor> train_zero(int world, int from, int steps, const std::string& load_dir,
-                                   const std::string& save_dir, int stage = 3) {
+                                   const std::string& save_dir, int stage = 3,
+                                   std::optional<at::ScalarType> param_dtype = {}) {
   std::vector<at::Tensor> weights;
   const int64_t global = 12;  // rows per step, whatever the world
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
@@ -446,6 +458,7 @@ std::vector<at::Tensor> train_zero(int world, int from, int steps, const std::st
     ShardOptions o;
     o.stage = stage;
     o.unit_cap_mb = 1e-4;
+    o.param_dtype = param_dtype;
     ShardedDataParallel z(chain, d, o);
     torch::optim::Adam opt(z.parameters(), 0.01);
     if (!load_dir.empty()) {
@@ -458,7 +471,7 @@ std::vector<at::Tensor> train_zero(int world, int from, int steps, const std::st
       opt.zero_grad();
       auto x = xs.narrow(0, s * global + d.rank() * per, per);
       auto y = ys.narrow(0, s * global + d.rank() * per, per);
-      F::mse_loss(z(x), y).backward();
+      F::mse_loss(z(x).to(at::kFloat), y).backward();
       z.step(opt);
     }
     if (!save_dir.empty()) {
@@ -541,6 +554,192 @@ TEST(ZeroCheckpoint, LoadErrorsNameTheWorldTheFileAndTheParameter) {
   EXPECT_EQ(newest_sharded_checkpoint(dir.path()), std::nullopt);
 }
 
+// ---- Mixed precision (Note [Mixed precision]) ----------------------------------------------
+
+// One rank's bf16 replica of the chain at the masters' values rounded to bf16: the gradient a
+// plain bf16 model computes on the rank's rows, in fp32.
+std::vector<at::Tensor> bf16_replica_gradients(const std::vector<at::Tensor>& masters,
+                                               const at::Tensor& x, const at::Tensor& y) {
+  auto replica = make_chain(0);
+  replica->to(at::kBFloat16);
+  {
+    torch::NoGradGuard g;
+    auto ps = replica->parameters();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(masters[i]);
+  }
+  F::mse_loss(replica->forward(x.to(at::kBFloat16)).to(at::kFloat), y).backward();
+  std::vector<at::Tensor> out;
+  for (auto& p : replica->parameters()) out.push_back(p.grad().to(at::kFloat));
+  return out;
+}
+
+// bf16 parameters over fp32 masters, gradients reduced in fp32: at every step each rank
+// computes what a bf16 replica at the masters' rounded values computes, the shards hold the
+// replicas' gradients averaged in fp32 (bit for bit at 2 ranks, where the sum of two is exact in
+// either order; within its rounding at 3), the masters keep fp32 precision, and the ranks'
+// masters stay equal bit for bit; at 2 ranks the masters equal an fp32 SGD over the replicas'
+// averaged gradients, bit for bit, after every step.
+TEST(ZeroMixedPrecision, Bf16ComputeOverFp32MastersIsTheAverageOfBf16Replicas) {
+  for (int world : {2, 3}) {
+    for (int stage : {1, 2, 3}) {
+      for (bool shm : {true, false}) {
+        if (world == 3 && shm) continue;
+        const std::string what = "world " + std::to_string(world) + ", stage " +
+                                 std::to_string(stage) + (shm ? ", shared memory" : ", backend");
+        std::vector<std::vector<at::Tensor>> finals(static_cast<size_t>(world));
+        auto errors = run_ranks(world, [&](Dist& d) {
+          const auto data = make_data(world);
+          auto chain = make_chain(d.rank());
+          ShardOptions o;
+          o.stage = stage;
+          o.unit_cap_mb = 1e-4;
+          o.param_dtype = at::kBFloat16;
+          o.reduce_dtype = at::kFloat;
+          o.shared_memory = shm;
+          auto wrapped = std::make_shared<Wrapped>(chain);
+          auto z = stage == 3 ? std::make_unique<ShardedDataParallel>(chain, d, o)
+                              : std::make_unique<ShardedDataParallel>(wrapped, d, o);
+          for (auto& s : z->parameters()) ASSERT_EQ(s.scalar_type(), at::kFloat) << what;
+          torch::optim::SGD opt(z->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          // The reference: fp32 masters stepped by SGD on the replicas' averaged gradients.
+          z->gather_full_parameters();
+          auto ref = testing::weights_of(*chain);
+          for (auto& t : ref) t.requires_grad_(true);
+          torch::optim::SGD ref_opt(ref, torch::optim::SGDOptions(0.1).momentum(0.9));
+          for (int s = 0; s < kSteps; ++s) {
+            const auto where =
+                what + ", rank " + std::to_string(d.rank()) + ", step " + std::to_string(s);
+            auto x = rows(data.x, world, s, d.rank());
+            auto y = rows(data.y, world, s, d.rank());
+            z->gather_full_parameters();
+            const auto masters = testing::weights_of(*chain);
+            for (auto& m : masters) ASSERT_EQ(m.scalar_type(), at::kFloat) << where;
+            if (world == 2) {
+              for (size_t i = 0; i < masters.size(); ++i) {
+                EXPECT_TRUE(at::equal(masters[i], ref[i].detach()))
+                    << where << ": master " << i << " is not fp32 SGD's";
+              }
+            }
+            auto expected = bf16_replica_gradients(masters, x, y);
+            std::vector<at::Tensor> magnitude;
+            for (auto& g : expected) {
+              auto m = g.abs();
+              d.all_reduce(g);
+              d.all_reduce(m);
+              g.div_(world);
+              magnitude.push_back(m / world);
+            }
+            opt.zero_grad();
+            auto out = stage == 3
+                           ? z->forward(x)
+                           : z->forward([&] { return wrapped->forward(x.to(at::kBFloat16)); });
+            for (auto& p : chain->parameters()) {
+              ASSERT_EQ(p.scalar_type(), at::kBFloat16) << where << ": the compute copies";
+            }
+            ASSERT_EQ(out.scalar_type(), at::kBFloat16) << where;
+            F::mse_loss(out.to(at::kFloat), y).backward();
+            const auto got = full_gradients(*z);
+            for (size_t i = 0; i < got.size(); ++i) {
+              if (world == 2) {
+                EXPECT_TRUE(at::equal(got[i], expected[i])) << where << ": gradient " << i;
+              } else {  // N terms summed in fp32 in some order, then divided
+                const double bound = testing::gamma(world + 1) * magnitude[i].max().item<double>();
+                EXPECT_LE((got[i] - expected[i]).abs().max().item<double>(), bound)
+                    << where << ": gradient " << i;
+              }
+              ref[i].mutable_grad() = expected[i].clone();
+            }
+            z->step(opt);
+            ref_opt.step();
+          }
+          z->gather_full_parameters();
+          finals[static_cast<size_t>(d.rank())] = testing::weights_of(*chain);
+        });
+        for (auto& e : errors) ASSERT_EQ(e, "") << what;
+        double lost = 0;  // the masters' bits below bf16's
+        for (auto& m : finals[0]) {
+          lost =
+              std::max(lost, (m - m.to(at::kBFloat16).to(at::kFloat)).abs().max().item<double>());
+        }
+        EXPECT_GT(lost, 0) << what << ": the masters hold only bf16 values";
+        for (int r = 1; r < world; ++r) {
+          for (size_t i = 0; i < finals[0].size(); ++i) {
+            EXPECT_TRUE(at::equal(finals[static_cast<size_t>(r)][i], finals[0][i]))
+                << what << ": rank " << r << " parameter " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The module holds the compute copies or the masters: what is loaded into the masters reaches
+// the shards bit for bit (a bf16 round trip would lose the low bits), the next forward computes
+// with the loaded values rounded, and its backward still reaches the reduction (the parameters'
+// new gradient accumulators are hooked).
+TEST(ZeroMixedPrecision, MastersLoadedIntoTheModuleReachTheShardsLosslessly) {
+  for (int stage : {1, 2, 3}) {
+    auto errors = run_ranks(2, [&](Dist& d) {
+      auto chain = make_chain(0);
+      ShardOptions o;
+      o.stage = stage;
+      o.unit_cap_mb = 1e-4;
+      o.param_dtype = at::kBFloat16;
+      auto wrapped = std::make_shared<Wrapped>(chain);
+      auto z = stage == 3 ? std::make_unique<ShardedDataParallel>(chain, d, o)
+                          : std::make_unique<ShardedDataParallel>(wrapped, d, o);
+      EXPECT_THROW(z->scatter_full_parameters(), UsageError);  // the module holds bf16 copies
+      z->gather_full_parameters();
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+      std::vector<at::Tensor> loaded;
+      {
+        torch::NoGradGuard g;
+        for (auto& p : chain->parameters()) {
+          loaded.push_back(at::randn(p.sizes(), gen));
+          p.copy_(loaded.back());
+        }
+      }
+      z->scatter_full_parameters();
+      z->reshard();
+      for (auto& p : chain->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
+      z->gather_full_parameters();
+      auto back = testing::weights_of(*chain);
+      for (size_t i = 0; i < back.size(); ++i) {
+        EXPECT_TRUE(at::equal(back[i], loaded[i])) << "stage " << stage << ", parameter " << i;
+      }
+      auto x = at::randn({4, kIn}, gen);
+      auto out = stage == 3 ? z->forward(x)
+                            : z->forward([&] { return wrapped->forward(x.to(at::kBFloat16)); });
+      auto expected = make_chain(0);
+      expected->to(at::kBFloat16);
+      {
+        torch::NoGradGuard g;
+        auto ps = expected->parameters();
+        for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(loaded[i]);
+      }
+      EXPECT_TRUE(at::equal(out, expected->forward(x.to(at::kBFloat16)))) << "stage " << stage;
+      out.to(at::kFloat).sum().backward();
+      torch::optim::SGD opt(z->parameters(), 0.1);
+      z->step(opt);  // throws if a gradient did not reach its unit
+    });
+    for (auto& e : errors) EXPECT_EQ(e, "") << "stage " << stage;
+  }
+}
+
+TEST(ZeroMixedPrecision, SavedAndLoadedGoesOnAsIfNeverStopped) {
+  TempDir dir;
+  for (int stage : {1, 3}) {
+    const auto straight = train_zero(2, 0, 4, "", "", stage, at::kBFloat16);
+    train_zero(2, 0, 2, "", dir.path(), stage, at::kBFloat16);
+    const auto resumed = train_zero(2, 2, 2, dir.path(), "", stage, at::kBFloat16);
+    ASSERT_EQ(resumed.size(), straight.size());
+    for (size_t i = 0; i < straight.size(); ++i) {
+      EXPECT_EQ(resumed[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(at::equal(resumed[i], straight[i])) << "stage " << stage << ", parameter " << i;
+    }
+  }
+}
+
 // ---- Misuse --------------------------------------------------------------------------------
 
 TEST(ZeroErrors, EachNamesTheFix) {
@@ -557,6 +756,13 @@ TEST(ZeroErrors, EachNamesTheFix) {
     ShardedDataParallel z(make_chain(0), d, o);
   });
   EXPECT_NE(errors[0].find("stage 4 does not exist"), std::string::npos) << errors[0];
+  errors = run_ranks(1, [](Dist& d) {
+    ShardOptions o;
+    o.param_dtype = at::kInt;
+    ShardedDataParallel z(make_chain(0), d, o);
+  });
+  EXPECT_NE(errors[0].find("param_dtype = Int is not a floating-point dtype"), std::string::npos)
+      << errors[0];
   errors = run_ranks(1, [](Dist& d) {
     ShardOptions o;
     o.unit_memory_budget_mb = 1e-4;  // 105 bytes; the first layer gathers 416

@@ -171,7 +171,9 @@ struct TrainerOptions {
   // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
   // cpu), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
-  std::string amp = "none";            // ddp only: "none", "bf16", "fp16" (with loss scaling)
+  // "none", "bf16", "fp16" (with loss scaling): ddp's autocast; zero1, zero2, fsdp: "bf16" is
+  // the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype)
+  std::string amp = "none";
   bool channels_last = true;           // convolution weights and image batches in NHWC memory
   std::string uneven_inputs = "fail";  // ddp: "fail" within a step, naming the ranks, or "join"
   double timeout_s = 300;  // collective timeout of the process group (the tool's --timeout)

@@ -32,7 +32,8 @@
 // next forward, which notices an updated shard by its version counter. Every backward must reach
 // every parameter (unused parameters are an error naming them). One thread drives an instance.
 // Stage 3: between forwards, the module's parameters of a resharded unit have no storage: read
-// them only after gather_full_parameters().
+// them only after gather_full_parameters(). With ShardOptions::param_dtype the module's
+// parameters are compute copies in that dtype; the shards stay in the dtype they had.
 //
 // Stages 1 and 2 take any module and run its forward through forward(fn); stage 3 takes the model
 // as a chain of blocks (torch::nn::Sequential of blocks.h's Block, or any Sequential), whose
@@ -67,9 +68,20 @@ struct ShardOptions {
   /// Stage 3: start gathering the next unit while the current one computes (forward and
   /// backward), on a process group of its own.
   bool prefetch = true;
+  /// Mixed precision (FSDP's MixedPrecisionPolicy), Note [Mixed precision] in sharded.cpp.
+  /// param_dtype: the dtype the module's parameters compute in (e.g. at::kBFloat16): gathers
+  /// move it, forward and backward run in it, gradients arrive in it. The shards — the
+  /// optimizer's master weights, its state and the shards' .grad — keep the dtype the parameters
+  /// had at construction. The chain's forward(x) casts a floating-point input to it; callers of
+  /// forward(fn) cast their own. gather_full_parameters() gives the module the master values.
+  std::optional<at::ScalarType> param_dtype;
   /// The dtype gradients are reduced in (mixed precision's reduce dtype): e.g. at::kBFloat16
-  /// halves the bytes on the wire; the shard's gradient is back in the parameters' dtype.
+  /// halves the bytes on the wire; unset: the gradients' own dtype (param_dtype when given). The
+  /// shard's gradient is back in the master dtype.
   std::optional<at::ScalarType> reduce_dtype;
+  /// With param_dtype: floating-point buffers (BatchNorm's running statistics) are cast to this
+  /// dtype at construction; LibTorch's batch norm wants them in its parameters' dtype.
+  std::optional<at::ScalarType> buffer_dtype;
   /// Ranks on one machine reduce and gather float32 CPU units through a shared-memory segment
   /// (Note [Shared-memory reduce] in src/transport/shm.cpp), as DDP does; else the backend.
   bool shared_memory = true;
@@ -131,13 +143,17 @@ class ShardedDataParallel {
   /// Error naming the parameters that got no gradient in the last backward.
   void step(torch::optim::Optimizer& opt);
   /// Collective: the module holds every current parameter (stage 3: until the next forward or
-  /// reshard()); e.g. for save_weights() on rank 0 or an evaluation outside forward().
+  /// reshard()); e.g. for save_weights() on rank 0 or an evaluation outside forward(). With
+  /// param_dtype, they are the master values in the master dtype (FSDP's summon_full_params),
+  /// until the next forward, step() or reshard() brings back the compute copies.
   void gather_full_parameters();
-  /// Stage 3: frees the gathered units again.
+  /// Stage 3: frees the gathered units again; with param_dtype, every stage: the module's
+  /// parameters are the compute copies again.
   void reshard();
   /// After the module's parameters were changed while gathered (gather_full_parameters(), then
   /// load_weights() or load_checkpoint() into the module): this rank's shards take their values
-  /// from them. Every rank must have loaded the same values. Not collective.
+  /// from them (with param_dtype: losslessly, from the master values). Every rank must have
+  /// loaded the same values. Not collective.
   void scatter_full_parameters();
 
   const std::vector<UnitRange>& units() const { return plan_; }

@@ -85,10 +85,17 @@ void validate_strategy(const TrainerOptions& o, int world) {
         "the pipeline strategies (pipeline, grid), not --strategy " +
         name);
   }
-  if (!ddp && o.amp != "none") {
+  if (zero && o.amp == "fp16") {
+    refuse(
+        "--amp fp16 needs loss scaling, which the sharded strategies do not do; use --amp bf16 "
+        "(bf16 parameters over fp32 master shards) with --strategy " +
+        name);
+  } else if (!ddp && !zero && o.amp != "none") {
     refuse("--amp " + o.amp +
-           " runs with --strategy ddp only (dp's replicas and a pipeline's "
-           "stages run on threads of their own, which autocast does not reach yet)");
+           " runs with --strategy ddp (autocast) and zero1, zero2, fsdp (bf16 parameters), not " +
+           name +
+           " (dp's replicas and a pipeline's stages run on threads of their own, which "
+           "autocast does not reach yet)");
   }
   if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
   if (o.stages_per_device < 1) {

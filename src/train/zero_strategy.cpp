@@ -2,7 +2,10 @@
 // ShardedDataParallel (zero.h) over the ranks, one device each. The optimizer steps this rank's
 // shards; a checkpoint holds the model's weights, gathered, in the standard place, and the
 // optimizer's state over the whole model, flat, in TrainingState::tensors ("zero/optimizer/..."),
-// so it resumes at any world size and with any of the three stages.
+// so it resumes at any world size and with any of the three stages. --amp bf16 is the sharded
+// mixed-precision policy (Note [Mixed precision] in src/zero/sharded.cpp): parameters and buffers
+// compute in bf16, gradients are reduced in fp32 into fp32 master shards; the loss is taken in
+// fp32, and checkpoints hold the fp32 master weights.
 
 #include <ATen/ops/full.h>
 
@@ -24,12 +27,14 @@ class ZeroStrategy : public TrainStrategy {
     model.module->to(dev_);
     ShardOptions so;
     so.stage = stage;
-    if (stage == 3) {
-      zero_ = std::make_unique<ShardedDataParallel>(chain_of(model), d, so);
-      zero_->gather_full_parameters();  // a checkpoint may load into them before the first step
-    } else {
-      zero_ = std::make_unique<ShardedDataParallel>(model.module, d, so);
+    if (o.amp == "bf16") {
+      so.param_dtype = so.buffer_dtype = at::kBFloat16;
+      so.reduce_dtype = at::kFloat;
     }
+    zero_ = stage == 3 ? std::make_unique<ShardedDataParallel>(chain_of(model), d, so)
+                       : std::make_unique<ShardedDataParallel>(model.module, d, so);
+    // A checkpoint may load into the module before the first step: the full (master) values.
+    zero_->gather_full_parameters();
   }
 
   std::vector<at::Tensor> parameters() override { return zero_->parameters(); }
@@ -78,9 +83,17 @@ class ZeroStrategy : public TrainStrategy {
   }
 
  private:
+  // With --amp bf16, the output back in fp32 for the loss and the metrics.
   at::Tensor forward(const at::Tensor& x) {
-    if (zero_->options().stage == 3) return zero_->forward(x);
-    return zero_->forward([&] { return model_.forward(x); });
+    const auto dtype = zero_->options().param_dtype;
+    if (zero_->options().stage == 3) {
+      auto out = zero_->forward(x);
+      return dtype ? out.to(at::kFloat) : out;
+    }
+    return zero_->forward([&] {
+      auto out = model_.forward(dtype && x.is_floating_point() ? x.to(*dtype) : x);
+      return dtype ? out.to(at::kFloat) : out;
+    });
   }
 
   Model& model_;

@@ -31,6 +31,7 @@ struct ShardedDataParallel::Impl {
     c10::intrusive_ptr<c10d::Work> reduce_work;
     at::Tensor reduce_input, reduce_output;
     int64_t shard_version = 0;  // the shard's version counter when last gathered (stages 1, 2)
+    at::Tensor master_full;     // mixed precision: the master values, gathered for the module
   };
 
   Impl(ShardedDataParallel& owner, std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -44,16 +45,24 @@ struct ShardedDataParallel::Impl {
   void make_buffers();
   void open_groups();
   void install_hooks();
+  void remove_hooks();
   void before_gradient(size_t param);
   std::string who() const;  // "rank r: ShardedDataParallel: ", for errors
 
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
   void start_gather(size_t u);
   void ensure_gathered(size_t u);
-  void shm_gather(size_t u, const at::Tensor& mine);
+  void gather_sync(size_t u, at::Tensor out);
   void free_unit(size_t u);
   void gather_all();
   void gather_if_stepped();
+  void allocate(size_t u);  // stage 3: full's storage, its bytes undefined
+
+  // Mixed precision (Note [Mixed precision]): the module holds the master values or the compute
+  // copies.
+  void use_master_values();
+  void use_compute_copies();
+  at::Tensor compute_copy(const at::Tensor& shard) const;
 
   // Reduction, driven by the gradient hooks.
   void on_gradient(size_t i);
@@ -67,6 +76,10 @@ struct ShardedDataParallel::Impl {
   const Dist& dist;
   const ShardOptions& opts;
   int rank, world;
+  // Mixed precision: the shards' dtype (the parameters' at construction) and the module's; equal
+  // without param_dtype. `master_view`: the module's parameters alias the master values.
+  at::ScalarType master_dtype = at::kFloat, compute_dtype = at::kFloat;
+  bool mixed = false, master_view = false;
   std::vector<at::Tensor> params;
   std::vector<std::string> names;
   std::vector<size_t> unit_of;     // parameter -> unit

@@ -146,17 +146,41 @@ void ShardedDataParallel::Impl::check_and_synchronise() {
                        "; every parameter needs one dtype and device");
     }
   }
+  master_dtype = compute_dtype = params[0].scalar_type();
+  for (auto [what, dtype] :
+       {std::pair{"param_dtype", opts.param_dtype}, std::pair{"reduce_dtype", opts.reduce_dtype},
+        std::pair{"buffer_dtype", opts.buffer_dtype}}) {
+    if (dtype && !at::isFloatingType(*dtype)) {
+      throw UsageError(who() + what + " = " + c10::toString(*dtype) +
+                       " is not a floating-point dtype; use at::kBFloat16, at::kHalf or "
+                       "at::kFloat");
+    }
+  }
+  if (opts.param_dtype) {
+    if (!at::isFloatingType(master_dtype)) {
+      throw UsageError(who() + "param_dtype needs floating-point parameters; parameter '" +
+                       names[0] + "' is " + c10::toString(master_dtype));
+    }
+    compute_dtype = *opts.param_dtype;
+    mixed = compute_dtype != master_dtype;
+  }
   instance =
       static_cast<int>(dist.store->add("scaletrain/zero/instances/" + std::to_string(rank), 1));
   verify_same_model(dist, described, "zero", instance);
   broadcast_coalesced(dist, params, "the parameters");
   auto buffers = owner.module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(dist, buffers, "the buffers");
+  if (opts.buffer_dtype) {
+    at::NoGradGuard no_grad;
+    for (auto& b : buffers) {
+      if (at::isFloatingType(b.scalar_type())) b.set_data(b.to(*opts.buffer_dtype));
+    }
+  }
 }
 
 // The plan (Note [Units]): parameters (stages 1, 2) or blocks (stage 3) grouped by size.
 void ShardedDataParallel::Impl::make_units(const std::vector<std::vector<size_t>>& block_params) {
-  const int64_t elem = static_cast<int64_t>(params[0].element_size());
+  const auto elem = static_cast<int64_t>(c10::elementSize(compute_dtype));  // gathered bytes
   const auto cap = static_cast<int64_t>(opts.unit_cap_mb * (1 << 20)) / elem;
   std::vector<int64_t> groups;
   if (opts.stage == 3) {
@@ -209,20 +233,27 @@ void ShardedDataParallel::Impl::make_units(const std::vector<std::vector<size_t>
 // Flat buffers; the module's parameters become aliases into them; the shards.
 void ShardedDataParallel::Impl::make_buffers() {
   at::NoGradGuard no_grad;
+  // (Taken before the loop turns the module's parameters into compute copies.)
+  const auto options = params[0].options().dtype(master_dtype);
+  const auto compute = options.dtype(compute_dtype);
   for (auto& unit : units) {
-    unit.full = at::zeros({unit.padded}, params[0].options());
-    if (opts.stage == 1) unit.grad_full = at::zeros({unit.padded}, params[0].options());
+    // The master values, flat; without mixed precision they are the module's buffer itself.
+    auto master = at::zeros({unit.padded}, options);
+    unit.full = mixed ? at::empty({unit.padded}, compute) : master;
+    if (opts.stage == 1) unit.grad_full = at::zeros({unit.padded}, compute);
     for (size_t i : unit.params) {
       auto& p = params[i];
-      unit.full.narrow(0, offset_of[i], p.numel()).copy_(p.detach().reshape({-1}));
+      master.narrow(0, offset_of[i], p.numel()).copy_(p.detach().reshape({-1}));
       p.set_data(alias(unit.full, offset_of[i], p.sizes()));
       if (opts.stage == 1) p.mutable_grad() = alias(unit.grad_full, offset_of[i], p.sizes());
     }
+    if (mixed) unit.full.copy_(master);
     const int64_t s = unit.shard_numel;
-    at::Tensor shard = opts.stage == 3 ? unit.full.narrow(0, rank * s, s).clone()
-                                       : alias(unit.full, rank * s, {s});
+    // Stages 1 and 2 step the module's own buffer in place, unless it holds compute copies.
+    at::Tensor shard = opts.stage == 3 || mixed ? master.narrow(0, rank * s, s).clone()
+                                                : alias(unit.full, rank * s, {s});
     shard.requires_grad_(true);
-    if (opts.stage == 1) shard.mutable_grad() = alias(unit.grad_full, rank * s, {s});
+    if (opts.stage == 1 && !mixed) shard.mutable_grad() = alias(unit.grad_full, rank * s, {s});
     unit.shard_version = shard._version();
     owner.shards_.push_back(shard);
   }
@@ -263,6 +294,11 @@ struct LambdaPreHook : torch::autograd::FunctionPreHook {
 
 }  // namespace
 
+void ShardedDataParallel::Impl::remove_hooks() {
+  for (auto& [acc, key] : hooks) acc->del_post_hook(key);
+  hooks.clear();
+}
+
 void ShardedDataParallel::Impl::install_hooks() {
   next_reduce = units.size();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -274,7 +310,7 @@ void ShardedDataParallel::Impl::install_hooks() {
           return outputs;
         }));
     hooks.emplace_back(acc, key);
-    if (opts.stage == 1) {
+    if (opts.stage == 1 && !mixed) {
       std::weak_ptr<Impl*> weak = self;
       acc->add_pre_hook(std::make_unique<LambdaPreHook>([weak, i] {
         if (auto alive = weak.lock()) (*alive)->before_gradient(i);
@@ -309,7 +345,7 @@ void ShardedDataParallel::Impl::before_gradient(size_t i) {
 }
 
 ShardedDataParallel::Impl::~Impl() {
-  for (auto& [acc, key] : hooks) acc->del_post_hook(key);
+  remove_hooks();
   for (auto& u : units) {
     try {
       if (u.gather_work) u.gather_work->wait();
@@ -321,40 +357,61 @@ ShardedDataParallel::Impl::~Impl() {
 
 // ---- Gathering ---------------------------------------------------------------------------
 
-void ShardedDataParallel::Impl::start_gather(size_t u) {
+void ShardedDataParallel::Impl::allocate(size_t u) {
   auto& unit = units[u];
-  if (unit.gathered || unit.gather_work) return;
   auto* storage = unit.full.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<size_t>(unit.padded) * unit.full.element_size();
   if (storage->nbytes() != bytes) {
     storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
     storage->set_nbytes(bytes);
   }
+}
+
+at::Tensor ShardedDataParallel::Impl::compute_copy(const at::Tensor& shard) const {
+  return mixed ? shard.detach().to(compute_dtype) : shard.detach();
+}
+
+void ShardedDataParallel::Impl::start_gather(size_t u) {
+  auto& unit = units[u];
+  if (unit.gathered || unit.gather_work) return;
+  allocate(u);
   const auto& shard = owner.shards_[u];
-  if (!gather_pg) {
-    at::NoGradGuard no_grad;
-    unit.full.copy_(shard);
+  if (!gather_pg || shm(gather_shm, shard)) {
+    gather_sync(u, unit.full);
     unit.gathered = true;
     return;
   }
-  if (shm(gather_shm, unit.full)) {
-    shm_gather(u, shard.detach());
-    return;
-  }
-  unit.gather_input = shard.detach();
+  unit.gather_input = compute_copy(shard);
   unit.gather_work = gather_pg->_allgather_base(unit.full, unit.gather_input);
 }
 
-// All-gather as a sum: every rank contributes its shard in its own place and zeros elsewhere,
-// x + 0 is exact, so every rank ends with every shard's bits.
-void ShardedDataParallel::Impl::shm_gather(size_t u, const at::Tensor& mine) {
+// Every rank's current shard of unit u into `out` ([padded]; the compute copies or the master
+// values), before returning.
+void ShardedDataParallel::Impl::gather_sync(size_t u, at::Tensor out) {
   auto& unit = units[u];
   at::NoGradGuard no_grad;
-  unit.full.zero_();
-  unit.full.narrow(0, rank * unit.shard_numel, unit.shard_numel).copy_(mine);
+  const auto shard = owner.shards_[u].detach();
+  if (!gather_pg) {  // a world of one: the shard is the whole unit
+    out.copy_(shard);
+    return;
+  }
   const auto what = "all-gather of unit " + std::to_string(u) + "'s parameters";
-  if (auto work = gather_shm->all_reduce_sum(unit.full, what)) wait_for(work, what, dist);
-  unit.gathered = true;
+  if (shm(gather_shm, shard)) {
+    // All-gather as a sum, in the master dtype: every rank contributes its shard in its own
+    // place and zeros elsewhere, x + 0 is exact, so every rank ends with every shard's bits (and
+    // the compute copies are those bits rounded, as a cast before the gather would give).
+    const bool direct = out.scalar_type() == shard.scalar_type();
+    auto sum = direct ? out : at::empty({unit.padded}, shard.options());
+    const auto mine = shard.storage().is_alias_of(sum.storage()) ? shard.clone() : shard;
+    sum.zero_();
+    sum.narrow(0, rank * unit.shard_numel, unit.shard_numel).copy_(mine);
+    if (auto work = gather_shm->all_reduce_sum(sum, what)) wait_for(work, what, dist);
+    if (!direct) out.copy_(sum);
+    return;
+  }
+  auto input = shard.to(out.scalar_type());
+  if (input.storage().is_alias_of(out.storage())) input = input.clone();
+  wait_for(gather_pg->_allgather_base(out, input), what, dist);
 }
 
 void ShardedDataParallel::Impl::ensure_gathered(size_t u) {
@@ -382,20 +439,13 @@ void ShardedDataParallel::Impl::free_unit(size_t u) {
 
 // Stages 1 and 2: every unit's full buffer from the ranks' shards.
 void ShardedDataParallel::Impl::gather_all() {
-  at::NoGradGuard no_grad;
+  use_compute_copies();
   for (size_t u = 0; u < units.size(); ++u) {
-    auto& unit = units[u];
-    const auto& shard = owner.shards_[u];
-    if (shm(gather_shm, unit.full)) {
-      shm_gather(u, shard.detach().clone());  // the shard is a slice of the output
-    } else if (gather_pg) {
-      auto input = shard.detach().clone();  // the shard is a slice of the output
-      wait_for(gather_pg->_allgather_base(unit.full, input),
-               "all-gather of unit " + std::to_string(u) + "'s parameters", dist);
-    }
-    unit.shard_version = shard._version();
+    if (gather_pg || mixed) gather_sync(u, units[u].full);
+    units[u].shard_version = owner.shards_[u]._version();
   }
   if (opts.stage == 1) {
+    at::NoGradGuard no_grad;
     for (auto& unit : units) {
       unit.grad_full.zero_();  // the step consumed them
       unit.carry = false;
@@ -410,6 +460,61 @@ void ShardedDataParallel::Impl::gather_if_stepped() {
       return;
     }
   }
+}
+
+// ---- Mixed precision ---------------------------------------------------------------------
+
+// Note [Mixed precision]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// With ShardOptions::param_dtype (say bf16 over fp32 parameters), as FSDP's MixedPrecisionPolicy:
+//
+//   shards       fp32: the optimizer's master weights, its state, and the shards' .grad
+//   unit.full    bf16: what the gathers fill (cast before the wire, or after a shared-memory
+//                gather, which sums in fp32: the same bits), what the module's parameters alias
+//   gradients    arrive in bf16 (grad_full), are reduced in reduce_dtype (unset: bf16), then
+//                divided by N in fp32 and accumulated into the shard's .grad
+//
+// So stages 1 and 2 keep the shard in a storage of its own, as stage 3 does, and stage 1's
+// buffer of full gradients is in bf16 and zeroed after each reduction (no carry: the shard's
+// .grad is not a slice of it). Bytes per rank with Adam (K = 12 in the ZeRO paper's terms, plus
+// the fp32 gradient shard the paper's optimizer does not keep):
+//   stage 1  2Ψ + 2Ψ + 16Ψ/N     stage 2  2Ψ + 16Ψ/N     stage 3  16Ψ/N (+ units gathered)
+//
+// The module's parameters cannot be fp32 and bf16 at once, and changing a parameter's dtype
+// (set_data) drops its gradient accumulator, which the reduction's hooks sit on. The module
+// holds the compute copies; gather_full_parameters() points them at the master values,
+// gathered in fp32 (what a checkpoint must save and load, losslessly), and the next forward,
+// step() or reshard() points them back at the compute copies and hooks the new accumulators.
+
+void ShardedDataParallel::Impl::use_master_values() {
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& unit = units[u];
+    unit.master_full = at::empty({unit.padded}, owner.shards_[u].options());
+    gather_sync(u, unit.master_full);
+    for (size_t i : unit.params) {
+      params[i].set_data(alias(unit.master_full, offset_of[i], params[i].sizes()));
+    }
+    if (opts.stage == 3 && unit.gathered) free_unit(u);
+  }
+  master_view = true;
+}
+
+void ShardedDataParallel::Impl::use_compute_copies() {
+  if (!master_view) return;
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units.size(); ++u) {
+    auto& unit = units[u];
+    if (opts.stage == 3) allocate(u);  // an alias needs the bytes it covers; freed again below
+    for (size_t i : unit.params) {
+      params[i].set_data(alias(unit.full, offset_of[i], params[i].sizes()));
+    }
+    unit.master_full = at::Tensor();
+    if (opts.stage == 3) free_unit(u);
+  }
+  master_view = false;
+  remove_hooks();
+  install_hooks();
 }
 
 // ---- Reduction ---------------------------------------------------------------------------
@@ -476,11 +581,11 @@ void ShardedDataParallel::Impl::finish_reduce(size_t u) {
     unit.reduce_work.reset();
   }
   at::NoGradGuard no_grad;
-  auto g = unit.reduce_output.to(params[0].scalar_type());
+  auto g = unit.reduce_output.to(master_dtype);
   if (world > 1) g.div_(world);
   auto& shard = owner.shards_[u];
   auto& sg = shard.mutable_grad();
-  if (opts.stage == 1) {
+  if (opts.stage == 1 && !mixed) {
     // The owned slice holds the average, the rest zero (Note [Stage 1 accumulation]).
     const int64_t s = unit.shard_numel;
     auto view = alias(unit.grad_full, rank * s, {s});
@@ -499,7 +604,11 @@ void ShardedDataParallel::Impl::finish_reduce(size_t u) {
     } else {
       sg.add_(g);
     }
-    unit.grad_full = at::Tensor();
+    if (opts.stage == 1) {
+      unit.grad_full.zero_();  // stage 1 keeps the buffer; the next backward starts from zero
+    } else {
+      unit.grad_full = at::Tensor();
+    }
   }
   unit.reduce_input = at::Tensor();
   unit.reduce_output = at::Tensor();
@@ -530,6 +639,8 @@ void ShardedDataParallel::Impl::check_reduced() const {
 // ---- Forward -----------------------------------------------------------------------------
 
 at::Tensor ShardedDataParallel::Impl::forward_chain(at::Tensor x) {
+  use_compute_copies();
+  if (mixed && at::isFloatingType(x.scalar_type())) x = x.to(compute_dtype);
   if (opts.stage < 3) {
     gather_if_stepped();
     for (auto& b : blocks) x = b.forward(x);
@@ -597,6 +708,7 @@ at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
         "ShardedDataParallel::forward(fn): stage 3 runs the chain itself; call "
         "forward(x)");
   }
+  impl_->use_compute_copies();
   impl_->gather_if_stepped();
   return fn();
 }
@@ -604,6 +716,7 @@ at::Tensor ShardedDataParallel::forward(const std::function<at::Tensor()>& fn) {
 void ShardedDataParallel::step(torch::optim::Optimizer& opt) {
   impl_->check_reduced();
   opt.step();
+  impl_->use_compute_copies();
   for (auto& unit : impl_->units) unit.reduced = false;
   std::fill(impl_->arrived.begin(), impl_->arrived.end(), false);
   if (options_.stage < 3) {
@@ -614,8 +727,22 @@ void ShardedDataParallel::step(torch::optim::Optimizer& opt) {
 }
 
 void ShardedDataParallel::scatter_full_parameters() {
-  if (options_.stage < 3) return;  // the shards are slices of the module's own buffers
   at::NoGradGuard no_grad;
+  if (impl_->mixed) {
+    if (!impl_->master_view) {
+      throw UsageError(
+          "ShardedDataParallel::scatter_full_parameters: the module holds the compute copies "
+          "(param_dtype); call gather_full_parameters() before changing the module's "
+          "parameters");
+    }
+    for (size_t u = 0; u < impl_->units.size(); ++u) {
+      auto& unit = impl_->units[u];
+      shards_[u].detach().copy_(
+          unit.master_full.narrow(0, impl_->rank * unit.shard_numel, unit.shard_numel));
+    }
+    return;
+  }
+  if (options_.stage < 3) return;  // the shards are slices of the module's own buffers
   for (size_t u = 0; u < impl_->units.size(); ++u) {
     auto& unit = impl_->units[u];
     if (!unit.gathered) {
@@ -629,6 +756,10 @@ void ShardedDataParallel::scatter_full_parameters() {
 }
 
 void ShardedDataParallel::gather_full_parameters() {
+  if (impl_->mixed) {
+    impl_->use_master_values();
+    return;
+  }
   if (options_.stage < 3) {
     impl_->gather_if_stepped();
     return;
@@ -637,6 +768,7 @@ void ShardedDataParallel::gather_full_parameters() {
 }
 
 void ShardedDataParallel::reshard() {
+  impl_->use_compute_copies();
   if (options_.stage < 3) return;
   for (size_t u = 0; u < impl_->units.size(); ++u) impl_->free_unit(u);
 }

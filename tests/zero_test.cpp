@@ -737,6 +737,12 @@ TEST(ZeroMixedPrecision, SavedAndLoadedGoesOnAsIfNeverStopped) {
       EXPECT_EQ(resumed[i].scalar_type(), at::kFloat);
       EXPECT_TRUE(at::equal(resumed[i], straight[i])) << "stage " << stage << ", parameter " << i;
     }
+    // The checkpoint holds the fp32 masters: an fp32 run loads them as they were.
+    const auto at_two = train_zero(2, 0, 2, "", "", stage, at::kBFloat16);
+    const auto loaded = train_zero(2, 2, 0, dir.path(), "", stage);
+    for (size_t i = 0; i < at_two.size(); ++i) {
+      EXPECT_TRUE(at::equal(loaded[i], at_two[i])) << "stage " << stage << ", parameter " << i;
+    }
   }
 }
 

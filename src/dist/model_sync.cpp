@@ -7,10 +7,14 @@
 
 namespace scaletrain {
 
-std::string describe_param(const std::string& name, const at::Tensor& p) {
+std::string describe_param(const std::string& name, at::ScalarType dtype, at::IntArrayRef sizes) {
   std::ostringstream s;
-  s << name << " " << c10::toString(p.scalar_type()) << " " << p.sizes();
+  s << name << " " << c10::toString(dtype) << " " << sizes;
   return s.str();
+}
+
+std::string describe_param(const std::string& name, const at::Tensor& p) {
+  return describe_param(name, p.scalar_type(), p.sizes());
 }
 
 static std::vector<std::string> split_lines(const std::string& s) {

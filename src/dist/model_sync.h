@@ -13,6 +13,8 @@ namespace scaletrain {
 
 /// "name dtype [sizes]": one line of the model's description.
 std::string describe_param(const std::string& name, const at::Tensor& p);
+/// The same for a parameter of `dtype` and `sizes` (a sharded model's masters).
+std::string describe_param(const std::string& name, at::ScalarType dtype, at::IntArrayRef sizes);
 
 /// Collective through the store: every rank compares every rank's description (one line per
 /// parameter) with rank 0's and throws, on every rank, an Error naming the first parameter that

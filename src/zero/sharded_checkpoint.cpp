@@ -166,7 +166,8 @@ std::string ShardedDataParallel::save(const std::string& dir, const TrainingStat
   s.values["zero/optimizer"] = kind;
   std::vector<std::string> described, units;
   for (size_t i = 0; i < impl_->params.size(); ++i) {
-    described.push_back(describe_param(impl_->names[i], impl_->params[i]));
+    described.push_back(  // the masters' dtype, whatever the module computes in
+        describe_param(impl_->names[i], impl_->master_dtype, impl_->params[i].sizes()));
   }
   s.values["zero/params"] = join(described);
   for (size_t u = 0; u < plan_.size(); ++u) {
@@ -220,7 +221,8 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   // The same model, the same optimizer.
   std::vector<std::string> described;
   for (size_t i = 0; i < impl_->params.size(); ++i) {
-    described.push_back(describe_param(impl_->names[i], impl_->params[i]));
+    described.push_back(  // the masters' dtype, whatever the module computes in
+        describe_param(impl_->names[i], impl_->master_dtype, impl_->params[i].sizes()));
   }
   const auto theirs = lines_of(value_of(files[0], "zero/params", paths[0]));
   for (size_t i = 0; i < std::max(theirs.size(), described.size()); ++i) {

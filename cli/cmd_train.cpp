@@ -172,11 +172,11 @@ void add_train_command(CLI::App& app, Action& action) {
                   "GPU, else cpu,cpu)");
   cmd->add_option("--schedule", args->schedule,
                   "Pipelines: gpipe, 1f1b, interleaved (with --stages-per-device) or zb-h1 (zero "
-                  "bubble); the last two with --strategy pipeline")
+                  "bubble); the last two with --strategy pipeline, or grid of one replica")
       ->capture_default_str();
   cmd->add_option("--stages-per-device", o.stages_per_device,
-                  "Pipeline, --schedule interleaved: stages on each device (--balance then lists "
-                  "devices x this many)")
+                  "--schedule interleaved: stages on each device (pipeline) or process (grid); "
+                  "--balance then lists that many times more")
       ->capture_default_str();
   cmd->add_option("--chunks", o.chunks, "Pipelines: micro-batches per batch (0: twice the stages)")
       ->capture_default_str();

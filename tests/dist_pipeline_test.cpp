@@ -1,14 +1,16 @@
 // The pipeline across ranks (threads of this process over loopback Gloo): gradients equal the
-// whole model's for 2 and 3 stages, GPipe and 1F1B, micro-batch counts that do and do not
-// divide the batch; and a data x pipeline grid of 4 ranks (2 replicas of 2 stages, DDP across
-// the replicas of each stage) equals the whole model on the whole batch. Each against the exact
-// float64 values, with the bound of their arithmetic (Note [Tolerances]).
+// whole model's for 2 and 3 stages, GPipe, 1F1B, zero bubble H1 and interleaved 1F1B (2 ranks of
+// 2 chunks), micro-batch counts that do and do not divide the batch; and a data x pipeline grid of
+// 4 ranks (2 replicas of 2 stages, DDP across the replicas of each stage) equals the whole model on
+// the whole batch. Each against the exact float64 values, with the bound of their arithmetic (Note
+// [Tolerances]).
 
 #include "scaletrain/dist_pipeline.h"
 
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 
 #include <mutex>
@@ -79,48 +81,86 @@ struct Case {
   std::vector<size_t> cuts;  // layer boundaries: stage k holds [cuts[k], cuts[k+1])
   int chunks;
   PipelineSchedule schedule;
+  int per_rank = 1;  // interleaved: stages per rank; stage k on rank k mod p
 };
 
 class DistPipelineTransparency : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
   const Case c = GetParam();
-  const int p = static_cast<int>(c.cuts.size()) - 1;
+  const int stages = static_cast<int>(c.cuts.size()) - 1, p = stages / c.per_rank;
   const Batch b = batch(10);
-  std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(p));
+  std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(stages));
   double loss = 0;
   auto errors = testing::run_ranks(p, [&](Dist& d) {
-    const auto s = static_cast<size_t>(d.rank());
     DistPipelineOptions o;
     for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
     o.chunks = c.chunks;
     o.schedule = c.schedule;
-    DistPipeline pipe(slice(make_model(), c.cuts[s], c.cuts[s + 1]), o, d);
-    auto l = pipe.train_step(s == 0 ? b.x : at::Tensor(),
-                             s + 1 == c.cuts.size() - 1 ? b.y : at::Tensor(), mse);
+    std::vector<torch::nn::Sequential> mine;  // stages rank, rank + p, ...
+    for (int k = d.rank(); k < stages; k += p) {
+      mine.push_back(
+          slice(make_model(), c.cuts[static_cast<size_t>(k)], c.cuts[static_cast<size_t>(k) + 1]));
+    }
+    auto pipe = c.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
+    auto l = pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(),
+                             d.rank() == p - 1 ? b.y : at::Tensor(), mse);
     if (l.defined()) loss = l.item<double>();
-    for (auto& param : pipe.module()->parameters()) got[s].push_back(param.grad());
+    for (int chunk = 0; chunk < c.per_rank; ++chunk) {
+      for (auto& param : pipe.chunk(chunk)->parameters()) {
+        got[static_cast<size_t>(chunk * p + d.rank())].push_back(param.grad());
+      }
+    }
   });
   ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
   const auto exact = reference(b);
   const double k = terms(10, c.chunks);
   auto value = testing::mse_value(exact, b.y);
   EXPECT_TRUE(testing::within_rounding(at::scalar_tensor(loss), value.exact, value.magnitude, k));
-  for (int s = 0; s < p; ++s) {
+  for (int s = 0; s < stages; ++s) {
     const auto us = static_cast<size_t>(s);
     testing::expect_gradients_within_rounding(got[us], slice_of(exact, c.cuts[us], c.cuts[us + 1]),
                                               k, "stage " + std::to_string(s));
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, DistPipelineTransparency,
-                         ::testing::Values(Case{{0, 2, 5}, 1, PipelineSchedule::kGPipe},
-                                           Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
-                                           Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
-                                           Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
-                                           Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B},
-                                           Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1},
-                                           Case{{0, 1, 3, 5}, 5, PipelineSchedule::kZeroBubbleH1}));
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DistPipelineTransparency,
+    ::testing::Values(Case{{0, 2, 5}, 1, PipelineSchedule::kGPipe},
+                      Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
+                      Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
+                      Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
+                      Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B},
+                      Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1},
+                      Case{{0, 1, 3, 5}, 5, PipelineSchedule::kZeroBubbleH1},
+                      // 2 ranks x 2 chunks; 3 and 1 micro-batches: not whole
+                      // rounds of 2, fill-drain over the chunks
+                      Case{{0, 1, 2, 3, 5}, 4, PipelineSchedule::kInterleaved1F1B, 2},
+                      Case{{0, 1, 2, 3, 5}, 8, PipelineSchedule::kInterleaved1F1B, 2},
+                      Case{{0, 1, 2, 3, 5}, 3, PipelineSchedule::kInterleaved1F1B, 2},
+                      Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2}));
+
+// Interleaved forward (no grad) chunk by chunk across 2 ranks: the whole model's output.
+TEST(DistPipeline, InterleavedForwardEqualsTheWholeModel) {
+  const Batch b = batch(6);
+  const std::vector<size_t> cuts = {0, 1, 2, 3, 5};
+  at::Tensor out;
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    DistPipelineOptions o;
+    o.stage_ranks = {0, 1};
+    o.chunks = 3;
+    o.schedule = PipelineSchedule::kInterleaved1F1B;
+    const auto r = static_cast<size_t>(d.rank());
+    DistPipeline pipe(
+        {slice(make_model(), cuts[r], cuts[r + 1]), slice(make_model(), cuts[r + 2], cuts[r + 3])},
+        o, d);
+    auto y = pipe.forward(d.rank() == 0 ? b.x : at::Tensor());
+    if (d.rank() == 1) out = y;
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(2));
+  const auto exact = reference(b);
+  EXPECT_TRUE(testing::within_rounding(out, exact.output, exact.output_magnitude, terms(6, 3)));
+}
 
 // 4 ranks: rank = replica * 2 + stage. Replica r trains on half r of the batch; DDP averages
 // each stage's gradients over the two replicas: the whole model on the whole batch.
@@ -185,6 +225,52 @@ TEST(DistPipeline, SmallBatchesAndForwardAcrossRanks) {
   EXPECT_TRUE(testing::within_rounding(out, exact.output, exact.output_magnitude, k));
 }
 
+// Regression (channels-last boundary): a stage whose output is a channels-last convolution
+// activation received its gradient into a buffer of the same memory format, which Gloo refuses
+// ("input tensor has to be contiguous"); the gradients must be the whole model's.
+TEST(DistPipeline, ChannelsLastActivationAtTheBoundary) {
+  auto make = [] {
+    std::lock_guard lock(model_mutex);
+    torch::manual_seed(0);
+    torch::nn::Sequential s(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)),
+                            torch::nn::Flatten(), torch::nn::Linear(3 * 4 * 4, 2));
+    auto& w = s[0]->as<torch::nn::Conv2d>()->weight;
+    w.set_data(w.contiguous(at::MemoryFormat::ChannelsLast));
+    return s;
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  const auto x = at::randn({4, 2, 6, 6}, gen).contiguous(at::MemoryFormat::ChannelsLast);
+  const auto y = at::randn({4, 2}, gen);
+  const auto exact =
+      testing::exact_and_magnitudes([&] { return make().ptr(); }, run_sequential,
+                                    testing::weights_of(*make()), x, testing::mse_gradient(y));
+  // Fan-ins 18 + 1 and 48 + 1, the loss 3, fan-outs 2 and 3, the batch 4, two micro-batches.
+  const double k = 19 + 49 + 3 + 5 + 4 + 2 * 2 + 1;
+  for (auto schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kZeroBubbleH1}) {
+    std::vector<std::vector<at::Tensor>> got(2);
+    auto errors = testing::run_ranks(2, [&](Dist& d) {
+      DistPipelineOptions o;
+      o.stage_ranks = {0, 1};
+      o.chunks = 2;
+      o.schedule = schedule;
+      DistPipeline pipe(d.rank() == 0 ? slice(make(), 0, 1) : slice(make(), 1, 3), o, d);
+      pipe.train_step(d.rank() == 0 ? x : at::Tensor(), d.rank() == 1 ? y : at::Tensor(), mse);
+      for (auto& p : pipe.module()->parameters()) {
+        got[static_cast<size_t>(d.rank())].push_back(p.grad());
+      }
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(2));
+    testing::Exact first = exact, second = exact;
+    first.grads.resize(2);
+    first.grad_magnitudes.resize(2);
+    second.grads.erase(second.grads.begin(), second.grads.begin() + 2);
+    second.grad_magnitudes.erase(second.grad_magnitudes.begin(),
+                                 second.grad_magnitudes.begin() + 2);
+    testing::expect_gradients_within_rounding(got[0], first, k, "stage 0");
+    testing::expect_gradients_within_rounding(got[1], second, k, "stage 1");
+  }
+}
+
 TEST(DistPipeline, BadOptionsAreRefused) {
   auto errors = testing::run_ranks(1, [&](Dist& d) {
     DistPipelineOptions o;
@@ -192,8 +278,11 @@ TEST(DistPipeline, BadOptionsAreRefused) {
     EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
     o.stage_ranks = {0};
     o.chunks = 4;
-    o.schedule = PipelineSchedule::kInterleaved1F1B;  // in-process only
+    o.schedule = PipelineSchedule::kInterleaved1F1B;  // needs 2 chunks per rank
     EXPECT_THROW(DistPipeline(make_model(), o, d), UsageError);
+    EXPECT_THROW(DistPipeline({make_model(), make_model()}, o, d), UsageError);  // and 2 ranks
+    o.schedule = PipelineSchedule::k1F1B;  // 2 chunks are interleaving
+    EXPECT_THROW(DistPipeline({make_model(), make_model()}, o, d), UsageError);
     auto module = make_model();
     DistributedDataParallel ddp(module.ptr(), d);
     o.schedule = PipelineSchedule::kZeroBubbleH1;  // not with a grid's DDP

@@ -178,6 +178,7 @@ INSTANTIATE_TEST_SUITE_P(
              PipelineSchedule::kZeroBubbleH1,
              4},
         Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3},
+        Case{"grid_zb_h1", Strategy::kGrid, 2, {}, PipelineSchedule::kZeroBubbleH1, 4},
         Case{"zero1", Strategy::kZero1, 2, {}}, Case{"zero2", Strategy::kZero2, 3, {}},
         Case{"fsdp", Strategy::kFsdp, 4, {}}),
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });

@@ -109,20 +109,24 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
 
 INSTANTIATE_TEST_SUITE_P(
     Strategies, ExactResume,
-    ::testing::Values(Resume{"ddp1", 1, "--strategy ddp"}, Resume{"ddp2", 2, "--strategy ddp"},
-                      Resume{"dp", 1, "--strategy dp --devices cpu,cpu"},
-                      Resume{"pipeline", 1,
-                             "--strategy pipeline --devices cpu,cpu --schedule 1f1b --chunks 4"},
-                      Resume{"pipeline_interleaved", 1,
-                             "--strategy pipeline --devices cpu,cpu --schedule interleaved "
-                             "--stages-per-device 2 --chunks 4"},
-                      Resume{"pipeline_zb_h1", 1,
-                             "--strategy pipeline --devices cpu,cpu --schedule zb-h1 --chunks 4"},
-                      Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"},
-                      Resume{"zero1", 2, "--strategy zero1"},
-                      Resume{"zero2", 2, "--strategy zero2"}, Resume{"fsdp", 2, "--strategy fsdp"},
-                      Resume{"zero1_bf16", 2, "--strategy zero1 --amp bf16"},
-                      Resume{"fsdp_bf16", 2, "--strategy fsdp --amp bf16"}),
+    ::testing::Values(
+        Resume{"ddp1", 1, "--strategy ddp"}, Resume{"ddp2", 2, "--strategy ddp"},
+        Resume{"dp", 1, "--strategy dp --devices cpu,cpu"},
+        Resume{"pipeline", 1, "--strategy pipeline --devices cpu,cpu --schedule 1f1b --chunks 4"},
+        Resume{"pipeline_interleaved", 1,
+               "--strategy pipeline --devices cpu,cpu --schedule interleaved "
+               "--stages-per-device 2 --chunks 4"},
+        Resume{"pipeline_zb_h1", 1,
+               "--strategy pipeline --devices cpu,cpu --schedule zb-h1 --chunks 4"},
+        Resume{"grid", 4, "--strategy grid --pipeline-stages 2 --chunks 2"},
+        Resume{"grid_interleaved", 2,
+               "--strategy grid --pipeline-stages 2 --schedule interleaved "
+               "--stages-per-device 2 --chunks 4"},
+        Resume{"grid_zb_h1", 2, "--strategy grid --pipeline-stages 2 --schedule zb-h1 --chunks 4"},
+        Resume{"zero1", 2, "--strategy zero1"}, Resume{"zero2", 2, "--strategy zero2"},
+        Resume{"fsdp", 2, "--strategy fsdp"},
+        Resume{"zero1_bf16", 2, "--strategy zero1 --amp bf16"},
+        Resume{"fsdp_bf16", 2, "--strategy fsdp --amp bf16"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
@@ -342,8 +346,15 @@ INSTANTIATE_TEST_SUITE_P(
             "runs with --strategy ddp (autocast) and zero1, zero2, fsdp"},
         Bad{"--strategy fsdp --uneven-inputs join", "--uneven-inputs is for --strategy ddp"},
         Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
-        Bad{"--strategy grid --pipeline-stages 2 --schedule zb-h1",
-            "the grid's pipeline across processes runs gpipe or 1f1b"},
+        Bad{"--nproc-per-node 4 --strategy grid --pipeline-stages 2 --schedule zb-h1",
+            "--schedule zb-h1 across processes runs one pipeline (as many processes as "
+            "--pipeline-stages, here 2, not 4)"},
+        Bad{"--nproc-per-node 4 --strategy grid --pipeline-stages 2 --schedule interleaved "
+            "--stages-per-device 2",
+            "--schedule interleaved across processes runs one pipeline"},
+        Bad{"--strategy grid --pipeline-stages 2 --schedule interleaved --stages-per-device 2 "
+            "--chunks 3",
+            "--chunks 3 on 2 devices; use a multiple of 2"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --schedule interleaved",
             "--schedule interleaved and --stages-per-device go together"},
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --stages-per-device 2",

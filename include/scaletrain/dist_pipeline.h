@@ -1,8 +1,9 @@
 #pragma once
 // Pipeline parallelism across processes: one stage per rank, activations sent forward and
 // gradients backward through the process group (Gloo on CPU, NCCL on CUDA), under the same
-// schedules as the in-process Pipeline (schedule.h: GPipe, 1F1B or zero bubble H1; not
-// interleaved 1F1B, and zero bubble H1 not with `ddp`).
+// schedules as the in-process Pipeline (schedule.h: GPipe, 1F1B, zero bubble H1, and
+// interleaved 1F1B with several stages per rank; zero bubble H1 and interleaving not with
+// `ddp`).
 //
 //   // ranks 0 and 1 hold the two halves of a model
 //   auto seq = scaletrain::as_sequential(model);
@@ -11,6 +12,14 @@
 //   o.chunks = 4;
 //   DistPipeline pipe(rank == 0 ? slice(seq, 0, 8) : slice(seq, 8, 18), o, dist);
 //   auto loss = pipe.train_step(x /* first stage */, y /* last stage */, cross_entropy);
+//
+// Interleaved 1F1B: cut the model into p·v stages; rank stage_ranks[r] holds stages r, r + p,
+// ..., r + (v−1)p as its chunks 0..v−1, and the last rank's chunk c feeds the first rank's chunk
+// c + 1:
+//
+//   o.schedule = PipelineSchedule::kInterleaved1F1B;   // p = 2, v = 2: stages 0..3
+//   DistPipeline pipe({slice(seq, cut[r], cut[r + 1]), slice(seq, cut[r + 2], cut[r + 3])}, o,
+//                     dist);
 //
 // Data x pipeline grids: give `ddp` a DistributedDataParallel wrapping this stage over the
 // ranks that hold the same stage in the other pipeline replicas (new_group in dist.h). Each
@@ -24,6 +33,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <string>
 #include <vector>
 
 #include "scaletrain/dist.h"
@@ -48,6 +58,12 @@ class DistPipeline {
   /// not in stage_ranks, chunks < 1, the schedule is interleaved 1F1B, or zero bubble H1 comes
   /// with `ddp`.
   DistPipeline(torch::nn::Sequential stage, DistPipelineOptions options, const Dist& dist);
+  /// Interleaved 1F1B: this rank's chunks (its stages in model order, stage_ranks' position r
+  /// holding the model's stages r, r + p, ...). Throws UsageError unless the schedule is
+  /// kInterleaved1F1B with at least 2 chunks on at least 2 ranks, without `ddp`; one chunk is
+  /// the constructor above.
+  DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipelineOptions options,
+               const Dist& dist);
 
   /// One training step. The first stage passes the batch's `input`, the last its `target`;
   /// other ranks pass undefined tensors. Gradients accumulate in this stage's parameters.
@@ -61,7 +77,10 @@ class DistPipeline {
 
   int stage() const { return stage_; }
   int num_stages() const { return static_cast<int>(options_.stage_ranks.size()); }
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  /// This rank's (first) chunk; chunk(c) for the others.
   torch::nn::Sequential& module() { return stage_module_; }
+  torch::nn::Sequential& chunk(int c) { return chunks_.at(static_cast<size_t>(c)); }
 
  private:
   class Transfers;
@@ -69,10 +88,18 @@ class DistPipeline {
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
   int agree_microbatches(const at::Tensor& input);
   std::vector<PipeTask> my_tasks(int microbatches) const;
-  void backward(Transfers& io, int microbatch, bool averages, const at::Tensor& input,
+  void backward(Transfers& io, int microbatch, int chunk, bool averages, const at::Tensor& input,
                 const at::Tensor& output, const at::Tensor& loss);
+  bool first_of_model(int chunk) const;
+  bool last_of_model(int chunk) const;
+  int previous_rank() const;
+  int next_rank() const;
+  int input_id(int microbatch, int chunk) const;
+  int output_id(int microbatch, int chunk) const;
+  std::string which(int microbatch, int chunk) const;
 
-  torch::nn::Sequential stage_module_;
+  std::vector<torch::nn::Sequential> chunks_;
+  torch::nn::Sequential stage_module_{nullptr};
   DistPipelineOptions options_;
   Dist dist_;
   int stage_ = 0;

@@ -187,8 +187,8 @@ struct TrainerOptions {
   std::string balance = "auto";  // "auto" or "time" (measured), "size" (parameters), "N,M,..."
   PipelineCheckpoint checkpointing = PipelineCheckpoint::kNever;  // activation checkpointing
   int pipeline_stages = 2;                                        // grid: ranks per pipeline
-  int stages_per_device = 1;  // pipeline, interleaved 1F1B: stages on each device (--balance
-                              // then lists devices x this many stages)
+  int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
+                              // (grid of one replica); --balance then lists that many times more
 };
 
 struct DeviceReport {

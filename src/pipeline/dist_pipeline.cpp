@@ -14,14 +14,24 @@ namespace scaletrain {
 
 namespace {
 
-// Tags of the point-to-point messages of micro-batch i: the activation's shape, the
-// activation, the gradient. Messages between two ranks on one tag arrive in order.
-int shape_tag(int i) { return 3 * i; }
-int activation_tag(int i) { return 3 * i + 1; }
-int gradient_tag(int i) { return 3 * i + 2; }
+// Tags of the point-to-point messages that cross one boundary between stages for one
+// micro-batch: the activation's shape, the activation, the gradient. `id` numbers the pair
+// (micro-batch i, boundary slot): i·v + slot, where slot is the chunk of the boundary's earlier
+// side (0 without interleaving, so the id is i). Messages between two ranks on one tag arrive in
+// order.
+int shape_tag(int id) { return 3 * id; }
+int activation_tag(int id) { return 3 * id + 1; }
+int gradient_tag(int id) { return 3 * id + 2; }
 
 constexpr int kMaxDims = 8;
 constexpr int kCountTag = 1 << 19;  // the micro-batch count, relayed from the first stage
+
+// Where the gradient of `output` is received: contiguous (the backends move contiguous tensors
+// only; the sender makes its gradient contiguous), whatever the output's memory format
+// (channels-last convolutions).
+at::Tensor gradient_buffer(const at::Tensor& output) {
+  return at::empty(output.sizes(), output.options());
+}
 
 }  // namespace
 
@@ -42,7 +52,14 @@ torch::nn::Sequential slice(const torch::nn::Sequential& model, size_t begin, si
 
 DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions options,
                            const Dist& dist)
-    : stage_module_(std::move(stage)), options_(std::move(options)), dist_(dist) {
+    : DistPipeline(std::vector<torch::nn::Sequential>{std::move(stage)}, std::move(options), dist) {
+}
+
+DistPipeline::DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipelineOptions options,
+                           const Dist& dist)
+    : chunks_(std::move(chunks)), options_(std::move(options)), dist_(dist) {
+  if (chunks_.empty()) throw UsageError("a pipeline stage needs at least one chunk of layers");
+  stage_module_ = chunks_[0];
   const auto& ranks = options_.stage_ranks;
   auto me = std::find(ranks.begin(), ranks.end(), dist.rank());
   if (me == ranks.end()) {
@@ -52,10 +69,24 @@ DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions opti
   if (options_.chunks < 1) {
     throw UsageError("chunks must be at least 1, got " + std::to_string(options_.chunks));
   }
-  if (options_.schedule == PipelineSchedule::kInterleaved1F1B) {
+  const bool interleaved = options_.schedule == PipelineSchedule::kInterleaved1F1B;
+  if (interleaved != (chunks_.size() > 1)) {
     throw UsageError(
-        "a pipeline across ranks runs GPipe, 1F1B or zero bubble H1; interleaved 1F1B runs in "
-        "the in-process Pipeline (pipeline.h)");
+        interleaved
+            ? "interleaved 1F1B gives each rank at least 2 stages (chunks); got 1: give "
+              "the constructor this rank's chunks, or use --schedule 1f1b"
+            : "rank " + std::to_string(dist.rank()) + " holds " + std::to_string(chunks_.size()) +
+                  " chunks of layers: more than one stage per rank is interleaved 1F1B "
+                  "(PipelineSchedule::kInterleaved1F1B)");
+  }
+  if (interleaved && options_.stage_ranks.size() < 2) {
+    throw UsageError("interleaved 1F1B across ranks needs at least 2 ranks, got " +
+                     std::to_string(options_.stage_ranks.size()));
+  }
+  if (interleaved && options_.ddp != nullptr) {
+    throw UsageError(
+        "interleaved 1F1B across ranks runs without DDP sub-groups: a grid's stages take GPipe "
+        "or 1F1B");
   }
   if (options_.schedule == PipelineSchedule::kZeroBubbleH1 && options_.ddp != nullptr) {
     throw UsageError(
@@ -63,23 +94,24 @@ DistPipeline::DistPipeline(torch::nn::Sequential stage, DistPipelineOptions opti
         "1F1B");
   }
   stage_ = static_cast<int>(me - ranks.begin());
-  stage_module_->to(options_.device);
+  for (auto& c : chunks_) c->to(options_.device);
 }
 
 // Note [Pipeline across ranks]: each rank runs its stage's column of the schedule table in
-// order. A forward receives its input (shape, then data) from the previous stage, unless it is
-// the first; runs the stage; sends the output on, unless it is the last, which computes the
-// loss. A backward receives the gradient of the stage's output from the next stage (the last
-// starts from its loss), backpropagates, and sends the gradient of the stage's input back.
-// Sends are asynchronous and waited for at the end; receives block. The table orders every
-// rank's tasks consistently with the data they need, so the ranks cannot wait on each other in
-// a cycle.
-// Note [Pipeline and DDP]: DDP expects forward then backward, one pair at a time, while a
-// pipeline stage interleaves the forwards and backwards of many micro-batches. So the stage's
-// forwards bypass DDP, and the output of the micro-batch whose backward comes last is prepared
-// for backward (prepare_for_backward) just before that backward: the reducer arms, the
-// backward's hooks find the gradients accumulated by the earlier (no_sync) backwards in the
-// buckets, and the all-reduce averages their sum over the replicas.
+// order (interleaved 1F1B: its row of interleaved_order, over its chunks; chunk c of rank r is
+// the model's stage c·p + r, so the last rank's chunk c feeds the first rank's chunk c + 1). A
+// forward receives its input (shape, then data) from the previous stage, unless it is the first;
+// runs the stage; sends the output on, unless it is the last, which computes the loss. A backward
+// receives the gradient of the stage's output from the next stage (the last starts from its loss),
+// backpropagates, and sends the gradient of the stage's input back. Sends are asynchronous and
+// waited for at the end; receives block. The table orders every rank's tasks consistently with the
+// data they need, so the ranks cannot wait on each other in a cycle. Note [Pipeline and DDP]: DDP
+// expects forward then backward, one pair at a time, while a pipeline stage interleaves the
+// forwards and backwards of many micro-batches. So the stage's forwards bypass DDP, and the output
+// of the micro-batch whose backward comes last is prepared for backward (prepare_for_backward) just
+// before that backward: the reducer arms, the backward's hooks find the gradients accumulated by
+// the earlier (no_sync) backwards in the buckets, and the all-reduce averages their sum over the
+// replicas.
 
 // The point-to-point messages of one step between neighbouring stages.
 class DistPipeline::Transfers {
@@ -99,28 +131,27 @@ class DistPipeline::Transfers {
   }
   // An activation: its rank, dtype and sizes first (NCCL moves device tensors only: the shape
   // travels on the stage's device there), then the data.
-  void send_activation(const at::Tensor& out, int to, int microbatch) {
+  void send_activation(const at::Tensor& out, int to, int id) {
     const at::Tensor a = out.detach();
     if (a.dim() > kMaxDims) throw Error("pipeline activations have at most 8 dimensions");
     auto shape = at::zeros({kMaxDims + 2}, at::kLong);
     shape[0] = a.dim();
     shape[1] = static_cast<int64_t>(a.scalar_type());
     for (int64_t d = 0; d < a.dim(); ++d) shape[d + 2] = a.size(d);
-    send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(microbatch));
-    send(a, to, activation_tag(microbatch));
+    send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(id));
+    send(a, to, activation_tag(id));
   }
-  at::Tensor recv_activation(int from, int microbatch) {
+  at::Tensor recv_activation(int from, int id, const std::string& which) {
     const bool nccl = dist_.backend_name == "nccl";
     auto shape =
         at::empty({kMaxDims + 2}, at::TensorOptions(at::kLong).device(nccl ? dev_ : at::kCPU));
-    const std::string which = "micro-batch " + std::to_string(microbatch);
-    recv(shape, from, shape_tag(microbatch), "shape of " + which);
+    recv(shape, from, shape_tag(id), "shape of " + which);
     shape = shape.cpu();
     const int64_t dims = shape[0].item<int64_t>();
     const auto dtype = static_cast<at::ScalarType>(shape[1].item<int64_t>());
     std::vector<int64_t> sizes(shape.data_ptr<int64_t>() + 2, shape.data_ptr<int64_t>() + 2 + dims);
     auto x = at::empty(sizes, at::TensorOptions().dtype(dtype).device(dev_));
-    recv(x, from, activation_tag(microbatch), "activation of " + which);
+    recv(x, from, activation_tag(id), "activation of " + which);
     return x;
   }
   void wait() {
@@ -139,6 +170,28 @@ class DistPipeline::Transfers {
 int DistPipeline::neighbour(int offset) const {
   const int s = stage_ + offset;
   return s < 0 || s >= num_stages() ? -1 : options_.stage_ranks[static_cast<size_t>(s)];
+}
+
+bool DistPipeline::first_of_model(int chunk) const { return stage_ == 0 && chunk == 0; }
+bool DistPipeline::last_of_model(int chunk) const {
+  return stage_ == num_stages() - 1 && chunk == num_chunks() - 1;
+}
+// The rank that feeds this rank's chunks, and the one they feed (a ring when interleaving).
+int DistPipeline::previous_rank() const {
+  return stage_ > 0 ? neighbour(-1) : options_.stage_ranks.back();
+}
+int DistPipeline::next_rank() const {
+  return stage_ + 1 < num_stages() ? neighbour(+1) : options_.stage_ranks.front();
+}
+// Message ids of micro-batch i at the input and at the output boundary of `chunk`.
+int DistPipeline::input_id(int i, int chunk) const {
+  return i * num_chunks() + (stage_ > 0 ? chunk : chunk - 1);
+}
+int DistPipeline::output_id(int i, int chunk) const { return i * num_chunks() + chunk; }
+
+std::string DistPipeline::which(int i, int chunk) const {
+  return "micro-batch " + std::to_string(i) +
+         (num_chunks() > 1 ? " (chunk " + std::to_string(chunk) + ")" : "");
 }
 
 std::vector<at::Tensor> DistPipeline::split(const at::Tensor& t, const char* what) const {
@@ -169,6 +222,9 @@ int DistPipeline::agree_microbatches(const at::Tensor& input) {
 
 // This stage's column of the schedule of `m` micro-batches, in order.
 std::vector<PipeTask> DistPipeline::my_tasks(int m) const {
+  if (options_.schedule == PipelineSchedule::kInterleaved1F1B) {
+    return interleaved_order(num_stages(), num_chunks(), m)[static_cast<size_t>(stage_)];
+  }
   const ScheduleTable table = options_.schedule == PipelineSchedule::kGPipe
                                   ? gpipe_schedule(num_stages(), m)
                               : options_.schedule == PipelineSchedule::kZeroBubbleH1
@@ -200,41 +256,45 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   for (const auto& t : order) {
     if (!t.forward()) last_backward = t.microbatch;
   }
-  std::vector<at::Tensor> inputs(m), outputs(m), losses(m);
-  // Zero bubble H1: the backward split into I and W (Note [Split backward]).
+  // Per (micro-batch, chunk): index i·v + c.
+  const auto v = static_cast<size_t>(num_chunks());
+  std::vector<at::Tensor> inputs(m * v), outputs(m * v), losses(m);
+  // Zero bubble H1 (one chunk): the backward split into I and W (Note [Split backward]).
   const bool split = options_.schedule == PipelineSchedule::kZeroBubbleH1;
   std::optional<SplitStage> halves;
   if (split) halves.emplace(stage_module_);
   std::vector<SplitStage::Graphs> graphs(m);
   Transfers io(dist_, options_.device);
   for (const auto& t : order) {
-    const auto i = static_cast<size_t>(t.microbatch);
+    const int i = t.microbatch, c = t.chunk;
+    const auto ui = static_cast<size_t>(i);
+    const size_t k = ui * v + static_cast<size_t>(c);
     if (t.forward()) {
-      inputs[i] = first ? xs[i].to(options_.device)
-                        : io.recv_activation(neighbour(-1), t.microbatch).requires_grad_(true);
-      outputs[i] =
-          split ? halves->forward(inputs[i], graphs[i]) : stage_module_->forward(inputs[i]);
-      if (last) {
-        const double share = static_cast<double>(ys[i].size(0)) / total;
-        losses[i] = loss_fn(outputs[i], ys[i].to(options_.device)) * share;
-        if (split) graphs[i].back().out = losses[i];
+      inputs[k] = first_of_model(c)
+                      ? xs[ui].to(options_.device)
+                      : io.recv_activation(previous_rank(), input_id(i, c), which(i, c))
+                            .requires_grad_(true);
+      outputs[k] = split ? halves->forward(inputs[k], graphs[ui])
+                         : chunks_[static_cast<size_t>(c)]->forward(inputs[k]);
+      if (last_of_model(c)) {
+        const double share = static_cast<double>(ys[ui].size(0)) / total;
+        losses[ui] = loss_fn(outputs[k], ys[ui].to(options_.device)) * share;
+        if (split) graphs[ui].back().out = losses[ui];
       } else {
-        io.send_activation(outputs[i], neighbour(+1), t.microbatch);
+        io.send_activation(outputs[k], next_rank(), output_id(i, c));
       }
     } else if (t.pass == Pass::kInputGrad) {
-      at::Tensor grad = last ? at::ones_like(losses[i]) : at::empty_like(outputs[i]);
-      if (!last) {
-        io.recv(grad, neighbour(+1), gradient_tag(t.microbatch),
-                "gradient of micro-batch " + std::to_string(t.microbatch));
-      }
-      at::Tensor input_grad = halves->input_gradient(graphs[i], grad);
-      if (!first) io.send(input_grad, neighbour(-1), gradient_tag(t.microbatch));
-      outputs[i] = inputs[i] = at::Tensor();
+      at::Tensor grad = last ? at::ones_like(losses[ui]) : gradient_buffer(outputs[k]);
+      if (!last)
+        io.recv(grad, neighbour(+1), gradient_tag(output_id(i, c)), "gradient of " + which(i, c));
+      at::Tensor input_grad = halves->input_gradient(graphs[ui], grad);
+      if (!first) io.send(input_grad, neighbour(-1), gradient_tag(input_id(i, c)));
+      outputs[k] = inputs[k] = at::Tensor();
     } else if (t.pass == Pass::kWeightGrad) {
-      halves->weight_gradient(graphs[i]);
+      halves->weight_gradient(graphs[ui]);
     } else {
-      backward(io, t.microbatch, t.microbatch == last_backward, inputs[i], outputs[i], losses[i]);
-      outputs[i] = inputs[i] = at::Tensor();
+      backward(io, i, c, i == last_backward, inputs[k], outputs[k], losses[ui]);
+      outputs[k] = inputs[k] = at::Tensor();
     }
   }
   io.wait();
@@ -244,8 +304,9 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   return sum;
 }
 
-void DistPipeline::backward(Transfers& io, int microbatch, bool averages, const at::Tensor& input,
-                            const at::Tensor& output, const at::Tensor& loss) {
+void DistPipeline::backward(Transfers& io, int microbatch, int chunk, bool averages,
+                            const at::Tensor& input, const at::Tensor& output,
+                            const at::Tensor& loss) {
   // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates locally;
   // the last is announced to DDP just before it runs, so it averages the sum.
   std::optional<DistributedDataParallel::NoSync> local;
@@ -256,15 +317,17 @@ void DistPipeline::backward(Transfers& io, int microbatch, bool averages, const 
       local.emplace(*options_.ddp);
     }
   }
-  if (stage_ == num_stages() - 1) {
+  if (last_of_model(chunk)) {
     loss.backward();
   } else {
-    auto grad = at::empty_like(output);
-    io.recv(grad, neighbour(+1), gradient_tag(microbatch),
-            "gradient of micro-batch " + std::to_string(microbatch));
+    auto grad = gradient_buffer(output);
+    io.recv(grad, next_rank(), gradient_tag(output_id(microbatch, chunk)),
+            "gradient of " + which(microbatch, chunk));
     output.backward(grad);
   }
-  if (stage_ > 0) io.send(input.grad(), neighbour(-1), gradient_tag(microbatch));
+  if (!first_of_model(chunk)) {
+    io.send(input.grad(), previous_rank(), gradient_tag(input_id(microbatch, chunk)));
+  }
 }
 
 at::Tensor DistPipeline::forward(const at::Tensor& input) {
@@ -274,14 +337,18 @@ at::Tensor DistPipeline::forward(const at::Tensor& input) {
   const int count = agree_microbatches(input);
   std::vector<at::Tensor> outputs;
   Transfers io(dist_, options_.device);
-  for (int i = 0; i < count; ++i) {
-    at::Tensor x = first ? xs[static_cast<size_t>(i)].to(options_.device)
-                         : io.recv_activation(neighbour(-1), i);
-    at::Tensor out = stage_module_->forward(x);
-    if (last) {
-      outputs.push_back(out);
-    } else {
-      io.send_activation(out, neighbour(+1), i);
+  // Chunk by chunk: every rank's chunk c runs before any rank's chunk c + 1 needs it.
+  for (int c = 0; c < num_chunks(); ++c) {
+    for (int i = 0; i < count; ++i) {
+      at::Tensor x = first_of_model(c)
+                         ? xs[static_cast<size_t>(i)].to(options_.device)
+                         : io.recv_activation(previous_rank(), input_id(i, c), which(i, c));
+      at::Tensor out = chunks_[static_cast<size_t>(c)]->forward(x);
+      if (last_of_model(c)) {
+        outputs.push_back(out);
+      } else {
+        io.send_activation(out, next_rank(), output_id(i, c));
+      }
     }
   }
   io.wait();

@@ -43,14 +43,22 @@ class GridStrategy : public TrainStrategy {
         stage_(d.rank() % o.pipeline_stages),
         dev_(rank_device(o.device, d)) {
     torch::nn::Sequential chain = chain_of(model);
-    const auto balance = resolve_balance(o.balance, chain, stages_, sample, d, dev_);
+    // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
+    // k / stages_ (each rank's parameters: its chunks', in the model's order).
+    const int v = o.stages_per_device;
+    const auto balance = resolve_balance(o.balance, chain, stages_ * v, sample, d, dev_);
+    stage_params_.resize(static_cast<size_t>(stages_));
     size_t begin = 0;
-    for (int s = 0; s < stages_; ++s) {
-      const size_t end = begin + static_cast<size_t>(balance[static_cast<size_t>(s)]);
-      stage_params_.push_back(in_model_order(slice(chain, begin, end)->parameters()));
-      if (s == stage_) stage_module_ = slice(chain, begin, end);
+    for (int k = 0; k < stages_ * v; ++k) {
+      const size_t end = begin + static_cast<size_t>(balance[static_cast<size_t>(k)]);
+      auto part = slice(chain, begin, end);
+      auto& params = stage_params_[static_cast<size_t>(k % stages_)];
+      for (auto& p : part->parameters()) params.push_back(p);
+      if (k % stages_ == stage_) chunks_.push_back(part);
       begin = end;
     }
+    for (auto& params : stage_params_) params = in_model_order(params);
+    stage_module_ = chunks_.front();
     // One group per stage (every rank calls new_group for all), DDP over this stage's replicas.
     for (int s = 0; s < stages_; ++s) {
       std::vector<int> ranks;
@@ -58,7 +66,7 @@ class GridStrategy : public TrainStrategy {
       auto g = new_group(d, ranks, "grid/stage" + std::to_string(s));
       if (g) group_ = *g;
     }
-    stage_module_->to(dev_);
+    for (auto& c : chunks_) c->to(dev_);
     if (d.size() > stages_) ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, group_);
     DistPipelineOptions po;
     for (int s = 0; s < stages_; ++s) po.stage_ranks.push_back(replica_ * stages_ + s);
@@ -66,7 +74,8 @@ class GridStrategy : public TrainStrategy {
     po.schedule = o.schedule;
     po.device = dev_;
     po.ddp = ddp_.get();
-    pipe_ = std::make_unique<DistPipeline>(stage_module_, po, d);
+    pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
+                  : std::make_unique<DistPipeline>(stage_module_, po, d);
   }
 
   std::vector<at::Tensor> parameters() override {
@@ -206,7 +215,8 @@ class GridStrategy : public TrainStrategy {
   int stages_, replica_, stage_;
   at::Device dev_;
   std::vector<std::vector<at::Tensor>> stage_params_;  // per stage, in the model's order
-  torch::nn::Sequential stage_module_{nullptr};
+  torch::nn::Sequential stage_module_{nullptr};        // chunks_[0]: the stage (no interleaving)
+  std::vector<torch::nn::Sequential> chunks_;          // this rank's stages, in the model's order
   Dist group_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;

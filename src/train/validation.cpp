@@ -108,25 +108,30 @@ void validate_strategy(const TrainerOptions& o, int world) {
         "interleaving");
   }
   if (o.schedule == PipelineSchedule::kInterleaved1F1B) {
-    if (!pipeline) {
-      refuse("--schedule interleaved runs in the in-process pipeline (--strategy pipeline)");
+    if (!pipeline && !grid) {
+      refuse("--schedule interleaved runs in the pipeline strategies (pipeline, grid), not " +
+             name);
     }
     if (o.split_size > 0) {
       refuse(
           "--schedule interleaved takes --chunks (a multiple of the devices), not "
           "--split-size");
     }
-    const auto devices = static_cast<int>(o.devices.size());
+    const auto devices = grid ? o.pipeline_stages : static_cast<int>(o.devices.size());
     if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
       refuse("--schedule interleaved runs micro-batches in rounds of one per device: --chunks " +
              std::to_string(o.chunks) + " on " + std::to_string(devices) +
              " devices; use a multiple of " + std::to_string(devices));
     }
   }
-  if (grid && o.schedule == PipelineSchedule::kZeroBubbleH1) {
-    refuse(
-        "--schedule zb-h1 runs in the in-process pipeline (--strategy pipeline); the grid's "
-        "pipeline across processes runs gpipe or 1f1b");
+  if (grid && world > o.pipeline_stages &&
+      (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
+       o.schedule == PipelineSchedule::kInterleaved1F1B)) {
+    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
+                                                                     : "--schedule interleaved") +
+           " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
+           std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
+           "): the replicas of a grid average their stages with DDP, which takes gpipe or 1f1b");
   }
   if (grid) {
     if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
@@ -143,9 +148,9 @@ void validate_strategy(const TrainerOptions& o, int world) {
     refuse("--pipeline-stages is for --strategy grid");
   }
   if (pipeline || grid) {
-    const auto stages = grid ? static_cast<size_t>(o.pipeline_stages)
-                             : (o.devices.empty() ? size_t{2} : o.devices.size()) *
-                                   static_cast<size_t>(std::max(o.stages_per_device, 1));
+    const auto stages = (grid ? static_cast<size_t>(o.pipeline_stages)
+                              : (o.devices.empty() ? size_t{2} : o.devices.size())) *
+                        static_cast<size_t>(std::max(o.stages_per_device, 1));
     if (o.balance != "auto" && o.balance != "time" && o.balance != "size") {
       const auto parts =
           static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;

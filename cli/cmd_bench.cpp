@@ -95,6 +95,7 @@ void add_bench_command(CLI::App& app, Action& action) {
     action = [wargs, extras] {
       if (wargs->suite == "ddp") return bench::run_ddp_worker(extras);
       if (wargs->suite == "zero") return bench::run_zero_worker(extras);
+      if (wargs->suite == "pipeline-ranks") return bench::run_pipeline_ranks_worker(extras);
       if (wargs->suite == "allreduce") {
         for (size_t i = 0; i < extras.size(); ++i) {
           if (extras[i] == "--csv" && i + 1 < extras.size()) wargs->csv = extras[i + 1];

@@ -48,7 +48,8 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
   fs::remove_all(out);
 }
 
-INSTANTIATE_TEST_SUITE_P(Suites, BenchCli, ::testing::Values("pipeline-memory", "loader"));
+INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
+                         ::testing::Values("pipeline-memory", "loader", "pipeline-ranks"));
 
 }  // namespace
 }  // namespace scaletrain

@@ -72,6 +72,10 @@ const std::vector<Suite>& suites() {
       {"pipeline-bubble",
        "GPipe, 1F1B, interleaved 1F1B, zero bubble H1 on cpu,cpu: measured bubble vs theory",
        run_pipeline_bubble},
+      {"pipeline-ranks",
+       "GPipe, 1F1B, interleaved 1F1B, zero bubble H1 across 2 processes (Gloo): measured "
+       "bubble vs theory",
+       run_pipeline_ranks},
       {"pipeline-memory",
        "peak activation memory of one pipelined step: GPipe, 1F1B, interleaved, zero bubble; "
        "activation checkpointing",

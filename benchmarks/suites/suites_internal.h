@@ -33,6 +33,7 @@ std::string arg_or(const std::map<std::string, std::string>& kv, const std::stri
 
 SuiteResult run_allreduce(const SuiteOptions& o);
 SuiteResult run_zero(const SuiteOptions& o);
+SuiteResult run_pipeline_ranks(const SuiteOptions& o);
 SuiteResult run_async(const SuiteOptions& o);
 SuiteResult run_ddp_vs_python(const SuiteOptions& o);
 SuiteResult run_ddp_overlap(const SuiteOptions& o);

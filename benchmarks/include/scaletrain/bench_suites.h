@@ -36,6 +36,11 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats,
 /// [--repeats R]`; rank 0 writes `metric,value` lines to F.
 int run_zero_worker(const std::vector<std::string>& args);
 
+/// Worker of the pipeline-ranks suite: `--csv F --schedule gpipe|1f1b|interleaved|zb-h1
+/// [--width W] [--batch-size B] [--repeats R] [--quick 0|1]`; rank 0 writes `m,seconds` per timed
+/// step to F.
+int run_pipeline_ranks_worker(const std::vector<std::string>& args);
+
 /// Worker of the DDP suites: `--csv F [--model M] [--plain 0|1] [--channels-last 0|1]
 /// [--batch-size B] [--steps N] [--warmup W] [--repeats R] [--overlap 0|1] [--shared-memory 0|1]
 /// [--phases P]`; rank 0 appends samples/s per repetition to F, and with --phases writes

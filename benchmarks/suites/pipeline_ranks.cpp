@@ -1,0 +1,188 @@
+// Suite `pipeline-ranks`: the bubble of the pipeline across processes (DistPipeline over Gloo)
+// against each schedule's theory, for GPipe, 1F1B, interleaved 1F1B (2 stages per rank) and zero
+// bubble H1. The model and the method are pipeline-bubble's (Linear+Tanh layers of equal work,
+// one intra-op thread per process, so each rank owns a core): the same model as one stage in one
+// process is the baseline, and each schedule's ideal step time is T_one_stage / p / (1 −
+// bubble). What this adds over pipeline-bubble is the transport: every activation and gradient
+// crosses a process boundary through the backend.
+
+#include <torch/nn/functional/loss.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+
+#include "scaletrain/bench_suites.h"
+#include "scaletrain/dist.h"
+#include "scaletrain/dist_pipeline.h"
+#include "scaletrain/error.h"
+#include "scaletrain/intra_op_threads.h"
+#include "scaletrain/pipeline.h"
+#include "scaletrain/schedule.h"
+#include "suites_internal.h"
+
+namespace scaletrain::bench {
+namespace {
+
+constexpr int kLayers = 8;  // Linear+Tanh pairs: 16 modules
+
+at::Tensor mse(const at::Tensor& o, const at::Tensor& t) {
+  return torch::nn::functional::mse_loss(o, t);
+}
+
+std::vector<int> microbatch_counts(bool quick) {
+  return quick ? std::vector<int>{2, 4, 8} : std::vector<int>{2, 4, 8, 16, 32};
+}
+
+PipelineSchedule schedule_of(const std::string& s) {
+  if (s == "gpipe") return PipelineSchedule::kGPipe;
+  if (s == "1f1b") return PipelineSchedule::k1F1B;
+  if (s == "interleaved") return PipelineSchedule::kInterleaved1F1B;
+  if (s == "zb-h1") return PipelineSchedule::kZeroBubbleH1;
+  throw UsageError("pipeline-ranks worker: unknown --schedule '" + s + "'");
+}
+
+}  // namespace
+
+int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
+  auto kv = parse_kv(args);
+  const auto schedule = schedule_of(arg_or(kv, "--schedule", "1f1b"));
+  const int64_t width = std::stoll(arg_or(kv, "--width", "512"));
+  const int64_t batch = std::stoll(arg_or(kv, "--batch-size", "1024"));
+  const int repeats = std::stoi(arg_or(kv, "--repeats", "5"));
+  const bool quick = arg_or(kv, "--quick", "0") == "1";
+  Dist d = init_process_group();
+  at::set_num_threads(1);
+  const int p = d.size();
+  const int v = schedule == PipelineSchedule::kInterleaved1F1B ? 2 : 1;
+  const int per_stage = 2 * kLayers / (p * v);
+  auto x = at::randn({batch, width}, at::make_generator<at::CPUGeneratorImpl>(1));
+  auto y = at::randn({batch, width}, at::make_generator<at::CPUGeneratorImpl>(2));
+  std::ofstream csv;
+  if (d.rank() == 0) csv.open(kv.at("--csv"));
+  for (int m : microbatch_counts(quick)) {
+    if (m % (v > 1 ? p : 1) != 0) continue;
+    auto model = linear_tanh_stack(kLayers, width);
+    std::vector<torch::nn::Sequential> chunks;  // stages rank, rank + p, ...
+    for (int k = d.rank(); k < p * v; k += p) {
+      chunks.push_back(slice(model, static_cast<size_t>(k * per_stage),
+                             static_cast<size_t>((k + 1) * per_stage)));
+    }
+    DistPipelineOptions o;
+    for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
+    o.chunks = m;
+    o.schedule = schedule;
+    DistPipeline pipe = v > 1 ? DistPipeline(chunks, o, d) : DistPipeline(chunks[0], o, d);
+    const bool first = d.rank() == 0, last = d.rank() == p - 1;
+    auto step = [&] {
+      pipe.train_step(first ? x : at::Tensor(), last ? y : at::Tensor(), mse);
+      for (auto& c : chunks) c->zero_grad();
+    };
+    step();  // warm-up
+    for (int r = 0; r < repeats; ++r) {
+      d.barrier();
+      auto t0 = std::chrono::steady_clock::now();
+      step();
+      d.barrier();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (d.rank() == 0) csv << m << "," << s << "\n";
+    }
+  }
+  return 0;
+}
+
+SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
+  const std::string title =
+      "Pipeline bubble across 2 processes (Gloo): measured vs each schedule's theory";
+  SuiteResult r =
+      new_result("pipeline-ranks", title, "fraction",
+                 {Plot::Kind::kLines, title, "micro-batches m", "bubble fraction", true, false}, o);
+  const int p = 2;
+  const int64_t width = o.quick ? 256 : 512, batch = o.quick ? 512 : 1024;
+  const auto ms = microbatch_counts(o.quick);
+  // The baseline: the whole model as one stage, in this process, one thread, same micro-batches.
+  std::map<int, double> base;
+  {
+    IntraOpThreads one_thread(1);
+    auto x = at::randn({batch, width}), y = at::randn({batch, width});
+    for (int m : ms) {
+      PipelineOptions one;
+      one.balance = {2 * kLayers};
+      one.devices = {at::kCPU};
+      one.chunks = m;
+      Pipeline b(linear_tanh_stack(kLayers, width), one);
+      b.train_step(x, y, mse);
+      double best = 1e30;
+      for (int k = 0; k < o.repeats; ++k) {
+        auto t0 = std::chrono::steady_clock::now();
+        b.train_step(x, y, mse);
+        best = std::min(
+            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      base[m] = best;
+    }
+  }
+  struct Sched {
+    std::string flag, name;
+    int per_rank;
+    std::function<double(int)> theory;
+  };
+  const std::vector<Sched> scheds = {
+      {"gpipe", "GPipe", 1, [&](int m) { return bubble_fraction(p, m); }},
+      {"1f1b", "1F1B", 1, [&](int m) { return bubble_fraction(p, m); }},
+      {"interleaved", "interleaved 1F1B (v=2)", 2,
+       [&](int m) { return interleaved_bubble_fraction(p, 2, m); }},
+      {"zb-h1", "zero bubble H1", 1, [&](int m) { return zero_bubble_h1_bubble_fraction(p, m); }},
+  };
+  std::string table = "| schedule | theory / measured step time at m = ";
+  for (size_t k = 0; k < ms.size(); ++k) table += (k ? ", " : "") + std::to_string(ms[k]);
+  table += " |\n|---|---|\n";
+  for (const auto& sc : scheds) {
+    const std::string what = "pipeline_ranks_" + sc.flag;
+    const std::string csv = o.work_dir + "/" + what + ".csv";
+    run_local_ranks(
+        o, p,
+        {o.self_exe, "bench-worker", "pipeline-ranks", "--csv", csv, "--schedule", sc.flag,
+         "--width", std::to_string(width), "--batch-size", std::to_string(batch), "--repeats",
+         std::to_string(o.repeats), "--quick", o.quick ? "1" : "0"},
+        what);
+    std::map<int, std::vector<double>> times;
+    std::ifstream in(csv);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto comma = line.find(',');
+      times[std::stoi(line.substr(0, comma))].push_back(std::stod(line.substr(comma + 1)));
+    }
+    std::string row = "| " + sc.name + " | ";
+    for (int m : ms) {
+      if (!times.count(m)) {
+        row += "- ";
+        continue;
+      }
+      Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
+      for (double t : times[m]) s.values.push_back(1.0 - base[m] / (p * t));
+      r.samples.push_back(s);
+      r.samples.push_back(
+          {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
+      const double ideal = base[m] / p / (1.0 - sc.theory(m));
+      char cell[32];
+      std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(times[m]).mean);
+      row += cell;
+    }
+    table += row + "|\n";
+  }
+  r.notes.push_back("Model: " + std::to_string(2 * kLayers) + " Linear+Tanh layers of width " +
+                    std::to_string(width) + ", batch " + std::to_string(batch) +
+                    ", MSE loss, 2 processes with one intra-op thread each (interleaved: 4 "
+                    "stages, 2 per rank), activations and gradients over Gloo (loopback TCP). "
+                    "Baseline: the same model as one stage in one process with the same "
+                    "micro-batches. Measured bubble = 1 - T_one_stage / (2 T_step) per "
+                    "repetition; theory as in pipeline-bubble.");
+  r.notes.push_back(
+      "Each schedule's step time against its theory's (T_one_stage / p / (1 - bubble); 1.00 = "
+      "the theory reached, mean of the repetitions):\n\n" +
+      table);
+  return r;
+}
+
+}  // namespace scaletrain::bench

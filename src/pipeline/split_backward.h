@@ -2,6 +2,7 @@
 // A stage's backward split in two (internal; Note [Split backward] in split_backward.cpp), for
 // the zero-bubble schedules of both runners (pipeline.cpp, dist_pipeline.cpp).
 
+#include <torch/csrc/autograd/edge.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <vector>
@@ -10,28 +11,35 @@ namespace scaletrain {
 
 class SplitStage {
  public:
-  /// Remembers each layer's trainable parameters (those requiring gradients now).
+  /// Groups the layers into pieces and remembers their trainable parameters (those requiring
+  /// gradients now).
   explicit SplitStage(torch::nn::Sequential stage);
 
-  /// One micro-batch's graphs: each layer's input, output (the loss for the last layer of the
-  /// last stage) and, after I, the output's gradient.
+  /// One micro-batch's graphs, a piece each (a weighted layer and the unweighted ones after it):
+  /// its input, the root of its graph and, after I, the root's gradient. `out` holds the
+  /// stage's output on the last piece until I (the caller may put the loss there, for the last
+  /// stage); other pieces keep only their graph's root.
   struct Piece {
     at::Tensor in, out, grad;
+    torch::autograd::Edge root;
+    bool differentiable = false;
   };
   using Graphs = std::vector<Piece>;
 
-  /// Forward of the stage on `input`, each layer on a graph of its own; returns the output.
+  /// Forward of the stage on `input`, each piece on a graph of its own; returns the output.
   at::Tensor forward(const at::Tensor& input, Graphs& graphs);
   /// I: from the gradient of the stage's end (its output, or the loss set as the last piece's
   /// out), the gradient of the stage's input — undefined when the input needs none. Keeps the
-  /// graphs and, for layers with parameters, their output gradients for W.
+  /// graphs and output gradients of the pieces with parameters, for W.
   at::Tensor input_gradient(Graphs& graphs, const at::Tensor& grad) const;
   /// W: the parameters' gradients, accumulated into .grad; frees the graphs.
   void weight_gradient(Graphs& graphs) const;
 
  private:
   torch::nn::Sequential stage_;
-  std::vector<std::vector<at::Tensor>> trainable_;  // per layer
+  std::vector<torch::nn::AnyModule> layers_;
+  std::vector<std::vector<size_t>> pieces_;         // layer indices (Note [Split backward])
+  std::vector<std::vector<at::Tensor>> trainable_;  // per piece
 };
 
 }  // namespace scaletrain

@@ -25,12 +25,18 @@ namespace {
 
 std::mutex model_mutex;  // rank threads share the global generator
 
-torch::nn::Sequential make_model() {
+// 5 layers; `deep`: 7 (one more Linear(16, 16) and ReLU), for 6 stages of 3 ranks x 2 chunks.
+torch::nn::Sequential make_model(bool deep = false) {
   std::lock_guard lock(model_mutex);
   torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
-                               torch::nn::Linear(16, 16), torch::nn::ReLU(),
-                               torch::nn::Linear(16, 4));
+  torch::nn::Sequential s(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 16),
+                          torch::nn::ReLU());
+  if (deep) {
+    s->push_back(torch::nn::Linear(16, 16));
+    s->push_back(torch::nn::ReLU());
+  }
+  s->push_back(torch::nn::Linear(16, 4));
+  return s;
 }
 
 at::Tensor mse(const at::Tensor& out, const at::Tensor& y) {
@@ -50,15 +56,15 @@ at::Tensor run_sequential(torch::nn::Module& m, const at::Tensor& x) {
 }
 
 // Exact gradients of the whole model on the whole batch, and their magnitudes.
-testing::Exact reference(const Batch& b) {
-  return testing::exact_and_magnitudes([] { return make_model().ptr(); }, run_sequential,
-                                       testing::weights_of(*make_model()), b.x,
+testing::Exact reference(const Batch& b, bool deep = false) {
+  return testing::exact_and_magnitudes([deep] { return make_model(deep).ptr(); }, run_sequential,
+                                       testing::weights_of(*make_model(deep)), b.x,
                                        testing::mse_gradient(b.y));
 }
 
 // The part of `all` (one entry per parameter of the whole model) that layers [begin, end) hold.
-testing::Exact slice_of(const testing::Exact& all, size_t begin, size_t end) {
-  auto whole = make_model();
+testing::Exact slice_of(const testing::Exact& all, size_t begin, size_t end, bool deep = false) {
+  auto whole = make_model(deep);
   size_t first = 0;
   for (size_t l = 0; l < begin; ++l) first += whole[l]->parameters().size();
   size_t count = slice(whole, begin, end)->parameters().size();
@@ -71,17 +77,20 @@ testing::Exact slice_of(const testing::Exact& all, size_t begin, size_t end) {
   return part;
 }
 
-// Terms along the model's longest chain: forward fan-ins 9, 17, 17; the loss 3; backward
-// fan-outs 16, 4; the batch; micro-batch weights and sums; a DDP average over `replicas`.
-double terms(int64_t rows, int chunks, int replicas = 1) {
-  return 9 + 17 + 17 + 3 + 16 + 4 + static_cast<double>(rows) + 2 * chunks + 1 + replicas;
+// Terms along the model's longest chain: forward fan-ins 9, 17, 17 (deep: and 17); the loss 3;
+// backward fan-outs 16, 4 (deep: and 16); the batch; micro-batch weights and sums; a DDP
+// average over `replicas`.
+double terms(int64_t rows, int chunks, int replicas = 1, bool deep = false) {
+  return 9 + 17 + 17 + 3 + 16 + 4 + (deep ? 17 + 16 : 0) + static_cast<double>(rows) + 2 * chunks +
+         1 + replicas;
 }
 
 struct Case {
   std::vector<size_t> cuts;  // layer boundaries: stage k holds [cuts[k], cuts[k+1])
   int chunks;
   PipelineSchedule schedule;
-  int per_rank = 1;  // interleaved: stages per rank; stage k on rank k mod p
+  int per_rank = 1;   // interleaved: stages per rank; stage k on rank k mod p
+  bool deep = false;  // make_model(deep)
 };
 
 class DistPipelineTransparency : public ::testing::TestWithParam<Case> {};
@@ -99,8 +108,8 @@ TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
     o.schedule = c.schedule;
     std::vector<torch::nn::Sequential> mine;  // stages rank, rank + p, ...
     for (int k = d.rank(); k < stages; k += p) {
-      mine.push_back(
-          slice(make_model(), c.cuts[static_cast<size_t>(k)], c.cuts[static_cast<size_t>(k) + 1]));
+      mine.push_back(slice(make_model(c.deep), c.cuts[static_cast<size_t>(k)],
+                           c.cuts[static_cast<size_t>(k) + 1]));
     }
     auto pipe = c.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
     auto l = pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(),
@@ -113,13 +122,14 @@ TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
     }
   });
   ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
-  const auto exact = reference(b);
-  const double k = terms(10, c.chunks);
+  const auto exact = reference(b, c.deep);
+  const double k = terms(10, c.chunks, 1, c.deep);
   auto value = testing::mse_value(exact, b.y);
   EXPECT_TRUE(testing::within_rounding(at::scalar_tensor(loss), value.exact, value.magnitude, k));
   for (int s = 0; s < stages; ++s) {
     const auto us = static_cast<size_t>(s);
-    testing::expect_gradients_within_rounding(got[us], slice_of(exact, c.cuts[us], c.cuts[us + 1]),
+    testing::expect_gradients_within_rounding(got[us],
+                                              slice_of(exact, c.cuts[us], c.cuts[us + 1], c.deep),
                                               k, "stage " + std::to_string(s));
   }
 }
@@ -138,7 +148,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{0, 1, 2, 3, 5}, 4, PipelineSchedule::kInterleaved1F1B, 2},
                       Case{{0, 1, 2, 3, 5}, 8, PipelineSchedule::kInterleaved1F1B, 2},
                       Case{{0, 1, 2, 3, 5}, 3, PipelineSchedule::kInterleaved1F1B, 2},
-                      Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2}));
+                      Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2},
+                      // 3 ranks x 2 chunks: the ring's two directions differ
+                      Case{{0, 1, 2, 3, 4, 5, 7}, 6, PipelineSchedule::kInterleaved1F1B, 2, true},
+                      Case{{0, 1, 2, 3, 4, 5, 7}, 4, PipelineSchedule::kInterleaved1F1B, 2, true}));
 
 // Interleaved forward (no grad) chunk by chunk across 2 ranks: the whole model's output.
 TEST(DistPipeline, InterleavedForwardEqualsTheWholeModel) {

@@ -673,6 +673,62 @@ TEST(ZeroMixedPrecision, Bf16ComputeOverFp32MastersIsTheAverageOfBf16Replicas) {
   }
 }
 
+// Two backwards before a step (gradient accumulation) with bf16 compute: each reduction's fp32
+// average is added into the shard's gradient (stage 1's bf16 buffer starts from zero again),
+// so the shards hold the sum of both steps' bf16 replica averages, bit for bit at 2 ranks. And
+// a frozen parameter computes in bf16 with the others.
+TEST(ZeroMixedPrecision, TwoBackwardsBeforeAStepSumBothAveragesAndFrozenParametersFollow) {
+  for (int stage : {1, 2, 3}) {
+    const std::string what = "stage " + std::to_string(stage);
+    auto errors = run_ranks(2, [&](Dist& d) {
+      const auto data = make_data(2);
+      auto chain = make_chain(d.rank());
+      ShardOptions o;
+      o.stage = stage;
+      o.unit_cap_mb = 1e-4;
+      o.param_dtype = at::kBFloat16;
+      o.reduce_dtype = at::kFloat;
+      ShardedDataParallel z(chain, d, o);
+      z.gather_full_parameters();
+      const auto masters = testing::weights_of(*chain);
+      std::vector<at::Tensor> expected;
+      for (int s = 0; s < 2; ++s) {
+        auto x = rows(data.x, 2, s, d.rank()), y = rows(data.y, 2, s, d.rank());
+        auto g = bf16_replica_gradients(masters, x, y);
+        for (size_t i = 0; i < g.size(); ++i) {
+          d.all_reduce(g[i]);
+          g[i].div_(2);
+          if (s == 0) {
+            expected.push_back(g[i]);
+          } else {
+            expected[i] = expected[i] + g[i];
+          }
+        }
+        F::mse_loss(z(x).to(at::kFloat), y).backward();
+      }
+      const auto got = full_gradients(z);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(at::equal(got[i], expected[i])) << what << ": gradient " << i;
+      }
+    });
+    for (auto& e : errors) EXPECT_EQ(e, "") << what;
+  }
+  auto errors = run_ranks(2, [&](Dist& d) {
+    auto chain = make_chain(0);
+    chain[0]->as<torch::nn::Linear>()->bias.requires_grad_(false);  // frozen: not sharded
+    ShardOptions o;
+    o.stage = 2;
+    o.param_dtype = at::kBFloat16;
+    ShardedDataParallel z(chain, d, o);
+    EXPECT_EQ(chain[0]->as<torch::nn::Linear>()->bias.scalar_type(), at::kBFloat16);
+    auto out = z.forward([&] { return chain->forward(at::randn({2, kIn}).to(at::kBFloat16)); });
+    out.to(at::kFloat).sum().backward();
+    torch::optim::SGD opt(z.parameters(), 0.1);
+    z.step(opt);
+  });
+  for (auto& e : errors) EXPECT_EQ(e, "") << "frozen bias";
+}
+
 // The module holds the compute copies or the masters: what is loaded into the masters reaches
 // the shards bit for bit (a bf16 round trip would lose the low bits), the next forward computes
 // with the loaded values rounded, and its backward still reaches the reduction (the parameters'
@@ -728,7 +784,7 @@ TEST(ZeroMixedPrecision, MastersLoadedIntoTheModuleReachTheShardsLosslessly) {
 
 TEST(ZeroMixedPrecision, SavedAndLoadedGoesOnAsIfNeverStopped) {
   TempDir dir;
-  for (int stage : {1, 3}) {
+  for (int stage : {1, 2, 3}) {
     const auto straight = train_zero(2, 0, 4, "", "", stage, at::kBFloat16);
     train_zero(2, 0, 2, "", dir.path(), stage, at::kBFloat16);
     const auto resumed = train_zero(2, 2, 2, dir.path(), "", stage, at::kBFloat16);
@@ -769,6 +825,12 @@ TEST(ZeroErrors, EachNamesTheFix) {
   });
   EXPECT_NE(errors[0].find("param_dtype = Int is not a floating-point dtype"), std::string::npos)
       << errors[0];
+  errors = run_ranks(1, [](Dist& d) {
+    ShardOptions o;
+    o.buffer_dtype = at::kBFloat16;
+    ShardedDataParallel z(make_chain(0), d, o);
+  });
+  EXPECT_NE(errors[0].find("buffer_dtype goes with a param_dtype"), std::string::npos) << errors[0];
   errors = run_ranks(1, [](Dist& d) {
     ShardOptions o;
     o.unit_memory_budget_mb = 1e-4;  // 105 bytes; the first layer gathers 416

@@ -87,6 +87,7 @@ class DistPipeline {
   int neighbour(int offset) const;  // the rank of stage + offset, or -1
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
   int agree_microbatches(const at::Tensor& input);
+  int relay_microbatches(const at::Tensor& input);
   std::vector<PipeTask> my_tasks(int microbatches) const;
   void backward(Transfers& io, int microbatch, int chunk, bool averages, const at::Tensor& input,
                 const at::Tensor& output, const at::Tensor& loss);

@@ -80,13 +80,16 @@ struct ShardOptions {
   /// shard's gradient is back in the master dtype.
   std::optional<at::ScalarType> reduce_dtype;
   /// With param_dtype: floating-point buffers (BatchNorm's running statistics) are cast to this
-  /// dtype at construction; LibTorch's batch norm wants them in its parameters' dtype.
+  /// dtype at construction; LibTorch's batch norm wants them in its parameters' dtype. (Frozen
+  /// parameters, which are not sharded, are cast to param_dtype.) UsageError without a
+  /// param_dtype.
   std::optional<at::ScalarType> buffer_dtype;
   /// Ranks on one machine reduce and gather float32 CPU units through a shared-memory segment
   /// (Note [Shared-memory reduce] in src/transport/shm.cpp), as DDP does; else the backend.
   bool shared_memory = true;
-  /// > 0: a unit whose gathered parameters exceed this many MB is refused at construction with
-  /// an error naming it (split its block, or lower unit_cap_mb).
+  /// > 0: a unit whose gathered parameters (in param_dtype) exceed this many MB is refused at
+  /// construction with an error naming it (split its block, or lower unit_cap_mb). A gather
+  /// through shared memory with param_dtype also holds the unit in the master dtype meanwhile.
   double unit_memory_budget_mb = 0;
 };
 
@@ -145,10 +148,13 @@ class ShardedDataParallel {
   /// Collective: the module holds every current parameter (stage 3: until the next forward or
   /// reshard()); e.g. for save_weights() on rank 0 or an evaluation outside forward(). With
   /// param_dtype, they are the master values in the master dtype (FSDP's summon_full_params),
-  /// until the next forward, step() or reshard() brings back the compute copies.
+  /// until the next forward, step() or reshard() brings back the compute copies; the whole
+  /// model is then in the master dtype at once. Call it between steps, never between a forward
+  /// and its backward (with param_dtype, the pending graph would see other parameters).
   void gather_full_parameters();
   /// Stage 3: frees the gathered units again; with param_dtype, every stage: the module's
-  /// parameters are the compute copies again.
+  /// parameters are the compute copies again (stages 1, 2: refreshed from the shards by the
+  /// next forward).
   void reshard();
   /// After the module's parameters were changed while gathered (gather_full_parameters(), then
   /// load_weights() or load_checkpoint() into the module): this rank's shards take their values

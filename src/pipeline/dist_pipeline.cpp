@@ -205,6 +205,17 @@ std::vector<at::Tensor> DistPipeline::split(const at::Tensor& t, const char* wha
 // The step's micro-batch count: `chunks`, or fewer for a batch of fewer samples. The first stage
 // knows it from the input and tells the next, which tells the next...
 int DistPipeline::agree_microbatches(const at::Tensor& input) {
+  const int count = relay_microbatches(input);
+  // Message ids i·v + slot: their three tags must stay below the count's.
+  if (3 * (static_cast<int64_t>(count) * num_chunks()) + 2 >= kCountTag) {
+    throw UsageError("rank " + std::to_string(dist_.rank()) + ": " + std::to_string(count) +
+                     " micro-batches of " + std::to_string(num_chunks()) +
+                     " chunks exceed the pipeline's message tags; use fewer chunks");
+  }
+  return count;
+}
+
+int DistPipeline::relay_microbatches(const at::Tensor& input) {
   auto count = at::full({1}, 0, at::kLong);
   if (stage_ == 0) {
     count.fill_(std::min<int64_t>(options_.chunks, input.defined() ? input.size(0) : 0));

@@ -45,8 +45,9 @@ class GridStrategy : public TrainStrategy {
     torch::nn::Sequential chain = chain_of(model);
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
-    const int v = o.stages_per_device;
+    const int v = v_ = o.stages_per_device;
     const auto balance = resolve_balance(o.balance, chain, stages_ * v, sample, d, dev_);
+    balance_.assign(balance.begin(), balance.end());
     stage_params_.resize(static_cast<size_t>(stages_));
     size_t begin = 0;
     for (int k = 0; k < stages_ * v; ++k) {
@@ -147,7 +148,7 @@ class GridStrategy : public TrainStrategy {
                  "optimizer of stage " + std::to_string(s), dist_);
         state.tensors[optimizer_key(s)] = bytes;
       }
-      state.values["grid/stages"] = std::to_string(stages_);
+      state.values["grid/stages"] = layout();
     } else {
       auto bytes = bytes_of(opt);
       auto size = at::full({1}, bytes.numel(), at::kLong);
@@ -164,7 +165,7 @@ class GridStrategy : public TrainStrategy {
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
     auto stages = state.values.find("grid/stages");
     auto bytes = state.tensors.find(optimizer_key(stage_));
-    if (stages == state.values.end() || stages->second != std::to_string(stages_) ||
+    if (stages == state.values.end() || stages->second != layout() ||
         bytes == state.tensors.end()) {
       return false;
     }
@@ -185,6 +186,16 @@ class GridStrategy : public TrainStrategy {
   }
 
  private:
+  // What each stage's optimizer state is over: the stages, the chunks per rank when
+  // interleaved, and the blocks per pipeline stage (another layout gives a stage other
+  // parameters: the state is not reused).
+  std::string layout() const {
+    std::string s = std::to_string(stages_) + (v_ == 1 ? "" : "x" + std::to_string(v_)) + ":";
+    for (size_t k = 0; k < balance_.size(); ++k) {
+      s += (k ? "," : "") + std::to_string(balance_[k]);
+    }
+    return s;
+  }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
 
@@ -212,7 +223,8 @@ class GridStrategy : public TrainStrategy {
 
   Model& model_;
   LossFn loss_;
-  int stages_, replica_, stage_;
+  int stages_, replica_, stage_, v_ = 1;
+  std::vector<int64_t> balance_;  // blocks per pipeline stage
   at::Device dev_;
   std::vector<std::vector<at::Tensor>> stage_params_;  // per stage, in the model's order
   torch::nn::Sequential stage_module_{nullptr};        // chunks_[0]: the stage (no interleaving)

@@ -94,8 +94,9 @@ void validate_strategy(const TrainerOptions& o, int world) {
     refuse("--amp " + o.amp +
            " runs with --strategy ddp (autocast) and zero1, zero2, fsdp (bf16 parameters), not " +
            name +
-           " (dp's replicas and a pipeline's stages run on threads of their own, which "
-           "autocast does not reach yet)");
+           (grid ? std::string(" (a grid's pipeline does not run under autocast yet)")
+                 : std::string(" (dp's replicas and a pipeline's stages run on threads of their "
+                               "own, which autocast does not reach yet)")));
   }
   if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
   if (o.stages_per_device < 1) {
@@ -124,20 +125,20 @@ void validate_strategy(const TrainerOptions& o, int world) {
              " devices; use a multiple of " + std::to_string(devices));
     }
   }
-  if (grid && world > o.pipeline_stages &&
-      (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
-       o.schedule == PipelineSchedule::kInterleaved1F1B)) {
-    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
-                                                                     : "--schedule interleaved") +
-           " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
-           std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
-           "): the replicas of a grid average their stages with DDP, which takes gpipe or 1f1b");
-  }
   if (grid) {
     if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
       refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +
              std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
              " stages; e.g. 4 processes = 2 replicas x 2 stages");
+    }
+    if (world > o.pipeline_stages && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
+                                      o.schedule == PipelineSchedule::kInterleaved1F1B)) {
+      refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
+                                                                       : "--schedule interleaved") +
+             " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
+             std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
+             "): the replicas of a grid average their stages with DDP, which takes gpipe or "
+             "1f1b");
     }
     if (o.split_size > 0 || o.checkpointing != PipelineCheckpoint::kNever) {
       refuse(

@@ -8,7 +8,8 @@
 //   stage 1, 2   full lives always; the shard is an alias of its slice [r·S, (r+1)·S), so the
 //                optimizer updates it in place; after the step the other ranks' slices are
 //                all-gathered into it (step(), or the next forward when it sees the shard's
-//                version counter moved).
+//                version counter moved). With param_dtype (Note [Mixed precision]) the shard
+//                has a storage of its own, and the gather fills full with compute copies.
 //   stage 3      full's storage is allocated only while the unit computes: the shard has a
 //                storage of its own, and the buffer's bytes are swapped in and out of the one
 //                StorageImpl every alias shares (so the tensors autograd saved in forward see
@@ -164,16 +165,28 @@ void ShardedDataParallel::Impl::check_and_synchronise() {
     compute_dtype = *opts.param_dtype;
     mixed = compute_dtype != master_dtype;
   }
+  if (opts.buffer_dtype && !mixed) {
+    throw UsageError(who() + "buffer_dtype goes with a param_dtype other than the parameters' " +
+                     c10::toString(master_dtype) +
+                     " (buffers in another dtype than their layer's weights break batch norm)");
+  }
   instance =
       static_cast<int>(dist.store->add("scaletrain/zero/instances/" + std::to_string(rank), 1));
   verify_same_model(dist, described, "zero", instance);
   broadcast_coalesced(dist, params, "the parameters");
   auto buffers = owner.module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(dist, buffers, "the buffers");
+  at::NoGradGuard no_grad;
   if (opts.buffer_dtype) {
-    at::NoGradGuard no_grad;
     for (auto& b : buffers) {
       if (at::isFloatingType(b.scalar_type())) b.set_data(b.to(*opts.buffer_dtype));
+    }
+  }
+  if (mixed) {  // frozen parameters are not sharded, but compute with the others
+    for (auto& p : owner.module_->parameters()) {
+      if (!p.requires_grad() && at::isFloatingType(p.scalar_type())) {
+        p.set_data(p.to(compute_dtype));
+      }
     }
   }
 }

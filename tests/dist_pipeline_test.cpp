@@ -238,6 +238,88 @@ TEST(DistPipeline, SmallBatchesAndForwardAcrossRanks) {
   EXPECT_TRUE(testing::within_rounding(out, exact.output, exact.output_magnitude, k));
 }
 
+// Note [Shapes once]: the first step sends each activation's shape, later steps of the same
+// batch shape receive into buffers posted ahead without them, a short batch sends them again,
+// and every step's gradients are the whole model's on that step's batch.
+TEST(DistPipeline, LaterStepsReuseShapesAndAShortBatchSendsThemAgain) {
+  const Batch b = batch(10);
+  struct Sched {
+    PipelineSchedule schedule;
+    std::vector<size_t> cuts;
+    int per_rank;
+  };
+  for (const auto& sc : {Sched{PipelineSchedule::k1F1B, {0, 2, 5}, 1},
+                         Sched{PipelineSchedule::kZeroBubbleH1, {0, 2, 5}, 1},
+                         Sched{PipelineSchedule::kInterleaved1F1B, {0, 1, 2, 3, 5}, 2}}) {
+    const int stages = static_cast<int>(sc.cuts.size()) - 1, p = 2;
+    const std::vector<int64_t> sizes = {10, 10, 7, 10};  // rows per step
+    std::vector<std::vector<std::vector<at::Tensor>>> got(
+        sizes.size(), std::vector<std::vector<at::Tensor>>(static_cast<size_t>(stages)));
+    auto errors = testing::run_ranks(p, [&](Dist& d) {
+      DistPipelineOptions o;
+      o.stage_ranks = {0, 1};
+      o.chunks = 4;
+      o.schedule = sc.schedule;
+      std::vector<torch::nn::Sequential> mine;
+      for (int k = d.rank(); k < stages; k += p) {
+        mine.push_back(slice(make_model(), sc.cuts[static_cast<size_t>(k)],
+                             sc.cuts[static_cast<size_t>(k) + 1]));
+      }
+      auto pipe = sc.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
+      for (size_t step = 0; step < sizes.size(); ++step) {
+        for (auto& c : mine) c->zero_grad();
+        const auto x = b.x.narrow(0, 0, sizes[step]), y = b.y.narrow(0, 0, sizes[step]);
+        pipe.train_step(d.rank() == 0 ? x : at::Tensor(), d.rank() == 1 ? y : at::Tensor(), mse);
+        for (int chunk = 0; chunk < sc.per_rank; ++chunk) {
+          for (auto& param : pipe.chunk(chunk)->parameters()) {
+            got[step][static_cast<size_t>(chunk * p + d.rank())].push_back(param.grad().clone());
+          }
+        }
+      }
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(2));
+    for (size_t step = 0; step < sizes.size(); ++step) {
+      const Batch part{b.x.narrow(0, 0, sizes[step]), b.y.narrow(0, 0, sizes[step])};
+      const auto exact = reference(part);
+      for (int s = 0; s < stages; ++s) {
+        const auto us = static_cast<size_t>(s);
+        testing::expect_gradients_within_rounding(
+            got[step][us], slice_of(exact, sc.cuts[us], sc.cuts[us + 1]), terms(sizes[step], 4),
+            "step " + std::to_string(step) + ", stage " + std::to_string(s));
+      }
+    }
+  }
+}
+
+// A stage whose output shape changes while the batch's does not is an error on the rank that
+// sends it, never a receive of the wrong size.
+TEST(DistPipeline, AnOutputShapeThatChangesAloneIsAnError) {
+  const Batch b = batch(8);
+  auto errors = testing::run_ranks(
+      2,
+      [&](Dist& d) {
+        DistPipelineOptions o;
+        o.stage_ranks = {0, 1};
+        o.chunks = 2;
+        o.schedule = PipelineSchedule::k1F1B;
+        int calls = 0;
+        torch::nn::Sequential first(torch::nn::Linear(8, 16),
+                                    torch::nn::Functional([&calls](const at::Tensor& x) {
+                                      return ++calls > 2 ? x.narrow(1, 0, 8) : x;
+                                    }));
+        DistPipeline pipe(d.rank() == 0 ? first : slice(make_model(), 2, 5), o, d);
+        for (int step = 0; step < 2; ++step) {
+          pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(), d.rank() == 1 ? b.y : at::Tensor(),
+                          mse);
+        }
+      },
+      std::chrono::seconds(5));
+  EXPECT_NE(errors[0].find("another shape than at the last step of the same batch shape"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1], "");  // it waited for the activation and timed out, naming it
+}
+
 // Regression (channels-last boundary): a stage whose output is a channels-last convolution
 // activation received its gradient into a buffer of the same memory format, which Gloo refuses
 // ("input tensor has to be contiguous"); the gradients must be the whole model's.

@@ -33,6 +33,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -86,11 +87,17 @@ class DistPipeline {
   class Transfers;
   int neighbour(int offset) const;  // the rank of stage + offset, or -1
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
-  int agree_microbatches(const at::Tensor& input);
-  int relay_microbatches(const at::Tensor& input);
+  int agree_microbatches(const at::Tensor& input, int64_t* rows = nullptr);
+  int relay_microbatches(const at::Tensor& input, int64_t* rows);
   std::vector<PipeTask> my_tasks(int microbatches) const;
+  // A receive a step's tasks will make, known ahead (Note [Shapes once]).
+  struct Expected {
+    int from, tag;
+    std::vector<int64_t> shape;  // dtype, then sizes
+  };
+  std::vector<Expected> expected_receives(const std::vector<PipeTask>& order) const;
   void backward(Transfers& io, int microbatch, int chunk, bool averages, const at::Tensor& input,
-                const at::Tensor& output, const at::Tensor& loss);
+                const at::Tensor& output, const at::Tensor& loss, const at::Tensor& output_grad);
   bool first_of_model(int chunk) const;
   bool last_of_model(int chunk) const;
   int previous_rank() const;
@@ -98,6 +105,12 @@ class DistPipeline {
   int input_id(int microbatch, int chunk) const;
   int output_id(int microbatch, int chunk) const;
   std::string which(int microbatch, int chunk) const;
+
+  // Note [Shapes once] in dist_pipeline.cpp: per message id, dtype then sizes.
+  using Shapes = std::map<int, std::vector<int64_t>>;
+  Shapes sent_shapes_, received_shapes_;
+  int64_t shaped_count_ = -1, shaped_rows_ = -1;
+  bool shapes_valid_ = false;
 
   std::vector<torch::nn::Sequential> chunks_;
   torch::nn::Sequential stage_module_{nullptr};

@@ -8,6 +8,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
 
+#include <deque>
 #include <optional>
 
 namespace scaletrain {
@@ -113,6 +114,14 @@ DistPipeline::DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipeli
 // the earlier (no_sync) backwards in the buckets, and the all-reduce averages their sum over the
 // replicas.
 
+// Note [Shapes once]: a receiver must know an activation's dtype and sizes before it can post
+// the receive, so the first step sends them, a small message before each activation. A step
+// whose batch has the rows and micro-batch count of the last completed step (every step of an
+// epoch but a short last one) sends none: each rank keeps the shapes it sent and received per
+// message id, and both sides decide alike from the count and rows the first stage relays. A
+// stage whose output shape then differs from the one it sent is an error (a model whose shapes
+// vary with more than the batch), never a wrong-sized receive.
+
 // The point-to-point messages of one step between neighbouring stages.
 class DistPipeline::Transfers {
  public:
@@ -129,31 +138,83 @@ class DistPipeline::Transfers {
     std::vector<at::Tensor> v{t};
     wait_for(dist_.backend->recv(v, from, tag), what + " from rank " + std::to_string(from), dist_);
   }
-  // An activation: its rank, dtype and sizes first (NCCL moves device tensors only: the shape
-  // travels on the stage's device there), then the data.
-  void send_activation(const at::Tensor& out, int to, int id) {
+  // An activation: its dtype and sizes first (NCCL moves device tensors only: the shape travels
+  // on the stage's device there), then the data. `known`: the shape this id had at the last
+  // step of the same batch shape (Note [Shapes once]); it is then not sent again, and an output
+  // of another shape is an error.
+  void send_activation(const at::Tensor& out, int to, int id, Shapes* known, bool reuse) {
     const at::Tensor a = out.detach();
     if (a.dim() > kMaxDims) throw Error("pipeline activations have at most 8 dimensions");
-    auto shape = at::zeros({kMaxDims + 2}, at::kLong);
-    shape[0] = a.dim();
-    shape[1] = static_cast<int64_t>(a.scalar_type());
-    for (int64_t d = 0; d < a.dim(); ++d) shape[d + 2] = a.size(d);
-    send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(id));
+    std::vector<int64_t> mine = {static_cast<int64_t>(a.scalar_type())};
+    mine.insert(mine.end(), a.sizes().begin(), a.sizes().end());
+    auto cached = known ? known->find(id) : Shapes::iterator();
+    if (reuse && known && cached != known->end()) {
+      if (cached->second != mine) {
+        throw Error("rank " + std::to_string(dist_.rank()) + ": this stage's output for message " +
+                    std::to_string(id) + " has sizes " + c10::str(a.sizes()) +
+                    ", another shape than at the last step of the same batch shape; a stage "
+                    "whose output shape varies with more than its input's is not supported");
+      }
+    } else {
+      auto shape = at::zeros({kMaxDims + 2}, at::kLong);
+      shape[0] = a.dim();
+      shape[1] = static_cast<int64_t>(a.scalar_type());
+      for (int64_t d = 0; d < a.dim(); ++d) shape[d + 2] = a.size(d);
+      send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(id));
+      if (known) (*known)[id] = mine;
+    }
     send(a, to, activation_tag(id));
   }
-  at::Tensor recv_activation(int from, int id, const std::string& which) {
-    const bool nccl = dist_.backend_name == "nccl";
-    auto shape =
-        at::empty({kMaxDims + 2}, at::TensorOptions(at::kLong).device(nccl ? dev_ : at::kCPU));
-    recv(shape, from, shape_tag(id), "shape of " + which);
-    shape = shape.cpu();
-    const int64_t dims = shape[0].item<int64_t>();
-    const auto dtype = static_cast<at::ScalarType>(shape[1].item<int64_t>());
-    std::vector<int64_t> sizes(shape.data_ptr<int64_t>() + 2, shape.data_ptr<int64_t>() + 2 + dims);
-    auto x = at::empty(sizes, at::TensorOptions().dtype(dtype).device(dev_));
+  at::Tensor recv_activation(int from, int id, const std::string& which, Shapes* known,
+                             bool reuse) {
+    if (reuse) {
+      if (auto x = posted(activation_tag(id), "activation of " + which)) return *x;
+    }
+    std::vector<int64_t> shape;
+    auto cached = known ? known->find(id) : Shapes::iterator();
+    if (reuse && known && cached != known->end()) {
+      shape = cached->second;
+    } else {
+      const bool nccl = dist_.backend_name == "nccl";
+      auto header =
+          at::empty({kMaxDims + 2}, at::TensorOptions(at::kLong).device(nccl ? dev_ : at::kCPU));
+      recv(header, from, shape_tag(id), "shape of " + which);
+      header = header.cpu();
+      const int64_t dims = header[0].item<int64_t>();
+      shape.push_back(header[1].item<int64_t>());
+      shape.insert(shape.end(), header.data_ptr<int64_t>() + 2,
+                   header.data_ptr<int64_t>() + 2 + dims);
+      if (known) (*known)[id] = shape;
+    }
+    const auto dtype = static_cast<at::ScalarType>(shape[0]);
+    auto x = at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
+                       at::TensorOptions().dtype(dtype).device(dev_));
     recv(x, from, activation_tag(id), "activation of " + which);
     return x;
   }
+  // Receives posted ahead (Note [Shapes once]): with every shape known, this step's receives
+  // are posted in the order the rank's tasks consume them, a few ahead, so a message that
+  // arrives while the rank computes is already in place when its task starts.
+  void expect(std::vector<Expected> list) {
+    expected_ = std::move(list);
+    top_up();
+  }
+  // The receive of `tag`, when it was posted ahead: waits for it.
+  std::optional<at::Tensor> posted(int tag, const std::string& what) {
+    if (posted_.empty()) return std::nullopt;
+    Posted p = std::move(posted_.front());
+    if (p.tag != tag) {
+      throw Error("rank " + std::to_string(dist_.rank()) +
+                  ": internal: the pipeline expected "
+                  "message tag " +
+                  std::to_string(p.tag) + " next, its task reads " + std::to_string(tag));
+    }
+    posted_.pop_front();
+    wait_for(p.work, what + " from rank " + std::to_string(p.from), dist_);
+    top_up();
+    return p.buffer;
+  }
+
   void wait() {
     for (auto& w : sends_) wait_for(w, "a pipeline send", dist_);
     sends_.clear();
@@ -163,8 +224,32 @@ class DistPipeline::Transfers {
  private:
   const Dist& dist_;
   at::Device dev_;
+  void top_up() {
+    constexpr size_t kAhead = 2;
+    while (posted_.size() < kAhead && next_expected_ < expected_.size()) {
+      const Expected& e = expected_[next_expected_++];
+      Posted p;
+      p.from = e.from;
+      p.tag = e.tag;
+      p.buffer = at::empty(
+          std::vector<int64_t>(e.shape.begin() + 1, e.shape.end()),
+          at::TensorOptions().dtype(static_cast<at::ScalarType>(e.shape[0])).device(dev_));
+      std::vector<at::Tensor> v{p.buffer};
+      p.work = dist_.backend->recv(v, e.from, e.tag);
+      posted_.push_back(std::move(p));
+    }
+  }
+  struct Posted {
+    int from = 0, tag = 0;
+    at::Tensor buffer;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   std::vector<std::vector<at::Tensor>> in_flight_;  // tensors of pending sends
+  std::vector<Expected> expected_;
+  size_t next_expected_ = 0;
+  std::deque<Posted> posted_;
 };
 
 int DistPipeline::neighbour(int offset) const {
@@ -204,8 +289,8 @@ std::vector<at::Tensor> DistPipeline::split(const at::Tensor& t, const char* wha
 
 // The step's micro-batch count: `chunks`, or fewer for a batch of fewer samples. The first stage
 // knows it from the input and tells the next, which tells the next...
-int DistPipeline::agree_microbatches(const at::Tensor& input) {
-  const int count = relay_microbatches(input);
+int DistPipeline::agree_microbatches(const at::Tensor& input, int64_t* rows) {
+  const int count = relay_microbatches(input, rows);
   // Message ids i·v + slot: their three tags must stay below the count's.
   if (3 * (static_cast<int64_t>(count) * num_chunks()) + 2 >= kCountTag) {
     throw UsageError("rank " + std::to_string(dist_.rank()) + ": " + std::to_string(count) +
@@ -215,10 +300,13 @@ int DistPipeline::agree_microbatches(const at::Tensor& input) {
   return count;
 }
 
-int DistPipeline::relay_microbatches(const at::Tensor& input) {
-  auto count = at::full({1}, 0, at::kLong);
+// The micro-batch count and the batch's rows, relayed from the first stage.
+int DistPipeline::relay_microbatches(const at::Tensor& input, int64_t* rows) {
+  auto count = at::full({2}, 0, at::kLong);
   if (stage_ == 0) {
-    count.fill_(std::min<int64_t>(options_.chunks, input.defined() ? input.size(0) : 0));
+    const int64_t n = input.defined() ? input.size(0) : 0;
+    count[0] = std::min<int64_t>(options_.chunks, n);
+    count[1] = n;
   } else {
     std::vector<at::Tensor> v{count};
     wait_for(dist_.backend->recv(v, neighbour(-1), kCountTag),
@@ -228,7 +316,25 @@ int DistPipeline::relay_microbatches(const at::Tensor& input) {
     std::vector<at::Tensor> v{count};
     wait_for(dist_.backend->send(v, neighbour(+1), kCountTag), "micro-batch count", dist_);
   }
-  return static_cast<int>(count.item<int64_t>());
+  if (rows) *rows = count[1].item<int64_t>();
+  return static_cast<int>(count[0].item<int64_t>());
+}
+
+// Every receive of a step whose shapes are known, in the order `order`'s tasks read them.
+std::vector<DistPipeline::Expected> DistPipeline::expected_receives(
+    const std::vector<PipeTask>& order) const {
+  std::vector<Expected> out;
+  for (const auto& t : order) {
+    const int i = t.microbatch, c = t.chunk;
+    if (t.forward()) {
+      if (first_of_model(c)) continue;
+      out.push_back(
+          {previous_rank(), activation_tag(input_id(i, c)), received_shapes_.at(input_id(i, c))});
+    } else if (t.pass != Pass::kWeightGrad && !last_of_model(c)) {
+      out.push_back({next_rank(), gradient_tag(output_id(i, c)), sent_shapes_.at(output_id(i, c))});
+    }
+  }
+  return out;
 }
 
 // This stage's column of the schedule of `m` micro-batches, in order.
@@ -252,8 +358,12 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
                                     const LossFn& loss_fn) {
   const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
   const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
-  const int count = agree_microbatches(input);
+  int64_t rows = 0;
+  const int count = agree_microbatches(input, &rows);
   const auto m = static_cast<size_t>(count);
+  // Note [Shapes once]: the same batch shape as the last step's sends no shapes.
+  const bool reuse = shapes_valid_ && count == shaped_count_ && rows == shaped_rows_;
+  shapes_valid_ = false;
   const std::vector<at::Tensor> ys = last ? split(target, "target") : std::vector<at::Tensor>{};
   if (last && ys.size() != m) {
     throw UsageError("rank " + std::to_string(dist_.rank()) +
@@ -276,15 +386,26 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   if (split) halves.emplace(stage_module_);
   std::vector<SplitStage::Graphs> graphs(m);
   Transfers io(dist_, options_.device);
+  if (reuse) io.expect(expected_receives(order));
+  // The gradient of output k (micro-batch i, chunk c), from the next stage.
+  auto receive_gradient = [&](int i, int c, const at::Tensor& output) {
+    const int tag = gradient_tag(output_id(i, c));
+    if (reuse) {
+      if (auto g = io.posted(tag, "gradient of " + which(i, c))) return *g;
+    }
+    at::Tensor grad = gradient_buffer(output);
+    io.recv(grad, next_rank(), tag, "gradient of " + which(i, c));
+    return grad;
+  };
   for (const auto& t : order) {
     const int i = t.microbatch, c = t.chunk;
     const auto ui = static_cast<size_t>(i);
     const size_t k = ui * v + static_cast<size_t>(c);
     if (t.forward()) {
-      inputs[k] = first_of_model(c)
-                      ? xs[ui].to(options_.device)
-                      : io.recv_activation(previous_rank(), input_id(i, c), which(i, c))
-                            .requires_grad_(true);
+      inputs[k] = first_of_model(c) ? xs[ui].to(options_.device)
+                                    : io.recv_activation(previous_rank(), input_id(i, c),
+                                                         which(i, c), &received_shapes_, reuse)
+                                          .requires_grad_(true);
       outputs[k] = split ? halves->forward(inputs[k], graphs[ui])
                          : chunks_[static_cast<size_t>(c)]->forward(inputs[k]);
       if (last_of_model(c)) {
@@ -292,23 +413,25 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
         losses[ui] = loss_fn(outputs[k], ys[ui].to(options_.device)) * share;
         if (split) graphs[ui].back().out = losses[ui];
       } else {
-        io.send_activation(outputs[k], next_rank(), output_id(i, c));
+        io.send_activation(outputs[k], next_rank(), output_id(i, c), &sent_shapes_, reuse);
       }
     } else if (t.pass == Pass::kInputGrad) {
-      at::Tensor grad = last ? at::ones_like(losses[ui]) : gradient_buffer(outputs[k]);
-      if (!last)
-        io.recv(grad, neighbour(+1), gradient_tag(output_id(i, c)), "gradient of " + which(i, c));
+      at::Tensor grad = last ? at::ones_like(losses[ui]) : receive_gradient(i, c, outputs[k]);
       at::Tensor input_grad = halves->input_gradient(graphs[ui], grad);
       if (!first) io.send(input_grad, neighbour(-1), gradient_tag(input_id(i, c)));
       outputs[k] = inputs[k] = at::Tensor();
     } else if (t.pass == Pass::kWeightGrad) {
       halves->weight_gradient(graphs[ui]);
     } else {
-      backward(io, i, c, i == last_backward, inputs[k], outputs[k], losses[ui]);
+      backward(io, i, c, i == last_backward, inputs[k], outputs[k], losses[ui],
+               last_of_model(c) ? at::Tensor() : receive_gradient(i, c, outputs[k]));
       outputs[k] = inputs[k] = at::Tensor();
     }
   }
   io.wait();
+  shaped_count_ = count;
+  shaped_rows_ = rows;
+  shapes_valid_ = true;
   if (!last) return {};
   at::Tensor sum = losses[0].detach().cpu();
   for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i].detach().cpu();
@@ -317,7 +440,7 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
 
 void DistPipeline::backward(Transfers& io, int microbatch, int chunk, bool averages,
                             const at::Tensor& input, const at::Tensor& output,
-                            const at::Tensor& loss) {
+                            const at::Tensor& loss, const at::Tensor& output_grad) {
   // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates locally;
   // the last is announced to DDP just before it runs, so it averages the sum.
   std::optional<DistributedDataParallel::NoSync> local;
@@ -331,10 +454,7 @@ void DistPipeline::backward(Transfers& io, int microbatch, int chunk, bool avera
   if (last_of_model(chunk)) {
     loss.backward();
   } else {
-    auto grad = gradient_buffer(output);
-    io.recv(grad, next_rank(), gradient_tag(output_id(microbatch, chunk)),
-            "gradient of " + which(microbatch, chunk));
-    output.backward(grad);
+    output.backward(output_grad);
   }
   if (!first_of_model(chunk)) {
     io.send(input.grad(), previous_rank(), gradient_tag(input_id(microbatch, chunk)));
@@ -351,14 +471,14 @@ at::Tensor DistPipeline::forward(const at::Tensor& input) {
   // Chunk by chunk: every rank's chunk c runs before any rank's chunk c + 1 needs it.
   for (int c = 0; c < num_chunks(); ++c) {
     for (int i = 0; i < count; ++i) {
-      at::Tensor x = first_of_model(c)
-                         ? xs[static_cast<size_t>(i)].to(options_.device)
-                         : io.recv_activation(previous_rank(), input_id(i, c), which(i, c));
+      at::Tensor x = first_of_model(c) ? xs[static_cast<size_t>(i)].to(options_.device)
+                                       : io.recv_activation(previous_rank(), input_id(i, c),
+                                                            which(i, c), nullptr, false);
       at::Tensor out = chunks_[static_cast<size_t>(c)]->forward(x);
       if (last_of_model(c)) {
         outputs.push_back(out);
       } else {
-        io.send_activation(out, next_rank(), output_id(i, c));
+        io.send_activation(out, next_rank(), output_id(i, c), nullptr, false);
       }
     }
   }

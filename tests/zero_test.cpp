@@ -556,6 +556,16 @@ TEST(ZeroCheckpoint, LoadErrorsNameTheWorldTheFileAndTheParameter) {
 
 // ---- Mixed precision (Note [Mixed precision]) ----------------------------------------------
 
+// bf16 parameters over fp32 masters, reduced in fp32, a unit per parameter or block.
+ShardOptions bf16_options(int stage) {
+  ShardOptions o;
+  o.stage = stage;
+  o.unit_cap_mb = 1e-4;
+  o.param_dtype = at::kBFloat16;
+  o.reduce_dtype = at::kFloat;
+  return o;
+}
+
 // One rank's bf16 replica of the chain at the masters' values rounded to bf16: the gradient a
 // plain bf16 model computes on the rank's rows, in fp32.
 std::vector<at::Tensor> bf16_replica_gradients(const std::vector<at::Tensor>& masters,
@@ -590,11 +600,7 @@ TEST(ZeroMixedPrecision, Bf16ComputeOverFp32MastersIsTheAverageOfBf16Replicas) {
         auto errors = run_ranks(world, [&](Dist& d) {
           const auto data = make_data(world);
           auto chain = make_chain(d.rank());
-          ShardOptions o;
-          o.stage = stage;
-          o.unit_cap_mb = 1e-4;
-          o.param_dtype = at::kBFloat16;
-          o.reduce_dtype = at::kFloat;
+          ShardOptions o = bf16_options(stage);
           o.shared_memory = shm;
           auto wrapped = std::make_shared<Wrapped>(chain);
           auto z = stage == 3 ? std::make_unique<ShardedDataParallel>(chain, d, o)
@@ -683,12 +689,7 @@ TEST(ZeroMixedPrecision, TwoBackwardsBeforeAStepSumBothAveragesAndFrozenParamete
     auto errors = run_ranks(2, [&](Dist& d) {
       const auto data = make_data(2);
       auto chain = make_chain(d.rank());
-      ShardOptions o;
-      o.stage = stage;
-      o.unit_cap_mb = 1e-4;
-      o.param_dtype = at::kBFloat16;
-      o.reduce_dtype = at::kFloat;
-      ShardedDataParallel z(chain, d, o);
+      ShardedDataParallel z(chain, d, bf16_options(stage));
       z.gather_full_parameters();
       const auto masters = testing::weights_of(*chain);
       std::vector<at::Tensor> expected;

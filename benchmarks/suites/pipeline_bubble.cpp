@@ -49,6 +49,16 @@ double time_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, int r
 
 }  // namespace
 
+double one_stage_step_time(int layers, const at::Tensor& x, const at::Tensor& y, int m,
+                           int repeats) {
+  PipelineOptions one;
+  one.balance = {2 * layers};
+  one.devices = {at::kCPU};
+  one.chunks = m;
+  Pipeline b(linear_tanh_stack(layers, x.size(1)), one);
+  return time_step(b, x, y, repeats, nullptr);
+}
+
 SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   const std::string title =
       "Pipeline bubble, 2 devices (cpu,cpu): measured vs each schedule's theory";
@@ -61,14 +71,7 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   auto x = at::randn({batch, width}), y = at::randn({batch, width});
   const std::vector<int> ms = {1, 2, 4, 8, 16, 32};
   std::vector<double> base_times;
-  PipelineOptions one;
-  one.balance = {2 * layers};
-  one.devices = {at::kCPU};
-  for (int m : ms) {
-    one.chunks = m;
-    Pipeline b(linear_tanh_stack(layers, width), one);
-    base_times.push_back(time_step(b, x, y, o.repeats, nullptr));
-  }
+  for (int m : ms) base_times.push_back(one_stage_step_time(layers, x, y, m, o.repeats));
   struct Sched {
     PipelineSchedule schedule;
     std::string name;

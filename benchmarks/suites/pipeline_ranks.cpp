@@ -105,22 +105,7 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
   {
     IntraOpThreads one_thread(1);
     auto x = at::randn({batch, width}), y = at::randn({batch, width});
-    for (int m : ms) {
-      PipelineOptions one;
-      one.balance = {2 * kLayers};
-      one.devices = {at::kCPU};
-      one.chunks = m;
-      Pipeline b(linear_tanh_stack(kLayers, width), one);
-      b.train_step(x, y, mse);
-      double best = 1e30;
-      for (int k = 0; k < o.repeats; ++k) {
-        auto t0 = std::chrono::steady_clock::now();
-        b.train_step(x, y, mse);
-        best = std::min(
-            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-      base[m] = best;
-    }
+    for (int m : ms) base[m] = one_stage_step_time(kLayers, x, y, m, o.repeats);
   }
   struct Sched {
     std::string flag, name;

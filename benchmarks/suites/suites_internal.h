@@ -15,6 +15,10 @@ namespace scaletrain::bench {
 /// `layers` pairs of Linear(width, width) + Tanh, seeded: the pipeline suites' model of equal
 /// stages.
 torch::nn::Sequential linear_tanh_stack(int layers, int64_t width);
+/// pipeline-bubble's baseline: the best of `repeats` training steps (after a warm-up) of
+/// linear_tanh_stack(layers, x.size(1)) as one stage on the CPU, in `m` micro-batches, MSE.
+double one_stage_step_time(int layers, const at::Tensor& x, const at::Tensor& y, int m,
+                           int repeats);
 
 /// A result with its identity filled in; `command` is `scaletrain bench <suite>` (+ --quick).
 SuiteResult new_result(const std::string& suite, const std::string& title, const std::string& unit,

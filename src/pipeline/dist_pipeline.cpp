@@ -126,7 +126,15 @@ DistPipeline::DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipeli
 class DistPipeline::Transfers {
  public:
   Transfers(const Dist& dist, at::Device device) : dist_(dist), dev_(device) {}
-  ~Transfers() = default;
+  // After a failure mid-step, receives posted ahead are still pending: withdrawn here.
+  ~Transfers() {
+    for (auto& p : posted_) {
+      try {
+        p.work->abort();
+      } catch (const std::exception&) {  // a destructor reports nothing
+      }
+    }
+  }
   Transfers(const Transfers&) = delete;
   Transfers& operator=(const Transfers&) = delete;
 

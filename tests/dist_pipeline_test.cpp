@@ -239,8 +239,10 @@ TEST(DistPipeline, SmallBatchesAndForwardAcrossRanks) {
 }
 
 // Note [Shapes once]: the first step sends each activation's shape, later steps of the same
-// batch shape receive into buffers posted ahead without them, a short batch sends them again,
-// and every step's gradients are the whole model's on that step's batch.
+// batch shape receive into buffers posted ahead without them (two such steps in a row), a short
+// batch sends them again and so does the full batch after it, and every step's gradients are
+// the whole model's on that step's batch. 1F1B over 3 ranks mixes activations and gradients in
+// the middle rank's posted receives.
 TEST(DistPipeline, LaterStepsReuseShapesAndAShortBatchSendsThemAgain) {
   const Batch b = batch(10);
   struct Sched {
@@ -249,15 +251,17 @@ TEST(DistPipeline, LaterStepsReuseShapesAndAShortBatchSendsThemAgain) {
     int per_rank;
   };
   for (const auto& sc : {Sched{PipelineSchedule::k1F1B, {0, 2, 5}, 1},
+                         Sched{PipelineSchedule::k1F1B, {0, 1, 3, 5}, 1},
                          Sched{PipelineSchedule::kZeroBubbleH1, {0, 2, 5}, 1},
                          Sched{PipelineSchedule::kInterleaved1F1B, {0, 1, 2, 3, 5}, 2}}) {
-    const int stages = static_cast<int>(sc.cuts.size()) - 1, p = 2;
-    const std::vector<int64_t> sizes = {10, 10, 7, 10};  // rows per step
+    const int stages = static_cast<int>(sc.cuts.size()) - 1, p = stages / sc.per_rank;
+    const std::vector<int64_t> sizes = {10, 10, 10, 7, 10};       // rows per step
+    const std::vector<int64_t> shapes_sent_at = {1, 1, 1, 2, 3};  // steps that sent shapes
     std::vector<std::vector<std::vector<at::Tensor>>> got(
         sizes.size(), std::vector<std::vector<at::Tensor>>(static_cast<size_t>(stages)));
     auto errors = testing::run_ranks(p, [&](Dist& d) {
       DistPipelineOptions o;
-      o.stage_ranks = {0, 1};
+      for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
       o.chunks = 4;
       o.schedule = sc.schedule;
       std::vector<torch::nn::Sequential> mine;
@@ -266,18 +270,26 @@ TEST(DistPipeline, LaterStepsReuseShapesAndAShortBatchSendsThemAgain) {
                              sc.cuts[static_cast<size_t>(k) + 1]));
       }
       auto pipe = sc.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
+      int64_t per_step = 0;  // shape messages of a step that sends them
       for (size_t step = 0; step < sizes.size(); ++step) {
         for (auto& c : mine) c->zero_grad();
         const auto x = b.x.narrow(0, 0, sizes[step]), y = b.y.narrow(0, 0, sizes[step]);
-        pipe.train_step(d.rank() == 0 ? x : at::Tensor(), d.rank() == 1 ? y : at::Tensor(), mse);
+        pipe.train_step(d.rank() == 0 ? x : at::Tensor(), d.rank() == p - 1 ? y : at::Tensor(),
+                        mse);
+        if (step == 0) per_step = pipe.shape_messages();
+        EXPECT_EQ(pipe.shape_messages(), shapes_sent_at[step] * per_step)
+            << "rank " << d.rank() << ", step " << step;
         for (int chunk = 0; chunk < sc.per_rank; ++chunk) {
           for (auto& param : pipe.chunk(chunk)->parameters()) {
             got[step][static_cast<size_t>(chunk * p + d.rank())].push_back(param.grad().clone());
           }
         }
       }
+      if (d.rank() == 0) {
+        EXPECT_GT(per_step, 0);
+      }
     });
-    ASSERT_EQ(errors, std::vector<std::string>(2));
+    ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
     for (size_t step = 0; step < sizes.size(); ++step) {
       const Batch part{b.x.narrow(0, 0, sizes[step]), b.y.narrow(0, 0, sizes[step])};
       const auto exact = reference(part);
@@ -289,6 +301,48 @@ TEST(DistPipeline, LaterStepsReuseShapesAndAShortBatchSendsThemAgain) {
       }
     }
   }
+}
+
+// Regression (one-sided failure): the first rank fails in its last backward of a step, after
+// the last rank finished the step; the next step must not have one rank skip the shapes while
+// the other sends them (every rank agrees on reuse), and trains as if nothing happened.
+TEST(DistPipeline, AStepAfterOneRankFailedAloneStillAgreesOnShapes) {
+  const Batch b = batch(8);
+  std::vector<std::vector<at::Tensor>> got(2);
+  auto errors = testing::run_ranks(
+      2,
+      [&](Dist& d) {
+        DistPipelineOptions o;
+        o.stage_ranks = {0, 1};
+        o.chunks = 4;
+        o.schedule = PipelineSchedule::k1F1B;
+        auto module = slice(make_model(), d.rank() == 0 ? 0 : 2, d.rank() == 0 ? 2 : 5);
+        int calls = 0;  // backwards through the first layer: 4 per step
+        if (d.rank() == 0) {
+          module->parameters()[0].register_hook([&calls](const at::Tensor& g) {
+            if (++calls == 8) throw std::runtime_error("injected failure");
+            return g;
+          });
+        }
+        DistPipeline pipe(module, o, d);
+        for (int step = 0; step < 3; ++step) {
+          module->zero_grad();
+          try {
+            pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(), d.rank() == 1 ? b.y : at::Tensor(),
+                            mse);
+          } catch (const std::exception& e) {
+            EXPECT_EQ(d.rank(), 0) << e.what();
+            EXPECT_EQ(step, 1) << e.what();
+          }
+        }
+        for (auto& param : module->parameters())
+          got[static_cast<size_t>(d.rank())].push_back(param.grad());
+      },
+      std::chrono::seconds(10));
+  ASSERT_EQ(errors, std::vector<std::string>(2));
+  const auto exact = reference(b);
+  testing::expect_gradients_within_rounding(got[0], slice_of(exact, 0, 2), terms(8, 4), "stage 0");
+  testing::expect_gradients_within_rounding(got[1], slice_of(exact, 2, 5), terms(8, 4), "stage 1");
 }
 
 // A stage whose output shape changes while the batch's does not is an error on the rank that

@@ -79,6 +79,9 @@ class DistPipeline {
   int stage() const { return stage_; }
   int num_stages() const { return static_cast<int>(options_.stage_ranks.size()); }
   int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  /// Activation shape messages this rank sent in its training steps: one per activation on a
+  /// step whose batch shape differs from the last step's, none otherwise (Note [Shapes once]).
+  int64_t shape_messages() const { return shape_messages_; }
   /// This rank's (first) chunk; chunk(c) for the others.
   torch::nn::Sequential& module() { return stage_module_; }
   torch::nn::Sequential& chunk(int c) { return chunks_.at(static_cast<size_t>(c)); }
@@ -87,8 +90,13 @@ class DistPipeline {
   class Transfers;
   int neighbour(int offset) const;  // the rank of stage + offset, or -1
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
-  int agree_microbatches(const at::Tensor& input, int64_t* rows = nullptr);
-  int relay_microbatches(const at::Tensor& input, int64_t* rows);
+  struct Agreed {
+    int count = 0;             // micro-batches of this step
+    bool reuse = false;        // every stage reuses its shapes (Note [Shapes once])
+    std::vector<int64_t> key;  // the batch's dtype, dims and sizes
+  };
+  Agreed agree_microbatches(const at::Tensor& input);
+  Agreed relay_microbatches(const at::Tensor& input);
   std::vector<PipeTask> my_tasks(int microbatches) const;
   // A receive a step's tasks will make, known ahead (Note [Shapes once]).
   struct Expected {
@@ -109,8 +117,10 @@ class DistPipeline {
   // Note [Shapes once] in dist_pipeline.cpp: per message id, dtype then sizes.
   using Shapes = std::map<int, std::vector<int64_t>>;
   Shapes sent_shapes_, received_shapes_;
-  int64_t shaped_count_ = -1, shaped_rows_ = -1;
+  int64_t shaped_count_ = -1;
+  std::vector<int64_t> shaped_key_;
   bool shapes_valid_ = false;
+  int64_t shape_messages_ = 0;
 
   std::vector<torch::nn::Sequential> chunks_;
   torch::nn::Sequential stage_module_{nullptr};

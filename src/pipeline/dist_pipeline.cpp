@@ -116,11 +116,16 @@ DistPipeline::DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipeli
 
 // Note [Shapes once]: a receiver must know an activation's dtype and sizes before it can post
 // the receive, so the first step sends them, a small message before each activation. A step
-// whose batch has the rows and micro-batch count of the last completed step (every step of an
-// epoch but a short last one) sends none: each rank keeps the shapes it sent and received per
-// message id, and both sides decide alike from the count and rows the first stage relays. A
-// stage whose output shape then differs from the one it sent is an error (a model whose shapes
-// vary with more than the batch), never a wrong-sized receive.
+// whose batch has the dtype, sizes and micro-batch count of the last step completed here (every
+// step of an epoch but a short last one) sends none: each rank keeps the shapes it sent and
+// received per message id. The ranks decide together: the first stage relays the count and its
+// batch's shape, each stage ANDs in whether it can reuse (it completed the last step, with that
+// shape), and the last stage sends the verdict back down the chain — a rank that failed alone
+// in the last step makes every rank send and expect shapes again. On Gloo such a step also
+// posts its receives ahead, in the order its tasks read them; not on NCCL, whose point-to-point
+// operations run in issue order on one stream, so a receive posted early would wait before a
+// send it depends on. A stage whose output shape differs from the one it sent for the same
+// batch shape (shapes that vary with more than the batch) fails on the sending rank.
 
 // The point-to-point messages of one step between neighbouring stages.
 class DistPipeline::Transfers {
@@ -169,13 +174,14 @@ class DistPipeline::Transfers {
       shape[1] = static_cast<int64_t>(a.scalar_type());
       for (int64_t d = 0; d < a.dim(); ++d) shape[d + 2] = a.size(d);
       send(dist_.backend_name == "nccl" ? shape.to(dev_) : shape, to, shape_tag(id));
+      ++shapes_sent;
       if (known) (*known)[id] = mine;
     }
     send(a, to, activation_tag(id));
   }
   at::Tensor recv_activation(int from, int id, const std::string& which, Shapes* known,
                              bool reuse) {
-    if (reuse) {
+    if (reuse && !expected_.empty()) {  // posted ahead (not on NCCL)
       if (auto x = posted(activation_tag(id), "activation of " + which)) return *x;
     }
     std::vector<int64_t> shape;
@@ -221,6 +227,16 @@ class DistPipeline::Transfers {
     wait_for(p.work, what + " from rank " + std::to_string(p.from), dist_);
     top_up();
     return p.buffer;
+  }
+
+  int64_t shapes_sent = 0;  // shape messages of this step
+
+  // Every receive posted ahead was read by a task: the list matched the tasks.
+  void check_all_received() const {
+    if (!posted_.empty() || next_expected_ != expected_.size()) {
+      throw Error("rank " + std::to_string(dist_.rank()) +
+                  ": internal: the pipeline posted receives its tasks did not read");
+    }
   }
 
   void wait() {
@@ -297,35 +313,63 @@ std::vector<at::Tensor> DistPipeline::split(const at::Tensor& t, const char* wha
 
 // The step's micro-batch count: `chunks`, or fewer for a batch of fewer samples. The first stage
 // knows it from the input and tells the next, which tells the next...
-int DistPipeline::agree_microbatches(const at::Tensor& input, int64_t* rows) {
-  const int count = relay_microbatches(input, rows);
+DistPipeline::Agreed DistPipeline::agree_microbatches(const at::Tensor& input) {
+  Agreed a = relay_microbatches(input);
   // Message ids i·v + slot: their three tags must stay below the count's.
-  if (3 * (static_cast<int64_t>(count) * num_chunks()) + 2 >= kCountTag) {
-    throw UsageError("rank " + std::to_string(dist_.rank()) + ": " + std::to_string(count) +
+  if (3 * (static_cast<int64_t>(a.count) * num_chunks()) + 2 >= kCountTag) {
+    throw UsageError("rank " + std::to_string(dist_.rank()) + ": " + std::to_string(a.count) +
                      " micro-batches of " + std::to_string(num_chunks()) +
                      " chunks exceed the pipeline's message tags; use fewer chunks");
   }
-  return count;
+  return a;
 }
 
-// The micro-batch count and the batch's rows, relayed from the first stage.
-int DistPipeline::relay_microbatches(const at::Tensor& input, int64_t* rows) {
-  auto count = at::full({2}, 0, at::kLong);
+// The micro-batch count and the batch's dtype and sizes, relayed from the first stage, and
+// whether every stage can reuse its shapes (Note [Shapes once]): each stage ANDs its own answer
+// into the relay, and the last stage sends the verdict back down the chain.
+DistPipeline::Agreed DistPipeline::relay_microbatches(const at::Tensor& input) {
+  // count, reuse, dtype, dims, sizes...
+  constexpr int64_t kLen = 4 + kMaxDims;
+  const bool nccl = dist_.backend_name == "nccl";
+  const auto on = at::TensorOptions(at::kLong).device(nccl ? options_.device : at::kCPU);
+  at::Tensor msg = at::zeros({kLen}, at::kLong);
+  const int prev = stage_ > 0 ? neighbour(-1) : -1;
+  const int next = stage_ + 1 < num_stages() ? neighbour(+1) : -1;
   if (stage_ == 0) {
     const int64_t n = input.defined() ? input.size(0) : 0;
-    count[0] = std::min<int64_t>(options_.chunks, n);
-    count[1] = n;
+    if (input.defined() && input.dim() > kMaxDims) {
+      throw UsageError("a pipeline's input has at most 8 dimensions, got " +
+                       std::to_string(input.dim()));
+    }
+    msg[0] = std::min<int64_t>(options_.chunks, n);
+    msg[2] = input.defined() ? static_cast<int64_t>(input.scalar_type()) : -1;
+    msg[3] = input.defined() ? input.dim() : 0;
+    for (int64_t d = 0; input.defined() && d < input.dim(); ++d) msg[4 + d] = input.size(d);
   } else {
-    std::vector<at::Tensor> v{count};
-    wait_for(dist_.backend->recv(v, neighbour(-1), kCountTag),
-             "micro-batch count from rank " + std::to_string(neighbour(-1)), dist_);
+    at::Tensor in = at::empty({kLen}, on);
+    std::vector<at::Tensor> v{in};
+    wait_for(dist_.backend->recv(v, prev, kCountTag),
+             "micro-batch count from rank " + std::to_string(prev), dist_);
+    msg = in.cpu();
   }
-  if (stage_ + 1 < num_stages()) {
-    std::vector<at::Tensor> v{count};
-    wait_for(dist_.backend->send(v, neighbour(+1), kCountTag), "micro-batch count", dist_);
+  const auto key = std::vector<int64_t>(msg.data_ptr<int64_t>() + 2,
+                                        msg.data_ptr<int64_t>() + 4 + msg[3].item<int64_t>());
+  const bool mine = shapes_valid_ && key == shaped_key_ && msg[0].item<int64_t>() == shaped_count_;
+  msg[1] = (stage_ == 0 || msg[1].item<int64_t>() == 1) && mine ? 1 : 0;
+  if (next >= 0) {
+    std::vector<at::Tensor> v{msg.to(on)};
+    wait_for(dist_.backend->send(v, next, kCountTag), "micro-batch count", dist_);
+    at::Tensor verdict = at::empty({1}, on);
+    v = {verdict};
+    wait_for(dist_.backend->recv(v, next, kCountTag + 1),
+             "shape verdict from rank " + std::to_string(next), dist_);
+    msg[1] = verdict.cpu()[0];
   }
-  if (rows) *rows = count[1].item<int64_t>();
-  return static_cast<int>(count[0].item<int64_t>());
+  if (prev >= 0) {
+    std::vector<at::Tensor> v{msg.narrow(0, 1, 1).to(on).contiguous()};
+    wait_for(dist_.backend->send(v, prev, kCountTag + 1), "shape verdict", dist_);
+  }
+  return {static_cast<int>(msg[0].item<int64_t>()), msg[1].item<int64_t>() == 1, key};
 }
 
 // Every receive of a step whose shapes are known, in the order `order`'s tasks read them.
@@ -366,11 +410,14 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
                                     const LossFn& loss_fn) {
   const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
   const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
-  int64_t rows = 0;
-  const int count = agree_microbatches(input, &rows);
+  const Agreed agreed = agree_microbatches(input);
+  const int count = agreed.count;
   const auto m = static_cast<size_t>(count);
-  // Note [Shapes once]: the same batch shape as the last step's sends no shapes.
-  const bool reuse = shapes_valid_ && count == shaped_count_ && rows == shaped_rows_;
+  // Note [Shapes once]: the same batch shape as the last step's sends no shapes, and receives
+  // are posted ahead (Gloo matches them by tag; NCCL's, in issue order on one stream, would
+  // wait for a receive posted before the send it depends on).
+  const bool reuse = agreed.reuse;
+  const bool post_ahead = reuse && dist_.backend_name != "nccl";
   shapes_valid_ = false;
   const std::vector<at::Tensor> ys = last ? split(target, "target") : std::vector<at::Tensor>{};
   if (last && ys.size() != m) {
@@ -394,11 +441,11 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   if (split) halves.emplace(stage_module_);
   std::vector<SplitStage::Graphs> graphs(m);
   Transfers io(dist_, options_.device);
-  if (reuse) io.expect(expected_receives(order));
+  if (post_ahead) io.expect(expected_receives(order));
   // The gradient of output k (micro-batch i, chunk c), from the next stage.
   auto receive_gradient = [&](int i, int c, const at::Tensor& output) {
     const int tag = gradient_tag(output_id(i, c));
-    if (reuse) {
+    if (post_ahead) {
       if (auto g = io.posted(tag, "gradient of " + which(i, c))) return *g;
     }
     at::Tensor grad = gradient_buffer(output);
@@ -437,8 +484,10 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
     }
   }
   io.wait();
+  io.check_all_received();
+  shape_messages_ += io.shapes_sent;
   shaped_count_ = count;
-  shaped_rows_ = rows;
+  shaped_key_ = agreed.key;
   shapes_valid_ = true;
   if (!last) return {};
   at::Tensor sum = losses[0].detach().cpu();
@@ -473,7 +522,7 @@ at::Tensor DistPipeline::forward(const at::Tensor& input) {
   torch::NoGradGuard no_grad;
   const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
   const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
-  const int count = agree_microbatches(input);
+  const int count = agree_microbatches(input).count;
   std::vector<at::Tensor> outputs;
   Transfers io(dist_, options_.device);
   // Chunk by chunk: every rank's chunk c runs before any rank's chunk c + 1 needs it.

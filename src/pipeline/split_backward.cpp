@@ -16,8 +16,10 @@
 // (a Linear's output, which the following Tanh does not save); pieces must not keep such tensors
 // alive until W: a piece's input is the previous piece's output (shared storage), so a Linear
 // and its Tanh in one piece hold only what their backward functions saved, and a piece keeps
-// its graph's root (an autograd edge), not its output tensor. What W adds over 1F1B is each
-// piece's output gradient, from I to W: an activation-sized tensor per weighted layer.
+// its graph's root (an autograd edge), not its output tensor, and drops its input after I. What
+// W adds over 1F1B is each weighted piece's output gradient, from I to W (an activation-sized
+// tensor per weighted layer), and what the piece's graph saved for its unweighted layers (a
+// Tanh's output, a dropout's mask), which a whole backward would free at B.
 //
 // A piece gets its input as a leaf of its own graph, so a piece whose first operation writes its
 // input in place (an in-place ReLU as the first layer of a stage) is refused by autograd under
@@ -91,6 +93,7 @@ at::Tensor SplitStage::input_gradient(Graphs& graphs, const at::Tensor& grad) co
                        /*create_graph=*/false, /*accumulate_grad=*/false,
                        {torch::autograd::impl::gradient_edge(piece.in)})[0];
     if (!g.defined()) g = at::zeros_like(piece.in);
+    piece.in = at::Tensor();  // W does not read it (what it needs, its graph saved)
   }
   return g;
 }

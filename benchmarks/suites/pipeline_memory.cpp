@@ -4,7 +4,9 @@
 // records the peak of the bytes held by tensors above what was held when the step began (the
 // weights and their gradients are allocated by a warm-up step first), over the process and per
 // device: each allocation is counted against the thread that made it, and each device of the
-// in-process pipeline computes on a thread of its own.
+// in-process pipeline computes on a thread of its own. (So a device is charged with what it
+// produced: a stage's input, which a cpu-to-cpu hand-off does not copy, counts on the stage
+// before it, and its input gradients on the stage after it.)
 // Expectation: GPipe holds the activations of all m micro-batches at once, 1F1B about p of
 // them (schedule.h's peak_in_flight), checkpointing only each stage's inputs. Zero bubble H1
 // keeps every stage at up to p in flight (1F1B: p − s on stage s), so its sum over the devices is

@@ -144,6 +144,14 @@ class DistPipeline::Transfers {
   Transfers& operator=(const Transfers&) = delete;
 
   void send(const at::Tensor& t, int to, int tag) {
+    // Sends that completed let go of their tensors (1F1B's memory holds across ranks too).
+    size_t done = 0;
+    while (done < sends_.size() && sends_[done]->isCompleted()) {
+      wait_for(sends_[done], "a pipeline send", dist_);  // at once; throws its error, if any
+      ++done;
+    }
+    sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
+    in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
     in_flight_.push_back({t.contiguous()});
     sends_.push_back(dist_.backend->send(in_flight_.back(), to, tag));
   }

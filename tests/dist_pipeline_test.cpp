@@ -325,6 +325,7 @@ TEST(DistPipeline, AStepAfterOneRankFailedAloneStillAgreesOnShapes) {
           });
         }
         DistPipeline pipe(module, o, d);
+        bool failed = false;
         for (int step = 0; step < 3; ++step) {
           module->zero_grad();
           try {
@@ -333,8 +334,10 @@ TEST(DistPipeline, AStepAfterOneRankFailedAloneStillAgreesOnShapes) {
           } catch (const std::exception& e) {
             EXPECT_EQ(d.rank(), 0) << e.what();
             EXPECT_EQ(step, 1) << e.what();
+            failed = true;
           }
         }
+        EXPECT_EQ(failed, d.rank() == 0) << "rank " << d.rank() << ": the injected failure";
         for (auto& param : module->parameters())
           got[static_cast<size_t>(d.rank())].push_back(param.grad());
       },

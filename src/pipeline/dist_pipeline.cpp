@@ -189,9 +189,7 @@ class DistPipeline::Transfers {
   }
   at::Tensor recv_activation(int from, int id, const std::string& which, Shapes* known,
                              bool reuse) {
-    if (reuse && !expected_.empty()) {  // posted ahead (not on NCCL)
-      if (auto x = posted(activation_tag(id), "activation of " + which)) return *x;
-    }
+    if (auto x = posted(activation_tag(id), "activation of " + which)) return *x;
     std::vector<int64_t> shape;
     auto cached = known ? known->find(id) : Shapes::iterator();
     if (reuse && known && cached != known->end()) {
@@ -453,9 +451,7 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   // The gradient of output k (micro-batch i, chunk c), from the next stage.
   auto receive_gradient = [&](int i, int c, const at::Tensor& output) {
     const int tag = gradient_tag(output_id(i, c));
-    if (post_ahead) {
-      if (auto g = io.posted(tag, "gradient of " + which(i, c))) return *g;
-    }
+    if (auto g = io.posted(tag, "gradient of " + which(i, c))) return *g;
     at::Tensor grad = gradient_buffer(output);
     io.recv(grad, next_rank(), tag, "gradient of " + which(i, c));
     return grad;
@@ -479,9 +475,10 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
         io.send_activation(outputs[k], next_rank(), output_id(i, c), &sent_shapes_, reuse);
       }
     } else if (t.pass == Pass::kInputGrad) {
-      at::Tensor grad = last ? at::ones_like(losses[ui]) : receive_gradient(i, c, outputs[k]);
+      at::Tensor grad =
+          last_of_model(c) ? at::ones_like(losses[ui]) : receive_gradient(i, c, outputs[k]);
       at::Tensor input_grad = halves->input_gradient(graphs[ui], grad);
-      if (!first) io.send(input_grad, neighbour(-1), gradient_tag(input_id(i, c)));
+      if (!first_of_model(c)) io.send(input_grad, previous_rank(), gradient_tag(input_id(i, c)));
       outputs[k] = inputs[k] = at::Tensor();
     } else if (t.pass == Pass::kWeightGrad) {
       halves->weight_gradient(graphs[ui]);

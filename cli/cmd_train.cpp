@@ -70,11 +70,35 @@ struct Args {
   std::string nproc = "auto";
   std::string backend = "auto";
   std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
+  std::string seed = "0";
+  std::string checkpoint_format = "full";
 };
+
+// --seed: a whole number from 0 to 2^64 - 1 (a negative one used to wrap around silently).
+uint64_t parse_seed(const std::string& text) {
+  try {
+    size_t used = 0;
+    if (!text.empty() && text[0] != '-' && text[0] != '+') {
+      const uint64_t v = std::stoull(text, &used);
+      if (used == text.size()) return v;
+    }
+  } catch (const std::exception&) {
+  }
+  throw UsageError("--seed '" + text + "' is not a whole number from 0 to 18446744073709551615");
+}
 
 // The strategy's flags, from their names into the options.
 void apply_strategy_flags(Args& a) {
   a.o.strategy = parse_strategy(a.strategy);
+  a.o.seed = parse_seed(a.seed);
+  if (a.checkpoint_format == "full") {
+    a.o.checkpoint_format = CheckpointFormat::kFull;
+  } else if (a.checkpoint_format == "sharded") {
+    a.o.checkpoint_format = CheckpointFormat::kSharded;
+  } else {
+    throw UsageError("unknown --checkpoint-format '" + a.checkpoint_format +
+                     "'; use full (one file) or sharded (a file per rank: zero1, zero2, fsdp)");
+  }
   a.o.devices.clear();
   std::stringstream list(a.devices);
   for (std::string d; std::getline(list, d, ',');) {
@@ -191,11 +215,20 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--pipeline-stages", o.pipeline_stages, "Grid: ranks per pipeline")
       ->capture_default_str();
   cmd->add_option("--accumulate", o.accumulate, "Batches per optimizer step");
-  cmd->add_option("--seed", o.seed)->capture_default_str();
+  cmd->add_option("--seed", args->seed,
+                  "Seed of the weights and the data order (rank r's "
+                  "dropout draws from a stream of its own)")
+      ->capture_default_str();
+  cmd->add_option("--dropout", o.dropout, "mlp: the probability of its dropout")
+      ->capture_default_str();
   cmd->add_option("--out", o.out_dir, "Folder for checkpoints and metrics")->capture_default_str();
   cmd->add_option("--checkpoint-every", o.checkpoint_every,
                   "Steps between checkpoints (0: epochs)");
   cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
+  cmd->add_option("--checkpoint-format", args->checkpoint_format,
+                  "full (one file, gathered to rank 0) or sharded (zero1, zero2, fsdp: each rank "
+                  "writes its shard; resumes at any world size)")
+      ->capture_default_str();
   cmd->add_option("--resume", o.resume, "auto, none, or a checkpoint file")->capture_default_str();
   cmd->add_flag("--overwrite", o.overwrite,
                 "--out holds another run: delete its checkpoints, metrics, event files, model.pt "

@@ -1,5 +1,7 @@
 #include "scaletrain/sampler.h"
 
+#include <map>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -93,7 +95,82 @@ TEST(Sampler, ResumesMidEpoch) {
 TEST(Sampler, BadStateOrRankIsRejected) {
   EXPECT_THROW(DistributedSampler({10, 2, 2, true, 0, false}), UsageError);
   DistributedSampler s({10, 2, 0, true, 0, false});
-  EXPECT_THROW(s.load_state({0, 6}), UsageError);
+  EXPECT_THROW(s.load_state({0, -2, 10}), UsageError);
+  EXPECT_THROW(s.load_state({0, 4, 12}), UsageError);  // a state of another data set
+}
+
+// Regression (ResumeAtAnotherWorldSizeTrainsWrongSamples): the position was each rank's own
+// count, so a state saved by 2 ranks and loaded by 1 skipped the other rank's samples, and the
+// reverse trained samples twice. Every sample of the epoch must be consumed exactly once,
+// whatever the world sizes before and after, padding aside.
+void ExpectEachSampleOnce(int64_t n, int before, int after, int64_t steps_before, int64_t batch,
+                          bool drop_last) {
+  std::map<int64_t, int> seen;
+  SamplerState saved;
+  for (int r = 0; r < before; ++r) {
+    DistributedSampler s({n, before, r, true, 5, drop_last});
+    s.set_epoch(3);
+    auto mine = s.indices();
+    const int64_t take = std::min<int64_t>(steps_before * batch, s.num_samples());
+    for (int64_t i = 0; i < take; ++i) ++seen[mine[static_cast<size_t>(i)]];
+    s.advance(take);
+    if (r == 0) saved = s.state();
+  }
+  int64_t padded = 0;
+  for (int r = 0; r < after; ++r) {
+    DistributedSampler s({n, after, r, true, 5, drop_last});
+    s.load_state(saved);
+    const auto rest = s.remaining();
+    ASSERT_EQ(static_cast<int64_t>(rest.size()), s.num_samples());
+    for (size_t i = 0; i < rest.size(); ++i) {
+      if (s.is_padding(static_cast<int64_t>(i))) {
+        ++padded;
+      } else {
+        ++seen[rest[i]];
+      }
+    }
+  }
+  const int64_t expected = drop_last ? n - n % after : n;
+  int64_t distinct = 0;
+  for (auto& [index, count] : seen) {
+    EXPECT_EQ(count, 1) << "sample " << index << " of " << n << ", " << before << " -> " << after
+                        << " ranks";
+    ++distinct;
+  }
+  if (!drop_last) {
+    EXPECT_EQ(distinct, n) << before << " -> " << after;
+  }
+  EXPECT_LE(distinct, expected + before);
+  EXPECT_LT(padded, after);
+}
+
+TEST(Sampler, ResumeAtAnotherWorldSizeTrainsEachSampleOnce) {
+  for (int before : {1, 2, 3, 4}) {
+    for (int after : {1, 2, 3, 4}) {
+      for (int64_t steps : {0, 1, 3}) {
+        ExpectEachSampleOnce(48, before, after, steps, 4, false);
+        ExpectEachSampleOnce(50, before, after, steps, 3, false);
+      }
+    }
+  }
+}
+
+TEST(Sampler, GlobalPositionIsTheSameAtEveryRank) {
+  DistributedSampler a({40, 4, 0, true, 1, false}), b({40, 4, 3, true, 1, false});
+  a.advance(6);
+  b.advance(6);
+  EXPECT_EQ(a.state().position, 24);
+  EXPECT_EQ(b.state().position, 24);
+  EXPECT_EQ(a.state().dataset_size, 40);
+  // Loaded at one rank, the rest of the epoch is the permutation from there on, in order.
+  DistributedSampler one({40, 1, 0, true, 1, false});
+  one.load_state(a.state());
+  auto p = a.permutation();
+  EXPECT_EQ(one.remaining(), std::vector<int64_t>(p.begin() + 24, p.end()));
+  // A finished epoch (the padded tail consumed too) leaves nothing.
+  DistributedSampler done({40, 3, 1, true, 1, false});
+  done.load_state({0, 42, 40});
+  EXPECT_TRUE(done.remaining().empty());
 }
 
 }  // namespace

@@ -36,9 +36,10 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-std::vector<at::Tensor> params_of(const std::string& checkpoint) {
-  Model m = make_model("lenet");
-  load_checkpoint(checkpoint, *m.module, nullptr, "lenet");  // the weights (any strategy's)
+std::vector<at::Tensor> params_of(const std::string& checkpoint,
+                                  const std::string& model = "lenet") {
+  Model m = make_model(model);
+  load_checkpoint(checkpoint, *m.module, nullptr, model);  // the weights (any strategy's)
   std::vector<at::Tensor> out;
   for (auto& p : m.module->parameters()) out.push_back(p.detach().clone());
   return out;
@@ -50,14 +51,15 @@ std::string train_cmd(const fs::path& out) {
          out.string();
 }
 
-// The (step, loss) of every step line of a metrics file.
-std::vector<std::pair<int64_t, double>> step_lines(const fs::path& metrics) {
+// The (step, loss) of every step line (or epoch line) of a metrics file.
+std::vector<std::pair<int64_t, double>> step_lines(const fs::path& metrics,
+                                                   const std::string& kind = "step") {
   std::vector<std::pair<int64_t, double>> out;
   std::ifstream in(metrics);
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "step") out.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
+    if (j["kind"] == kind) out.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
   }
   return out;
 }
@@ -78,7 +80,8 @@ std::map<std::string, std::string> contents_of(const fs::path& dir) {
 struct Resume {
   std::string name;
   int processes;
-  std::string strategy;  // the train flags of the strategy
+  std::string strategy;         // the train flags of the strategy
+  std::string model = "lenet";  // the model those flags train
 };
 void PrintTo(const Resume& r, std::ostream* os) { *os << r.name; }
 
@@ -98,13 +101,21 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("was killed by SIGKILL"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resumed from"), std::string::npos) << b.output;
-  auto x = params_of((straight.path / "ckpt-12.st").string());
-  auto y = params_of((killed.path / "ckpt-12.st").string());
-  ASSERT_EQ(x.size(), y.size());
-  for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << "parameter " << i;
+  // The final weights, byte for byte; and a one-file run's last checkpoint, tensor for tensor.
+  EXPECT_EQ(contents_of(killed.path).at("model.pt"), contents_of(straight.path).at("model.pt"));
+  if (fs::exists(straight.path / "ckpt-12.st")) {
+    auto x = params_of((straight.path / "ckpt-12.st").string(), GetParam().model);
+    auto y = params_of((killed.path / "ckpt-12.st").string(), GetParam().model);
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << "parameter " << i;
+  }
   // The resumed run's loss curve is the straight run's: the killed attempt's lines past the
   // checkpoint are dropped, and the redone steps log the same losses.
   EXPECT_EQ(step_lines(killed.path / "metrics.jsonl"), step_lines(straight.path / "metrics.jsonl"));
+  // Regression (ResumedEpochLossCountsOnlyTheStepsAfterTheCheckpoint): the epoch's loss is the
+  // whole epoch's mean, the steps before the checkpoint included (their sums are saved).
+  EXPECT_EQ(step_lines(killed.path / "metrics.jsonl", "epoch"),
+            step_lines(straight.path / "metrics.jsonl", "epoch"));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -126,7 +137,14 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero1", 2, "--strategy zero1"}, Resume{"zero2", 2, "--strategy zero2"},
         Resume{"fsdp", 2, "--strategy fsdp"},
         Resume{"zero1_bf16", 2, "--strategy zero1 --amp bf16"},
-        Resume{"fsdp_bf16", 2, "--strategy fsdp --amp bf16"}),
+        Resume{"fsdp_bf16", 2, "--strategy fsdp --amp bf16"},
+        // Regression (DropoutBreaksExactResume): each rank's generators are in the checkpoint.
+        Resume{"ddp1_dropout", 1, "--strategy ddp --model mlp --dropout 0.3", "mlp"},
+        Resume{"ddp2_dropout", 2, "--strategy ddp --model mlp --dropout 0.3", "mlp"},
+        Resume{"zero2_dropout", 2, "--strategy zero2 --model mlp --dropout 0.3", "mlp"},
+        // --checkpoint-format sharded: a file per rank, nothing gathered, the same resume.
+        Resume{"zero1_sharded", 2, "--strategy zero1 --checkpoint-format sharded"},
+        Resume{"fsdp_sharded", 2, "--strategy fsdp --checkpoint-format sharded --optimizer adam"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
@@ -308,7 +326,24 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--device tpu", "unknown --device 'tpu'"}, Bad{"--amp fp8", "unknown --amp 'fp8'"},
         Bad{"--workers -1", "--workers -1 must be 0 or more"},
         Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
-        Bad{"--init-weights /nonexistent.pt", "--init-weights '/nonexistent.pt': no such file"}));
+        Bad{"--init-weights /nonexistent.pt", "--init-weights '/nonexistent.pt': no such file"},
+        // Regression (NegativeSeedWrapsAround).
+        Bad{"--seed -1", "--seed '-1' is not a whole number"},
+        Bad{"--dropout 0.2", "--dropout is for --model mlp"},
+        Bad{"--model mlp --dropout 1", "--dropout 1 must be in [0, 1)"},
+        Bad{"--checkpoint-format sharded", "--checkpoint-format sharded is for the sharded"},
+        Bad{"--checkpoint-format split", "unknown --checkpoint-format 'split'"}));
+
+// Regression (BacktracesInsteadOfErrors): devices the machine lacks and models that cannot take
+// the data died with a LibTorch backtrace after the workers started; now exit 2, the flag named.
+INSTANTIATE_TEST_SUITE_P(
+    BacktracesBecomeErrors, TrainBadInput,
+    ::testing::Values(Bad{"--nproc-per-node 1 --strategy pipeline --devices cuda:7,cuda:8",
+                          "--devices lists cuda:7, and this machine has"},
+                      Bad{"--nproc-per-node 1 --strategy dp --devices cuda:7,cpu",
+                          "--devices lists cuda:7, and this machine has"},
+                      Bad{"--model toy --dataset synthetic",
+                          "--model toy takes 10 numbers per sample"}));
 
 // Issue: NaN options printed a LibTorch backtrace, --lr inf trained NaN weights, negative limits
 // meant "all data", and --keep 0 / -1 and a folder as --init-weights were taken.
@@ -446,6 +481,8 @@ TEST(Train, TimeoutFlagBoundsTheWaitForALostRank) {
       120);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("timed out after 3 s"), std::string::npos) << r.output;
+  // Regression (TimeoutHintNamesTheLibraryOption): the hint names the flag a user of the tool has.
+  EXPECT_NE(r.output.find("--timeout SECONDS"), std::string::npos) << r.output;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex("waited ([0-9]+) s"))) << r.output;
   EXPECT_LE(std::stoi(m[1].str()), 20) << r.output;  // 3 s, a grace period, a loaded machine

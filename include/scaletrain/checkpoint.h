@@ -33,7 +33,10 @@ struct TrainingState {
 
 /// Random number generators' states (the CPU's and each GPU's default generator), as named
 /// tensors for TrainingState::tensors ("rng/cpu", "rng/cuda:0"...): restore_rng() puts them
-/// back, so that dropout and random augmentation continue as if never interrupted.
+/// back, so that dropout and random augmentation continue as if never interrupted. These are
+/// this process's only: with several ranks, where only rank 0 writes the file, use rng.h's
+/// gather_rng_states() / restore_rng_states(), which carry every rank's (and seed each rank's
+/// stream apart with rank_seed()).
 std::map<std::string, at::Tensor> rng_state();
 void restore_rng(const std::map<std::string, at::Tensor>& tensors);
 
@@ -42,8 +45,10 @@ std::string checkpoint_path(const std::string& dir, int64_t global_step);
 
 /// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep` of the
 /// checkpoints in `dir` that belong to the same run (state.run_id); other runs' files are never
-/// touched. Returns the path. Throws Error when the folder cannot be written, and UsageError for
-/// a run id with other characters than letters, digits, '-' and '_'.
+/// touched. Call it on one rank (rank 0): ranks that call it at once do not collide (each writes
+/// a temporary of its own and the last rename wins), but write the same file several times. Returns
+/// the path. Throws Error when the folder cannot be written, and UsageError for a run id with other
+/// characters than letters, digits, '-' and '_'.
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep);
@@ -65,9 +70,13 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer* opt, const std::string& model_name);
 
-/// The newest checkpoint in `dir` whose checksum is right; damaged ones are reported on stderr
-/// and skipped. nullopt when there is none.
+/// The newest checkpoint in `dir` whose checksum is right; damaged ones are skipped and reported
+/// on stderr (report_skipped()). nullopt when there is none.
 std::optional<std::string> newest_valid_checkpoint(const std::string& dir);
+
+/// Says on stderr that a damaged checkpoint (`what`: the file and its fault) is skipped, once per
+/// process for the same words.
+void report_skipped(const std::string& what);
 
 /// Checks a file's header and checksum without loading it; the reason when it is bad.
 std::optional<std::string> checkpoint_problem(const std::string& path);

@@ -77,6 +77,10 @@ struct Dist {
   void barrier() const;
 };
 
+/// Throws UsageError naming `who` when `dist` holds no process group (a default-constructed
+/// Dist): every wrapper checks its Dist with it before the first collective.
+void require_joined(const Dist& dist, const std::string& who);
+
 /// Joins the job's process group. Throws Error (run id mismatch, missing ranks after the
 /// rendezvous timeout, duplicate rank, unknown backend, NCCL without CUDA) with the rank and
 /// the fix in the message.

@@ -2,7 +2,8 @@
 // The model zoo of the seed tutorials, as LibTorch modules with PyTorch's parameter names.
 //
 //   ToyModel  10 -> 10 -> ReLU -> 5 (net1, net2), seed 000
-//   MLP       in -> hidden -> ReLU -> classes (fc1, fc2)
+//   MLP       in -> hidden -> ReLU -> dropout (p = ModelOptions::dropout, 0 by default) ->
+//             classes (fc1, fc2)
 //   LeNet     seed 004's: conv 1->20 3x3, ReLU, avg-pool 2, conv 20->50 5x5, ReLU, avg-pool 2,
 //             fc 800->128, ReLU, fc 128->10 (conv1, conv2, fc1, fc2); 28x28 inputs
 //   resnet18  seed 003's small-image ResNet-18: 3x3 stride-1 stem, no max-pool, BasicBlocks
@@ -37,6 +38,7 @@ struct ModelOptions {
   int64_t in_channels = 1;    // image models
   int64_t in_features = 784;  // MLP
   int64_t hidden = 256;       // MLP
+  double dropout = 0;         // MLP: the probability of its dropout after the hidden layer
   /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read
   /// (Note [Unread border]), its fused relu + 2x2 average pool, and the stem convolutions'
   /// weight gradient as one batched product (Note [Stem conv]); each is the plain model's

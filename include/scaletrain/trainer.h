@@ -104,16 +104,32 @@ struct Metric {
   std::string name;
   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> per_sample;
 };
-/// "test_accuracy": the output's argmax is the target.
+/// "test_accuracy": the output's argmax over its last dimension (the classes) is the target;
+/// for a sequence ([batch, positions, classes] against [batch, positions]), the fraction of its
+/// positions that are right. Throws UsageError for other shapes (check_class_shapes()).
 Metric accuracy();
+/// Outputs [..., classes] against integer targets [...] (the same leading sizes), as the
+/// default loss and accuracy() take them; otherwise UsageError naming both shapes and `who`.
+/// (A sequence model whose length equals its vocabulary no longer passes for classes.)
+void check_class_shapes(const at::Tensor& output, const at::Tensor& target, const std::string& who);
 
 /// What an epoch ended with, for TrainTask::on_epoch and metrics.jsonl.
 struct EpochReport {
   int64_t epoch = 0;  // 1-based
   int64_t global_step = 0;
-  double loss = 0;  // mean training loss of the epoch (this rank's, or the last stage's)
+  double loss = 0;  // mean training loss of the epoch over every replica's batches (a resumed
+                    // epoch's included: the running sums are in the checkpoint)
   std::map<std::string, double> metrics;
   double seconds = 0;
+};
+
+/// What a step ended with, for TrainTask::on_step.
+struct StepReport {
+  int64_t epoch = 0;          // 1-based
+  int64_t step_in_epoch = 0;  // batches of the epoch done, this one included
+  int64_t global_step = 0;
+  double loss = 0;            // this rank's loss of the batch (NaN where it computes none)
+  bool checkpointed = false;  // a checkpoint of this step was just written
 };
 
 using OptimizerFactory =
@@ -127,7 +143,8 @@ struct TrainTask {
   /// come from the first call on rank 0 (or from the checkpoint resumed).
   std::function<Model()> model;
   DataSource train_data, test_data;
-  /// The loss of a batch (averaging over its samples): cross entropy by default.
+  /// The loss of a batch (averaging over its samples): cross entropy by default, over the
+  /// output's last dimension (a sequence's every position; check_class_shapes()).
   LossFn loss;
   /// The optimizer over the parameters given: SGD (lr 0.05, momentum 0.9) by default.
   OptimizerFactory optimizer;
@@ -141,11 +158,23 @@ struct TrainTask {
   std::vector<Metric> metrics;
   /// Called on every rank after each epoch.
   std::function<void(const EpochReport&)> on_epoch;
+  /// Called on every rank after each batch, once its checkpoint (if one was due) is written. An
+  /// exception thrown from it ends train() with it, the checkpoints written so far kept: throw
+  /// on every rank at the same step (a time limit, a test's stop), or the others wait for the
+  /// missing rank until the collective timeout.
+  std::function<void(const StepReport&)> on_step;
 };
 
 // ---- How it is trained ------------------------------------------------------------------------
 
 enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid, kZero1, kZero2, kFsdp };
+
+/// How checkpoints are written (docs/checkpoint.md). kFull: one file, rank 0's, with the whole
+/// model and optimizer state gathered to it. kSharded (zero1, zero2, fsdp): each rank writes its
+/// own shard (zero.h's format, `out_dir/world-<N>/rank-<r>/ckpt-<step>.st`) and nothing is
+/// gathered; it resumes at any world size and stage, and model.pt is still written whole at
+/// the end.
+enum class CheckpointFormat { kFull, kSharded };
 
 /// "ddp", "dp", "pipeline", "grid", "zero1", "zero2", "fsdp"; throws UsageError naming them for
 /// anything else.
@@ -157,10 +186,11 @@ struct TrainerOptions {
   int epochs = 5;
   int64_t batch_size = 256;  // global: split over the ranks (ddp) or the data-parallel replicas
   int accumulate = 1;        // gradient accumulation: batches per optimizer step
-  uint64_t seed = 0;
+  uint64_t seed = 0;  // the weights' start; rank r draws dropout from rank_seed(seed, r) (rng.h)
   std::string out_dir = "runs/latest";
-  int checkpoint_every = 0;     // steps; 0: only at the end of each epoch
-  int keep = 3;                 // checkpoints kept
+  int checkpoint_every = 0;  // steps; 0: only at the end of each epoch
+  int keep = 3;              // checkpoints kept
+  CheckpointFormat checkpoint_format = CheckpointFormat::kFull;
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
   bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
                                 // (without it, such a folder is refused unless resumed)
@@ -240,6 +270,7 @@ struct TrainOptions : TrainerOptions {
   int step_size = 2;
   double gamma = 0.5;
   std::string init_weights;  // a state dict (Python's torch.save) to start from
+  double dropout = 0;        // mlp: its dropout's probability
 };
 
 /// The zoo's task for `options`: the model by name, the data set by name, the optimizer and

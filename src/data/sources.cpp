@@ -4,6 +4,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include "scaletrain/data.h"
+#include "scaletrain/error.h"
 #include "scaletrain/image_folder.h"
 #include "scaletrain/trainer.h"
 
@@ -40,8 +41,26 @@ DataSource image_folder(std::shared_ptr<const ImageFolder> folder, int64_t limit
 
 Metric accuracy() {
   return {"test_accuracy", [](const at::Tensor& out, const at::Tensor& y) {
-            return out.argmax(1).eq(y.to(out.device())).to(at::kDouble);
+            check_class_shapes(out, y, "accuracy()");
+            // The classes are the output's last dimension; a sequence's sample scores the
+            // mean over its positions.
+            auto right = out.argmax(-1).eq(y.to(out.device())).to(at::kDouble);
+            return right.dim() > 1 ? right.flatten(1).mean(1) : right;
           }};
+}
+
+void check_class_shapes(const at::Tensor& out, const at::Tensor& y, const std::string& who) {
+  const bool classes = out.dim() == y.dim() + 1 && out.dim() >= 2 &&
+                       !at::isFloatingType(y.scalar_type()) &&
+                       out.sizes().slice(0, static_cast<size_t>(y.dim())) == y.sizes();
+  if (!classes) {
+    throw UsageError(who +
+                     " takes outputs of shape [..., classes] and integer targets of the "
+                     "same shape without the classes; got outputs " +
+                     c10::str(out.sizes()) + " and targets " + c10::str(y.sizes()) + " (" +
+                     c10::toString(y.scalar_type()) +
+                     "): give the task a loss and metrics of its own (TrainTask::loss, ::metrics)");
+  }
 }
 
 }  // namespace scaletrain

@@ -12,6 +12,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                                                  Dist dist, DDPOptions options)
     : module_(std::move(module)), dist_(std::move(dist)), options_(options) {
   if (!module_) throw UsageError("DistributedDataParallel: the module is null");
+  require_joined(dist_, "DistributedDataParallel");
   std::vector<at::Tensor> params;
   std::vector<std::string> names, described;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
@@ -77,7 +78,25 @@ const char* kEvenFix =
 
 }  // namespace
 
+// A parameter moved or cast after DDP was made (model->to(at::kDouble)) no longer fits its
+// gradient bucket, and the step would fail later in other words: say what and how to fix it.
+static void check_parameters_fit_buckets(const DistributedDataParallel::Reducer& r) {
+  for (size_t i = 0; i < r.params.size(); ++i) {
+    const auto& p = r.params[i];
+    const auto& bucket = r.views[i];
+    if (!bucket.defined()) continue;
+    if (p.scalar_type() == bucket.scalar_type() && p.device() == bucket.device()) continue;
+    throw UsageError("DistributedDataParallel: parameter '" + r.names[i] + "' is now " +
+                     c10::toString(p.scalar_type()) + " on " + p.device().str() +
+                     ", and DDP was made for it as " + c10::toString(bucket.scalar_type()) +
+                     " on " + bucket.device().str() +
+                     ": move or cast the model (model->to(...)) before wrapping it in DDP, or "
+                     "wrap it again after");
+  }
+}
+
 void DistributedDataParallel::pre_forward() {
+  check_parameters_fit_buckets(*reducer_);
   ++step_;
   if (options_.uneven_inputs != UnevenInputs::kOff && dist_.size() > 1) {
     // Note [Uneven inputs]: every rank with a batch says whether its backward will all-reduce;

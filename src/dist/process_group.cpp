@@ -113,12 +113,33 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeo
   }
 }
 
+// Every rank must see the world rank 0 sees: a rank started with another WORLD_SIZE used to hang
+// (rank 0 waited for ranks that would never come, or the odd rank waited for a go that came
+// before it) or fail with a raw network error. The odd rank says so in the store, naming
+// itself and both sizes; rank 0 stops waiting and passes the verdict on to the rest.
+void check_world_size(c10d::Store& store, const World& w, const std::string& p) {
+  if (w.rank == 0) return;
+  store.wait({p + "world_size"});
+  auto raw = store.get(p + "world_size");
+  const std::string theirs(raw.begin(), raw.end());
+  if (theirs == std::to_string(w.world_size)) return;
+  const std::string why = "rank " + std::to_string(w.rank) + " was started with WORLD_SIZE " +
+                          std::to_string(w.world_size) + " and rank 0 with " + theirs +
+                          ": every process of a job needs the same world size (the same "
+                          "--nnodes and --nproc-per-node on every node, or WORLD_SIZE)";
+  store.set(p + "odd", why);
+  throw Error(why);
+}
+
 // Note [Rendezvous]: see dist.h. Keys live under "scaletrain/rdzv/<restart>/": a store that
 // outlives a restart (torchrun's agent store) must not see the last attempt's claims.
 void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
   const std::string p = "scaletrain/rdzv/" + std::to_string(w.restart_count) + "/";
   const std::string me = "rank " + std::to_string(w.rank);
-  if (w.rank == 0) store.set(p + "run_id", w.run_id);
+  if (w.rank == 0) {
+    store.set(p + "world_size", std::to_string(w.world_size));
+    store.set(p + "run_id", w.run_id);
+  }
   try {
     store.wait({p + "run_id"}, timeout);
   } catch (const std::exception&) {
@@ -133,6 +154,7 @@ void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
                 "': refusing to join another job. Give each job its own --master-port, or the "
                 "same --run-id on every node of one job.");
   }
+  check_world_size(store, w, p);
   int64_t claims = store.add(p + "rank/" + std::to_string(w.rank), 1);
   if (claims > 1) {
     throw Error(me + " of run '" + w.run_id + "' is claimed by more than one process at " +
@@ -143,6 +165,12 @@ void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
     for (int r = 0; r < w.world_size; ++r) keys.push_back(p + "rank/" + std::to_string(r));
     auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!store.check(keys)) {
+      if (store.check({p + "odd"})) {  // a rank of another world size (check_world_size())
+        auto odd = store.get(p + "odd");
+        const std::string why(odd.begin(), odd.end());
+        store.set(p + "go", "refused: " + why);
+        throw Error("rank 0: " + why);
+      }
       if (std::chrono::steady_clock::now() > deadline) {
         std::string missing;
         int n = 0;
@@ -169,10 +197,22 @@ void rendezvous(c10d::Store& store, const World& w, milliseconds timeout) {
                   ": rank 0 is still waiting for other ranks, or has died. Check the other "
                   "nodes, or raise --rdzv-timeout.");
     }
+    auto go = store.get(p + "go");
+    const std::string verdict(go.begin(), go.end());
+    if (verdict != "1") throw Error(me + ": rendezvous " + verdict);
   }
 }
 
 }  // namespace
+
+void require_joined(const Dist& dist, const std::string& who) {
+  if (!dist.backend) {
+    throw UsageError(who +
+                     ": the Dist is not joined (a default-constructed Dist has no process "
+                     "group); pass the one init_process_group() returns, which also runs alone "
+                     "as a world of one");
+  }
+}
 
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& d) {
   try {
@@ -185,7 +225,8 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                 (timed_out ? " timed out after " + seconds(d.timeout) +
                                  " (collective timeout): some rank never joined it. Look "
                                  "for a rank that failed, stalled or took another code path; "
-                                 "raise InitOptions::timeout if the work is just slow."
+                                 "raise the timeout if the work is just slow (`scaletrain train "
+                                 "--timeout SECONDS`, or InitOptions::timeout in a program)."
                            : " failed: " + what) +
                 (timed_out ? "\n  backend said: " + what : ""));
   }

@@ -4,6 +4,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
 #include "kernels/ops.h"
@@ -28,9 +29,12 @@ struct MLPImpl : torch::nn::Module {
   explicit MLPImpl(const ModelOptions& o) {
     fc1 = register_module("fc1", torch::nn::Linear(o.in_features, o.hidden));
     fc2 = register_module("fc2", torch::nn::Linear(o.hidden, o.num_classes));
+    drop = register_module("drop", torch::nn::Dropout(o.dropout));
   }
-  at::Tensor forward(const at::Tensor& x) { return fc2(torch::relu(fc1(x.flatten(1)))); }
+  at::Tensor hidden(const at::Tensor& x) { return drop(torch::relu(fc1(x.flatten(1)))); }
+  at::Tensor forward(const at::Tensor& x) { return fc2(hidden(x)); }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
 };
 
 // Note [Unread border]
@@ -232,11 +236,10 @@ torch::nn::Sequential blocks_of(const std::shared_ptr<ToyModelImpl>& m) {
 }
 
 torch::nn::Sequential blocks_of(const std::shared_ptr<MLPImpl>& m) {
-  return torch::nn::Sequential(
-      {{"fc1", Block(Parts{{"fc1", m->fc1.ptr()}},
-                     [m](const at::Tensor& x) { return torch::relu(m->fc1(x.flatten(1))); })},
-       {"fc2",
-        Block(Parts{{"fc2", m->fc2.ptr()}}, [m](const at::Tensor& x) { return m->fc2(x); })}});
+  return torch::nn::Sequential({{"fc1", Block(Parts{{"fc1", m->fc1.ptr()}, {"drop", m->drop.ptr()}},
+                                              [m](const at::Tensor& x) { return m->hidden(x); })},
+                                {"fc2", Block(Parts{{"fc2", m->fc2.ptr()}},
+                                              [m](const at::Tensor& x) { return m->fc2(x); })}});
 }
 
 torch::nn::Sequential blocks_of(const std::shared_ptr<LeNetImpl>& m) {

@@ -60,6 +60,7 @@ DistPipeline::DistPipeline(std::vector<torch::nn::Sequential> chunks, DistPipeli
                            const Dist& dist)
     : chunks_(std::move(chunks)), options_(std::move(options)), dist_(dist) {
   if (chunks_.empty()) throw UsageError("a pipeline stage needs at least one chunk of layers");
+  require_joined(dist_, "DistPipeline");
   stage_module_ = chunks_[0];
   const auto& ranks = options_.stage_ranks;
   auto me = std::find(ranks.begin(), ranks.end(), dist.rank());

@@ -11,10 +11,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
+#include <set>
 #include <sstream>
 
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
+#include "train/atomic_file.h"
 
 namespace scaletrain {
 namespace {
@@ -69,9 +72,13 @@ std::optional<std::string> payload_of(const std::string& path, std::string* payl
   auto h = read_header(in, &problem);
   if (!h) return problem;
   std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (body.size() != h->size) {
+  if (body.size() < h->size) {
     return "is truncated (" + std::to_string(body.size()) + " of " + std::to_string(h->size) +
            " bytes)";
+  }
+  if (body.size() > h->size) {
+    return "has a damaged header (it says " + std::to_string(h->size) + " bytes follow, and " +
+           std::to_string(body.size()) + " do)";
   }
   if (crc_of(body) != h->crc) return "is corrupt (checksum mismatch)";
   if (payload) *payload = std::move(body);
@@ -114,7 +121,10 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   ar.write("step_in_epoch", c10::IValue(s.step_in_epoch));
   ar.write("global_step", c10::IValue(s.global_step));
   ar.write("sampler_epoch", c10::IValue(s.sampler.epoch));
-  ar.write("sampler_position", c10::IValue(s.sampler.position));
+  // The global position (Note [Global position] in sampler.cpp); "sampler_position", a rank's
+  // own count, is what files of scaletrain before it hold.
+  ar.write("sampler_global_position", c10::IValue(s.sampler.position));
+  ar.write("sampler_dataset_size", c10::IValue(s.sampler.dataset_size));
   for (auto& p : model.named_parameters()) ar.write("model." + p.key(), p.value().detach().cpu());
   for (auto& b : model.named_buffers()) ar.write("model." + b.key(), b.value().cpu(), true);
   for (auto& [name, t] : s.tensors) ar.write("extra.tensor." + name, t.detach().cpu(), true);
@@ -129,30 +139,13 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   const std::string body = payload.str();
 
   const std::string final_path = checkpoint_path(dir, s.global_step);
-  const std::string tmp = final_path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    if (!out) {
-      throw Error("cannot write a checkpoint in '" + dir +
-                  "': check that the folder is writable "
-                  "or choose another with --out");
-    }
-    char header[64];
-    std::snprintf(header, sizeof(header), "crc32 %08x size %zu run ", crc_of(body), body.size());
-    out << kMagic << "\n" << header << s.run_id << "\n" << body;
-    if (!out.flush()) throw Error("writing checkpoint '" + tmp + "' failed (disk full?)");
-  }
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-  fs::rename(tmp, final_path);
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // make the rename itself durable
-    ::close(dfd);
-  }
+  char header[64];
+  std::snprintf(header, sizeof(header), "crc32 %08x size %zu run ", crc_of(body), body.size());
+  std::string file = std::string(kMagic) + "\n" + header + s.run_id + "\n";
+  file += body;
+  // Each writer its own temporary (every rank may call this; the last rename wins whole), and
+  // a failed write leaves none behind.
+  write_atomically(final_path, file, "a checkpoint (choose another folder with --out?)");
   // Prune this run's checkpoints only: a folder may hold another run's, which are not ours to
   // delete (docs/checkpoint.md).
   std::vector<fs::path> ours;
@@ -230,7 +223,14 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
   s.step_in_epoch = value("step_in_epoch").toInt();
   s.global_step = value("global_step").toInt();
   s.sampler.epoch = value("sampler_epoch").toInt();
-  s.sampler.position = value("sampler_position").toInt();
+  c10::IValue global, size;
+  if (ar.try_read("sampler_global_position", global)) {
+    s.sampler.position = global.toInt();
+    if (ar.try_read("sampler_dataset_size", size)) s.sampler.dataset_size = size.toInt();
+  } else {  // an older file: a rank's own count, exact only at the world it was saved at
+    s.sampler.position = value("sampler_position").toInt();
+    s.values["scaletrain/sampler_position_per_rank"] = "1";
+  }
   {
     torch::NoGradGuard no_grad;
     for (auto& p : model.named_parameters()) into("model." + p.key(), p.value(), false);
@@ -286,6 +286,14 @@ void restore_rng(const std::map<std::string, at::Tensor>& tensors) {
   }
 }
 
+void report_skipped(const std::string& what) {
+  // Once per process and file: a run looks for its checkpoint several times while it starts.
+  static std::mutex mu;
+  static std::set<std::string> reported;
+  std::lock_guard<std::mutex> lock(mu);
+  if (reported.insert(what).second) std::cerr << "scaletrain: skipping " << what << std::endl;
+}
+
 std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return std::nullopt;
@@ -296,7 +304,7 @@ std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {
   std::sort(all.begin(), all.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
   for (auto& p : all) {
     if (auto problem = checkpoint_problem(p.string())) {
-      std::cerr << "scaletrain: skipping checkpoint " << p.string() << ": it " << *problem << "\n";
+      report_skipped("checkpoint " + p.string() + ": it " + *problem);
       continue;
     }
     return p.string();

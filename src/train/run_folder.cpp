@@ -16,9 +16,25 @@
 //   naming this launch's TORCHELASTIC_RUN_ID) that died before its first checkpoint: it starts
 //   over in its own folder, with its own id.
 
+// Note [Folder owner]
+// ~~~~~~~~~~~~~~~~~~~
+// Two runs writing one folder at once lose work silently: a second `--resume auto` run took the
+// live run's checkpoint and trained on beside it (both exited 0, one set of checkpoints left), and
+// two fresh runs raced for the same temporary file. The folder therefore has an owner, rank 0 of
+// the run that trains in it, for the whole of train(): an exclusive flock() on
+// `.scaletrain.lock`, held by an open file description the kernel closes when the process ends,
+// by SIGKILL too, so a dead run never blocks its own resume. The lock file holds the owner's
+// process id, host and start time; a second run is refused naming them. validate() checks the
+// lock too (taking and releasing it), so that a second `scaletrain train` fails before it starts
+// any worker.
+
 #include "train/run_folder.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <cstdlib>
@@ -30,6 +46,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
+#include "scaletrain/zero.h"
 
 namespace scaletrain {
 namespace {
@@ -78,12 +95,74 @@ std::string listing(const std::vector<fs::path>& files) {
   return out;
 }
 
+int64_t step_of(const std::string& checkpoint) {
+  const std::string stem = fs::path(checkpoint).stem().string();  // ckpt-<step>
+  try {
+    return std::stoll(stem.substr(5));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
 bool is_inside(const fs::path& file, const fs::path& dir) {
   std::error_code ec;
   return fs::equivalent(fs::absolute(file).parent_path(), fs::absolute(dir), ec);
 }
 
+constexpr const char* kLockName = "/.scaletrain.lock";
+
+// Opens the lock file and tries to lock it: the fd when locked (or -2 where the file system
+// has no locks), -1 when another process holds it.
+int try_lock(const std::string& dir) {
+  const std::string path = dir + kLockName;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return -2;  // an unwritable folder is validate_output()'s to report
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return fd;
+  const int err = errno;
+  ::close(fd);
+  return err == EWOULDBLOCK ? -1 : -2;
+}
+
+std::string describe_holder(const std::string& dir) {
+  std::ifstream in(dir + kLockName);
+  std::string line;
+  std::getline(in, line);
+  return line.empty() ? "another process" : line;
+}
+
+[[noreturn]] void refuse_busy(const std::string& dir, const std::string& holder) {
+  throw UsageError("the output folder '" + dir + "' is in use by a live run (" + holder +
+                   "): wait for it to end, stop it, or choose another --out");
+}
+
 }  // namespace
+
+FolderLock::FolderLock(const std::string& dir) {
+  fd_ = try_lock(dir);
+  if (fd_ == -1) refuse_busy(dir, describe_holder(dir));
+  if (fd_ < 0) return;
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char when[32];
+  std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const std::string who =
+      "process " + std::to_string(::getpid()) + " on host " + host + ", started " + when + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    [[maybe_unused]] auto n = ::pwrite(fd_, who.data(), who.size(), 0);
+  }
+}
+
+FolderLock::~FolderLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+std::optional<std::string> FolderLock::holder(const std::string& dir) {
+  const int fd = try_lock(dir);
+  if (fd >= 0) ::close(fd);
+  if (fd != -1) return std::nullopt;
+  return describe_holder(dir);
+}
 
 std::vector<fs::path> run_files(const std::string& dir) {
   std::vector<fs::path> out;
@@ -91,10 +170,11 @@ std::vector<fs::path> run_files(const std::string& dir) {
   if (!fs::is_directory(dir, ec)) return out;
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    const bool tmp = name.size() > 7 && name.compare(name.size() - 7, 7, ".st.tmp") == 0;
+    const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
     const bool ckpt = name.rfind("ckpt-", 0) == 0 && (e.path().extension() == ".st" || tmp);
-    if (ckpt || name == "metrics.jsonl" || name == "model.pt" || name == "run.json" ||
-        name.rfind("events.out.tfevents.", 0) == 0) {
+    const bool shards = e.is_directory(ec) && name.rfind("world-", 0) == 0;  // sharded ones
+    if (ckpt || shards || name == "metrics.jsonl" || name == "model.pt" || name == "run.json" ||
+        (tmp && name.rfind("model.pt.", 0) == 0) || name.rfind("events.out.tfevents.", 0) == 0) {
       out.push_back(e.path());
     }
   }
@@ -106,6 +186,13 @@ RunStart plan_run_start(const TrainerOptions& o) {
   RunStart s;
   if (o.resume == "auto" && !o.overwrite) {
     s.resume_from = newest_valid_checkpoint(o.out_dir);
+    // The newer of the one-file and the sharded checkpoints (a run may change its format).
+    const auto sharded = newest_sharded_checkpoint(o.out_dir);
+    if (sharded && (!s.resume_from || *sharded > step_of(*s.resume_from))) {
+      s.resume_from.reset();
+      s.resume_sharded = sharded;
+      return s;
+    }
   } else if (o.resume != "auto" && o.resume != "none") {
     s.resume_from = o.resume;
   }
@@ -131,7 +218,8 @@ RunStart plan_run_start(const TrainerOptions& o) {
       return s;
     }
   }
-  const bool resumable = newest_valid_checkpoint(o.out_dir).has_value();
+  const bool resumable = newest_valid_checkpoint(o.out_dir).has_value() ||
+                         newest_sharded_checkpoint(o.out_dir).has_value();
   throw UsageError("the output folder '" + o.out_dir + "' holds another run (" + listing(files) +
                    (resumable ? "); continue it with --resume auto, choose another --out, or give "
                                 "--overwrite to delete those files first"
@@ -142,7 +230,7 @@ RunStart plan_run_start(const TrainerOptions& o) {
 void begin_run(const TrainerOptions& o, const RunStart& start, const std::string& run_id,
                const std::string& model_name) {
   std::error_code ec;
-  for (const auto& f : start.stale) fs::remove(f, ec);
+  for (const auto& f : start.stale) fs::remove_all(f, ec);
   if (!start.run_id.empty() || !fs::exists(o.out_dir + "/run.json")) {
     const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
     char when[32];

@@ -10,15 +10,37 @@
 
 namespace scaletrain {
 
+/// The output folder's owner (Note [Folder owner] in run_folder.cpp): an exclusive flock on
+/// `dir/.scaletrain.lock`, which the kernel releases when the holder exits, however it exits.
+/// The file names the holder (process, host, start) for the error a second run gets.
+class FolderLock {
+ public:
+  /// Takes the lock, or throws UsageError naming the live run that holds it. A file system
+  /// without locks (some network ones) takes none, silently.
+  explicit FolderLock(const std::string& dir);
+  ~FolderLock();
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+
+  /// Whether another live process holds `dir`'s lock now: its description, or nullopt. Takes
+  /// and releases the lock when it is free.
+  static std::optional<std::string> holder(const std::string& dir);
+
+ private:
+  int fd_ = -1;
+};
+
 /// How a run starts in its output folder.
 struct RunStart {
   std::optional<std::string> resume_from;  // the checkpoint to load, if any
+  std::optional<int64_t> resume_sharded;   // or: the step of the sharded one in out_dir
   std::string run_id;                      // a fresh run's id ("" when resuming: the checkpoint's)
   std::vector<std::filesystem::path> stale;  // files to delete first (--overwrite, or an
                                              // earlier attempt's metrics)
 };
 
-/// The files a training run writes in `dir`: checkpoints (and their temporaries), metrics.jsonl,
+/// The files a training run writes in `dir`: checkpoints (and their temporaries; the sharded
+/// ones' world-<N> folders), metrics.jsonl,
 /// TensorBoard event files, model.pt, run.json. Nothing else in the folder is ever touched.
 std::vector<std::filesystem::path> run_files(const std::string& dir);
 

@@ -103,6 +103,23 @@ const torch::optim::Optimizer* TrainStrategy::saved_optimizer(torch::optim::Opti
   return &opt;
 }
 
+std::string TrainStrategy::save_sharded(const std::string&, const TrainingState&,
+                                        const torch::optim::Optimizer&, int) {
+  throw UsageError(
+      "sharded checkpoints are written by the sharded strategies (zero1, zero2, "
+      "fsdp) only");
+}
+
+TrainingState TrainStrategy::load_sharded(const std::string& dir, int64_t step,
+                                          torch::optim::Optimizer&) {
+  throw UsageError("the newest checkpoint in '" + dir + "' is sharded (step " +
+                   std::to_string(step) +
+                   "): resume it with a sharded strategy (zero1, zero2 or fsdp, at any world "
+                   "size), or start afresh");
+}
+
+bool TrainStrategy::weights_finite() { return all_finite(parameters()); }
+
 bool TrainStrategy::restore_optimizer(torch::optim::Optimizer&, const TrainingState& state) {
   return state.optimizer_restored;
 }

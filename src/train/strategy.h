@@ -58,6 +58,16 @@ class TrainStrategy {
   /// After a checkpoint's weights were loaded into the model (a sharded strategy takes its shards
   /// from them).
   virtual void weights_loaded() {}
+  /// CheckpointFormat::kSharded (the sharded strategies): collective, writes this rank's shard
+  /// with `state` under `dir` and returns its path; and loads the shards of `step` (saved at any
+  /// world size) into this rank's shards and `opt`, returning the saved state.
+  virtual std::string save_sharded(const std::string& dir, const TrainingState& state,
+                                   const torch::optim::Optimizer& opt, int keep);
+  virtual TrainingState load_sharded(const std::string& dir, int64_t step,
+                                     torch::optim::Optimizer& opt);
+  /// Whether the weights this rank steps are finite (collective for the sharded strategies,
+  /// which agree on one verdict without gathering).
+  virtual bool weights_finite();
   /// The scaler's state for the checkpoint, and back.
   virtual GradScaler* scaler() { return nullptr; }
   virtual std::vector<DeviceReport> devices() const = 0;

@@ -22,12 +22,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <limits>
 #include <sstream>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
+#include "scaletrain/rng.h"
 #include "scaletrain/sampler.h"
 #include "train/report.h"
 #include "train/run_folder.h"
@@ -44,15 +46,6 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Fault injection for the exact-resume tests: SCALETRAIN_KILL_AT_STEP=N makes the first attempt
-// (TORCHELASTIC_RESTART_COUNT 0) of rank 0 kill itself with SIGKILL after global step N.
-int64_t kill_at_step() {
-  const char* at = std::getenv("SCALETRAIN_KILL_AT_STEP");
-  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (at == nullptr || (restart != nullptr && std::string(restart) != "0")) return -1;
-  return std::atoll(at);
-}
-
 // The task with its defaults filled in.
 TrainTask completed(TrainTask t) {
   if (!t.model) throw UsageError("TrainTask::model is not set: give a function that builds it");
@@ -61,7 +54,12 @@ TrainTask completed(TrainTask t) {
   }
   if (!t.loss) {
     t.loss = [](const at::Tensor& out, const at::Tensor& y) {
-      return torch::nn::functional::cross_entropy(out, y);
+      if (out.dim() == 2 && y.sizes() == out.sizes() && at::isFloatingType(y.scalar_type())) {
+        return torch::nn::functional::cross_entropy(out, y);  // class probabilities
+      }
+      check_class_shapes(out, y, "the default loss (cross entropy)");
+      if (out.dim() == 2) return torch::nn::functional::cross_entropy(out, y);
+      return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
     };
   }
   if (!t.optimizer) {
@@ -76,7 +74,7 @@ TrainTask completed(TrainTask t) {
 class Run {
  public:
   Run(const TrainTask& task, const TrainerOptions& o, const Dist& d)
-      : task_(completed(task)), o_(o), d_(d) {}
+      : task_(completed(task)), o_(o), d_(d), default_loss_(!task.loss) {}
   TrainResult go();
 
  private:
@@ -86,6 +84,12 @@ class Run {
   double step(const Batch& b, bool last_micro, int64_t epoch);
   std::map<std::string, double> evaluate();
   void save(int64_t epoch, int64_t step_in_epoch);
+  void restore_rank_state();
+  void check_model_takes(const Batch& sample);
+  void report_differences(const TrainingState& saved);
+  at::Device collective_device() const;
+  std::string agreed_run_id(const std::string& mine);
+  void record_options();
   void finish();
   double lr() const { return opt_->param_groups()[0].options().get_lr(); }
   [[noreturn]] void diverged(const std::string& what, int64_t step, int64_t epoch, double loss);
@@ -94,7 +98,8 @@ class Run {
   const TrainTask task_;
   const TrainerOptions& o_;
   const Dist& d_;
-  std::unique_ptr<Reporter> reporter_;  // made once the run's folder is settled
+  std::unique_ptr<FolderLock> folder_lock_;  // rank 0's, for the whole run
+  std::unique_ptr<Reporter> reporter_;       // made once the run's folder is settled
   RunStart start_;
   Model model_;
   std::unique_ptr<TrainStrategy> strategy_;
@@ -107,11 +112,22 @@ class Run {
   TrainResult r_;
   int64_t samples_ = 0;
   double train_seconds_ = 0;
+  bool default_loss_ = false;  // the task gave no loss: cross entropy over classes
+  uint64_t seed_ = 0;          // the data order's: the options', or the resumed run's
+  double loss_sum_ = 0;        // this rank's losses of the epoch so far (a resumed epoch's too)
+  int64_t loss_n_ = 0;
 };
 
 void Run::setup() {
-  validate(o_, d_.size());
+  require_joined(d_, "train()");
+  validate_trainer_numbers(o_);
+  validate_strategy(o_, d_.size());
+  validate_output(o_, false);
+  // Rank 0 owns the folder for the run (Note [Folder owner] in run_folder.cpp); a second run
+  // is refused here, naming this one.
+  if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
   start_ = plan_run_start(o_);
+  seed_ = o_.seed;
   torch::manual_seed(o_.seed);
   model_ = task_.model();
   if (!model_.module || !model_.forward) {
@@ -121,7 +137,9 @@ void Run::setup() {
   const int64_t n = std::min<int64_t>(task_.train_data.size, 8);
   std::vector<int64_t> first(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) first[static_cast<size_t>(i)] = i;
-  strategy_ = make_strategy(task_, o_, d_, model_, task_.train_data.batch(first, 0).images);
+  const Batch sample = task_.train_data.batch(first, 0);
+  check_model_takes(sample);
+  strategy_ = make_strategy(task_, o_, d_, model_, sample.images);
   opt_ = task_.optimizer(strategy_->parameters());
   for (auto& g : opt_->param_groups()) first_lrs_.push_back(g.options().get_lr());
   if (task_.scheduler) {
@@ -130,11 +148,14 @@ void Run::setup() {
     scheduler_ = task_.scheduler(*opt_);
     scheduler_->step();
   }
+  // The weights came from one seed on every rank (rank 0's win); from here each rank draws its
+  // own stream (Note [Rank streams] in rng.cpp).
+  torch::manual_seed(rank_seed(o_.seed, d_.rank()));
   SamplerOptions so;
   so.dataset_size = task_.train_data.size;
   so.num_replicas = strategy_->data_replicas();
   so.rank = strategy_->data_rank();
-  so.seed = o_.seed;
+  so.seed = seed_;
   sampler_ = std::make_unique<DistributedSampler>(so);
   per_replica_ = o_.batch_size / strategy_->data_replicas();
   state_.model_name = model_.name;
@@ -143,16 +164,28 @@ void Run::setup() {
 
 void Run::resume() {
   // Every rank planned before the strategy's first collective, so no rank has written yet.
-  if (!start_.resume_from) {
-    state_.run_id = start_.run_id;
+  if (!start_.resume_from && !start_.resume_sharded) {
+    state_.run_id = agreed_run_id(start_.run_id);
   } else {
-    const std::string& from = *start_.resume_from;
-    torch::optim::Optimizer* standard =
-        strategy_->saved_optimizer_is_standard() ? opt_.get() : nullptr;
-    state_ = load_checkpoint(from, *model_.module, standard, model_.name);
-    strategy_->weights_loaded();
+    std::string from;
+    if (start_.resume_sharded) {  // every rank reads the shards it needs, at any world size
+      state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_);
+      state_.optimizer_restored = true;
+      from = "the sharded checkpoint of step " + std::to_string(*start_.resume_sharded) + " in " +
+             o_.out_dir;
+    } else {
+      from = *start_.resume_from;
+      torch::optim::Optimizer* standard =
+          strategy_->saved_optimizer_is_standard() ? opt_.get() : nullptr;
+      state_ = load_checkpoint(from, *model_.module, standard, model_.name);
+      strategy_->weights_loaded();
+    }
+    report_differences(state_);
+    if (state_.values.erase("scaletrain/sampler_position_per_rank") > 0) {
+      state_.sampler.position *= strategy_->data_replicas();  // an older file: exact at its world
+    }
     sampler_->load_state(state_.sampler);
-    const bool restored = strategy_->restore_optimizer(*opt_, state_);
+    const bool restored = state_.optimizer_restored || strategy_->restore_optimizer(*opt_, state_);
     if (auto* scaler = strategy_->scaler()) {
       std::map<std::string, at::Tensor> scaler_state;  // fp16's loss scale: an exact resume
       for (const auto& [k, t] : state_.tensors) {
@@ -160,6 +193,7 @@ void Run::resume() {
       }
       scaler->load_state(scaler_state);
     }
+    restore_rank_state();
     if (state_.run_id.empty()) state_.run_id = start_.run_id.empty() ? "resumed" : start_.run_id;
     r_.last_checkpoint = from;
     if (d_.rank() == 0) {
@@ -171,15 +205,136 @@ void Run::resume() {
                                "weights go on, the optimizer starts afresh")
                 << std::endl;
     }
-    if (scheduler_) {  // replay the schedule from the first learning rates to this epoch
-      for (size_t i = 0; i < first_lrs_.size(); ++i)
-        opt_->param_groups()[i].options().set_lr(first_lrs_[i]);
+    // The options' learning rates win over the file's (a resume with a lower --lr is how a
+    // diverged run goes on); a scheduler replays its steps from them to this epoch.
+    for (size_t i = 0; i < first_lrs_.size(); ++i)
+      opt_->param_groups()[i].options().set_lr(first_lrs_[i]);
+    if (scheduler_) {
       for (int64_t e = 0; e < state_.epoch; ++e) scheduler_->step();
     }
   }
   state_.model_name = model_.name;
+  record_options();
   if (d_.rank() == 0) begin_run(o_, start_, state_.run_id, model_.name);
   reporter_ = std::make_unique<Reporter>(o_, d_.rank() == 0);
+}
+
+// Note [Model against data]: one sample through the model on the CPU before any work, and its
+// output against the default loss's shapes, so that a model built for other inputs (LeNet on
+// 32x32 images, an MLP of another width, a toy model on images) fails here with both shapes
+// named, instead of inside the first step in LibTorch's words with a backtrace.
+void Run::check_model_takes(const Batch& sample) {
+  torch::NoGradGuard no_grad;
+  const bool training = model_.module->is_training();
+  model_.module->eval();
+  const at::Tensor x = sample.images.slice(0, 0, 1), y = sample.labels.slice(0, 0, 1);
+  at::Tensor out;
+  try {
+    out = model_.forward(x);
+  } catch (const c10::Error& e) {
+    model_.module->train(training);
+    std::string why = e.what_without_backtrace();
+    why = why.substr(0, why.find('\n'));
+    throw UsageError("the model '" + model_.name + "' cannot take the data's samples (a batch of " +
+                     "one is " + c10::str(x.sizes()) + ", " + c10::toString(x.scalar_type()) +
+                     "): " + why +
+                     ". Build the model for the data's shape (scaletrain train: choose --model "
+                     "for --dataset and --image-size)");
+  }
+  model_.module->train(training);
+  const bool probabilities = at::isFloatingType(y.scalar_type()) && y.sizes() == out.sizes();
+  if (default_loss_ && !probabilities) {
+    check_class_shapes(out, y, "the default loss (cross entropy)");
+  }
+}
+
+// What this run's options say that the resumed one's said otherwise, and which wins: the seed
+// fixes the epoch's data order, so the checkpoint's goes on (each sample of the epoch once);
+// learning rates and the batch size are the options'.
+void Run::report_differences(const TrainingState& saved) {
+  std::vector<std::string> notes;
+  auto it = saved.values.find("trainer/seed");
+  if (it != saved.values.end() && std::stoull(it->second) != o_.seed) {
+    notes.push_back("seed " + std::to_string(o_.seed) + " is not the checkpoint's " + it->second +
+                    ": the checkpoint's goes on (it fixes the data order; start "
+                    "afresh for another seed)");
+    seed_ = std::stoull(it->second);
+    SamplerOptions so{task_.train_data.size,
+                      strategy_->data_replicas(),
+                      strategy_->data_rank(),
+                      true,
+                      seed_,
+                      false};
+    sampler_ = std::make_unique<DistributedSampler>(so);
+  }
+  it = saved.values.find("trainer/lr");
+  if (it != saved.values.end()) {
+    std::ostringstream now;
+    now << std::setprecision(17);
+    for (double lr : first_lrs_) now << (now.tellp() > 0 ? "," : "") << lr;
+    if (now.str() != it->second) {
+      std::ostringstream shown;
+      shown << first_lrs_[0];
+      notes.push_back("learning rate " + shown.str() +
+                      " differs from the checkpoint's: " + shown.str() + " goes on");
+    }
+  }
+  it = saved.values.find("trainer/batch_size");
+  if (it != saved.values.end() && std::stoll(it->second) != o_.batch_size) {
+    notes.push_back("batch size " + std::to_string(o_.batch_size) + " is not the checkpoint's " +
+                    it->second + ": the epoch goes on from the same sample in batches of " +
+                    std::to_string(o_.batch_size));
+  }
+  if (d_.rank() != 0) return;
+  for (const auto& n : notes) std::cout << "resume: " << n << std::endl;
+}
+
+// The options a resume compares against (report_differences()).
+void Run::record_options() {
+  std::ostringstream lrs;
+  lrs << std::setprecision(17);
+  for (double lr : first_lrs_) lrs << (lrs.tellp() > 0 ? "," : "") << lr;
+  state_.values["trainer/seed"] = std::to_string(seed_);
+  state_.values["trainer/lr"] = lrs.str();
+  state_.values["trainer/batch_size"] = std::to_string(o_.batch_size);
+}
+
+// A fresh run's id, rank 0's on every rank: each rank planned its own, and the ranks of a
+// sharded checkpoint must write one id (a shard of another run is not loaded with the rest).
+std::string Run::agreed_run_id(const std::string& mine) {
+  auto bytes = at::zeros({128}, at::kInt);
+  for (size_t i = 0; i < mine.size() && i < 128; ++i) {
+    bytes[static_cast<int64_t>(i)] = static_cast<int>(static_cast<unsigned char>(mine[i]));
+  }
+  auto shared = bytes.to(collective_device());
+  d_.broadcast(shared, 0);
+  shared = shared.cpu();
+  std::string id;
+  for (int64_t i = 0; i < 128 && shared[i].item<int>() != 0; ++i) {
+    id.push_back(static_cast<char>(shared[i].item<int>()));
+  }
+  return id;
+}
+
+at::Device Run::collective_device() const {
+  return d_.backend_name == "nccl" ? strategy_->device() : at::Device(at::kCPU);
+}
+
+// Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the
+// world they were saved at, each rank takes its own; at another, rank 0 carries the loss sums
+// and every rank starts a stream of its own from the step.
+void Run::restore_rank_state() {
+  auto sums = state_.tensors.find("trainer/epoch_loss");
+  if (sums != state_.tensors.end() && state_.step_in_epoch > 0) {
+    const at::Tensor rows = sums->second.to(at::kDouble).reshape({-1, 2});
+    const at::Tensor mine =
+        rows.size(0) == d_.size() ? rows[d_.rank()] : (d_.rank() == 0 ? rows.sum(0) : rows[0] * 0);
+    loss_sum_ = mine[0].item<double>();
+    loss_n_ = static_cast<int64_t>(mine[1].item<double>());
+  }
+  if (!restore_rng_states(state_.tensors, d_)) {
+    torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), d_.rank()));
+  }
 }
 
 LoaderOptions Run::loader_options(int64_t batch, uint64_t seed, int64_t first_batch) const {
@@ -213,18 +368,22 @@ double Run::step(const Batch& b, bool last_micro, int64_t epoch) {
 }
 
 void Run::epoch(int64_t e) {
-  if (e != sampler_->epoch()) sampler_->set_epoch(e);
-  const int64_t batches = (sampler_->num_samples() + per_replica_ - 1) / per_replica_;
-  int64_t done = sampler_->state().position / per_replica_;
+  if (e != sampler_->epoch()) {
+    sampler_->set_epoch(e);
+    loss_sum_ = 0, loss_n_ = 0;
+  }
+  // The batches already trained in this epoch, by every replica (Note [Global position] in
+  // sampler.cpp: the same count at any world size), and those left to this rank.
+  const int64_t global_batch = per_replica_ * strategy_->data_replicas();
+  int64_t done = sampler_->state().position / global_batch;
+  const std::vector<int64_t> remaining = sampler_->remaining();
+  const int64_t batches =
+      done + (static_cast<int64_t>(remaining.size()) + per_replica_ - 1) / per_replica_;
   // Augmentation differs per epoch and data replica; a resumed epoch sees the same batches.
-  const uint64_t seed = (o_.seed * 1000003 + static_cast<uint64_t>(e)) * 1009 +
+  const uint64_t seed = (seed_ * 1000003 + static_cast<uint64_t>(e)) * 1009 +
                         static_cast<uint64_t>(strategy_->data_rank());
-  Loader loader(task_.train_data.batch, sampler_->remaining(),
-                loader_options(per_replica_, seed, done));
+  Loader loader(task_.train_data.batch, remaining, loader_options(per_replica_, seed, done));
   const auto t0 = Clock::now();
-  double loss_sum = 0;
-  int64_t loss_n = 0;
-  const int64_t kill_step = kill_at_step();
   while (auto b = loader.next()) {
     const bool last_micro = (done + 1) % o_.accumulate == 0 || done + 1 == batches;
     double loss = step(*b, last_micro, e);
@@ -232,14 +391,17 @@ void Run::epoch(int64_t e) {
     ++done;
     ++state_.global_step;
     samples_ += b->labels.size(0) * strategy_->data_replicas();
-    if (std::isfinite(loss)) loss_sum += loss, ++loss_n;
+    if (std::isfinite(loss)) loss_sum_ += loss, ++loss_n_;
+    StepReport report{e + 1, done, state_.global_step, loss, false};
     if (o_.log_every > 0 && state_.global_step % o_.log_every == 0)
       loss = strategy_->reported_loss(loss);
-    reporter_->step(e, done, batches, state_.global_step, loss, loss_n ? loss_sum / loss_n : loss,
-                    lr(), since(t0));
-    if (o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0 && last_micro)
+    reporter_->step(e, done, batches, state_.global_step, loss,
+                    loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : loss, lr(), since(t0));
+    if (o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0 && last_micro) {
       save(e, done);
-    if (kill_step > 0 && state_.global_step == kill_step && d_.rank() == 0) raise(SIGKILL);
+      report.checkpointed = true;
+    }
+    if (task_.on_step) task_.on_step(report);
   }
   // A rank whose batches ran out says so before anything else collective (Note [Uneven
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
@@ -247,10 +409,16 @@ void Run::epoch(int64_t e) {
   EpochReport report;
   report.seconds = since(t0);
   train_seconds_ += report.seconds;
-  report.loss = strategy_->reported_loss(loss_n ? loss_sum / loss_n : 0);
+  // The epoch's loss over every replica's batches, a resumed epoch's before the resume too.
+  auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
+  sums = sums.to(collective_device());
+  d_.all_reduce(sums);
+  sums = sums.cpu();
+  report.loss = sums[1].item<double>() > 0 ? sums[0].item<double>() / sums[1].item<double>() : 0;
   report.metrics = evaluate();
   if (scheduler_) scheduler_->step();
   sampler_->set_epoch(e + 1);
+  loss_sum_ = 0, loss_n_ = 0;
   save(e + 1, 0);
   report.epoch = e + 1;
   report.global_step = state_.global_step;
@@ -291,7 +459,7 @@ std::map<std::string, double> Run::evaluate() {
     position += rows;
   }
   strategy_->train_mode(true);
-  auto summed = sums.to(d_.backend_name == "nccl" ? dev : at::Device(at::kCPU));
+  auto summed = sums.to(collective_device());
   d_.all_reduce(summed);
   summed = summed.cpu();
   const double counted = summed[static_cast<int64_t>(k)].item<double>();
@@ -302,16 +470,26 @@ std::map<std::string, double> Run::evaluate() {
 }
 
 void Run::save(int64_t epoch, int64_t step_in_epoch) {
-  strategy_->gather_weights();
-  if (!all_finite(model_.module->parameters())) {
+  const bool sharded = o_.checkpoint_format == CheckpointFormat::kSharded;
+  if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
+  if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
     diverged("the weights hold NaN or inf", state_.global_step, epoch, r_.final_loss);
   }
   state_.epoch = epoch;
   state_.step_in_epoch = step_in_epoch;
   state_.sampler = sampler_->state();
   state_.tensors.clear();
+  // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
+  state_.tensors = gather_rng_states(d_, collective_device());
+  auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
+  state_.tensors["trainer/epoch_loss"] =
+      at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
   if (auto* scaler = strategy_->scaler()) {
     for (const auto& [k, t] : scaler->state()) state_.tensors["scaler/" + k] = t;
+  }
+  if (sharded) {
+    r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep);
+    return;
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
   if (d_.rank() == 0) save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
+#include "scaletrain/version.h"
 #include "train/run_folder.h"
 
 namespace scaletrain {
@@ -74,6 +76,18 @@ void validate_strategy(const TrainerOptions& o, int world) {
     refuse("--devices is for dp and pipeline; --strategy " + name +
            " runs one device per process (--device)");
   }
+  const int gpus = cuda_device_count();
+  for (const auto& dev : o.devices) {  // before any tensor goes there (CUDA's own error is a trace)
+    if (dev.rfind("cuda", 0) != 0) continue;
+    const int index = dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0;
+    if (index >= gpus) {
+      refuse("--devices lists " + dev + ", and this machine has " +
+             (gpus == 0
+                  ? std::string("no GPU that CUDA can see")
+                  : std::to_string(gpus) + " GPU(s), cuda:0 to cuda:" + std::to_string(gpus - 1)) +
+             ": list devices it has (cpu,cpu runs anywhere)");
+    }
+  }
   if (pipeline && !o.devices.empty() && o.devices.size() < 2) {
     refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
   }
@@ -99,6 +113,10 @@ void validate_strategy(const TrainerOptions& o, int world) {
                                "own, which autocast does not reach yet)")));
   }
   if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
+  if (!zero && o.checkpoint_format == CheckpointFormat::kSharded) {
+    refuse("--checkpoint-format sharded is for the sharded strategies (zero1, zero2, fsdp), not " +
+           name + "; its checkpoints are one file (--checkpoint-format full)");
+  }
   if (o.stages_per_device < 1) {
     refuse("--stages-per-device " + std::to_string(o.stages_per_device) + " must be at least 1");
   }
@@ -169,7 +187,7 @@ void validate_strategy(const TrainerOptions& o, int world) {
   }
 }
 
-void validate_output(const TrainerOptions& o) {
+void validate_output(const TrainerOptions& o, bool check_owner) {
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
   const std::string probe = o.out_dir + "/.writable";
@@ -178,6 +196,10 @@ void validate_output(const TrainerOptions& o) {
                      "' is not writable; choose another with --out");
   }
   fs::remove(probe, ec);
+  if (auto holder = check_owner ? FolderLock::holder(o.out_dir) : std::nullopt) {
+    throw UsageError("the output folder '" + o.out_dir + "' is in use by a live run (" + *holder +
+                     "): wait for it to end, stop it, or choose another --out");
+  }
   if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
     throw UsageError("--resume '" + o.resume + "': no such checkpoint (use auto, none or a file)");
   }

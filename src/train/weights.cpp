@@ -22,6 +22,7 @@
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
+#include "train/atomic_file.h"
 
 namespace scaletrain {
 
@@ -152,16 +153,7 @@ void save_weights(const std::string& path, const torch::nn::Module& model) {
     state.emplace_back(name, t.detach().cpu().contiguous());
   const std::vector<char> bytes =
       ends_with(path, ".safetensors") ? safetensors_bytes(state) : torch_save_bytes(state);
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!f.flush()) {
-      throw Error("cannot write model weights to '" + path + "'; check that the folder exists " +
-                  "and is writable");
-    }
-  }
-  std::filesystem::rename(tmp, path);
+  write_atomically(path, std::string_view(bytes.data(), bytes.size()), "model weights");
 }
 
 void load_weights(const std::string& path, torch::nn::Module& model) {

@@ -76,6 +76,21 @@ class ZeroStrategy : public TrainStrategy {
     zero_->load_full_optimizer_state(opt, full);
     return true;
   }
+  std::string save_sharded(const std::string& dir, const TrainingState& state,
+                           const torch::optim::Optimizer& opt, int keep) override {
+    return zero_->save(dir, state, opt, keep);
+  }
+  TrainingState load_sharded(const std::string& dir, int64_t step,
+                             torch::optim::Optimizer& opt) override {
+    return zero_->load(dir, step, opt, /*reshard=*/true);
+  }
+  // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
+  bool weights_finite() override {
+    auto finite = at::full({1}, all_finite(zero_->parameters()) ? 1.0 : 0.0,
+                           at::TensorOptions().device(dev_));
+    dist_.all_reduce(finite, c10d::ReduceOp::MIN);
+    return finite.item<double>() > 0.5;
+  }
   std::vector<DeviceReport> devices() const override {
     int64_t n = 0;
     for (const auto& s : zero_->parameters()) n += s.numel();

@@ -7,6 +7,8 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
 #include <filesystem>
 
 #include "scaletrain/checkpoint.h"
@@ -34,6 +36,42 @@ void validate_zoo_numbers(const TrainOptions& o) {
   require(o.limit_train >= 0, "--limit-train", o.limit_train, "0 (every sample) or more");
   require(o.limit_test >= 0, "--limit-test", o.limit_test, "0 (every sample) or more");
   require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
+  require(o.dropout >= 0 && o.dropout < 1, "--dropout", o.dropout, "in [0, 1), e.g. 0.1");
+  if (o.dropout > 0 && o.model != "mlp") {
+    throw UsageError("--dropout is for --model mlp (the zoo's other models have no dropout)");
+  }
+}
+
+// Fault injection for the exact-resume tests: SCALETRAIN_KILL_AT_STEP=N makes the first attempt
+// (TORCHELASTIC_RESTART_COUNT 0) of rank 0 kill itself with SIGKILL after global step N.
+std::function<void(const StepReport&)> kill_at_step_hook() {
+  const char* at = std::getenv("SCALETRAIN_KILL_AT_STEP");
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const char* rank = std::getenv("RANK");
+  if (at == nullptr || (restart != nullptr && std::string(restart) != "0") ||
+      (rank != nullptr && std::string(rank) != "0")) {
+    return {};
+  }
+  const int64_t step = std::atoll(at);
+  return [step](const StepReport& r) {
+    if (r.global_step == step) ::raise(SIGKILL);
+  };
+}
+
+// The zoo's models against the data's shape (the trainer checks any model with one sample too,
+// Note [Model against data]; these say which flag to change).
+void validate_zoo_shapes(const TrainOptions& o) {
+  if (o.model == "toy") {
+    throw UsageError(
+        "--model toy takes 10 numbers per sample (seed 000's toy), and the zoo's data sets are "
+        "images: use --model mlp, lenet or a resnet");
+  }
+  if (o.model == "lenet" && o.dataset == "folder" && o.image_size != 28) {
+    throw UsageError("--model lenet takes 28x28 images (its fc1 reads 50x4x4), and --image-size " +
+                     std::to_string(o.image_size) +
+                     " crops the folder's to that size: give --image-size 28, or use --model "
+                     "resnet18 (any size)");
+  }
 }
 
 void validate_zoo_names(const TrainOptions& o) {
@@ -85,6 +123,7 @@ Data load(const TrainOptions& o) {
     d.test = image_folder(test, o.limit_test);
     d.model.num_classes = static_cast<int64_t>(train->classes().size());
     d.model.in_channels = 3;
+    d.model.in_features = 3 * o.image_size * o.image_size;  // an MLP reads the whole image
     return d;
   }
   Dataset train, test;
@@ -97,6 +136,7 @@ Data load(const TrainOptions& o) {
   }
   d.model.num_classes = train.num_classes;
   d.model.in_channels = train.images.size(1);
+  d.model.in_features = train.images[0].numel();
   d.train = in_memory(std::move(train), o.limit_train);
   d.test = in_memory(std::move(test), o.limit_test);
   return d;
@@ -123,6 +163,7 @@ void validate_zoo_balance(const TrainOptions& o) {
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
+  validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);
   validate_zoo_balance(o);
 }
@@ -132,6 +173,7 @@ TrainTask zoo_task(const TrainOptions& o) {
   TrainTask t;
   t.train_data = data.train;
   t.test_data = data.test;
+  data.model.dropout = o.dropout;
   t.model = [name = o.model, mo = data.model, init = o.init_weights] {
     Model m = make_model(name, mo);
     if (!init.empty()) load_weights(init, *m.module);
@@ -155,6 +197,7 @@ TrainTask zoo_task(const TrainOptions& o) {
       return std::make_unique<CosineLR>(opt, o.epochs);
     };
   }
+  t.on_step = kill_at_step_hook();
   return t;
 }
 

@@ -240,7 +240,8 @@ void SharedGroup::barrier(const std::string& what) {
                    std::chrono::duration_cast<std::chrono::seconds>(options_.timeout).count()) +
                " s (collective timeout): rank(s) " + missing +
                " never joined it. Look for a rank that stalled or took another code "
-               "path; raise InitOptions::timeout if the work is just slow.");
+               "path; raise the timeout if the work is just slow (`scaletrain train --timeout "
+               "SECONDS`, or InitOptions::timeout in a program).");
     }
   }
 }

@@ -681,6 +681,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
                                          ShardOptions options)
     : module_(std::move(module)), dist_(std::move(dist)), options_(options) {
   if (!module_) throw UsageError("ShardedDataParallel: the module is null");
+  require_joined(dist_, "ShardedDataParallel");
   if (auto chain = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
     auto c = collect_chain(*chain);
     impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),

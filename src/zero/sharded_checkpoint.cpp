@@ -56,8 +56,10 @@ std::string value_of(const TrainingState& s, const std::string& key, const std::
   return it->second;
 }
 
-// The worlds that saved `step` in `dir`, with every rank's file present and sound.
-std::vector<int> complete_worlds(const std::string& dir, int64_t step) {
+// The worlds that saved `step` in `dir`, with every rank's file present and sound. `damaged`,
+// when given, gets a line for each world left out for a file that is there but unsound.
+std::vector<int> complete_worlds(const std::string& dir, int64_t step,
+                                 std::vector<std::string>* damaged = nullptr) {
   std::vector<int> worlds;
   std::error_code ec;
   for (auto& e : fs::directory_iterator(dir, ec)) {
@@ -73,7 +75,13 @@ std::vector<int> complete_worlds(const std::string& dir, int64_t step) {
     std::optional<std::string> run;
     for (int r = 0; ok && r < n; ++r) {
       const auto path = checkpoint_path(shard_dir(dir, n, r), step);
-      ok = fs::exists(path) && !checkpoint_problem(path);
+      const auto problem = fs::exists(path) ? checkpoint_problem(path) : std::nullopt;
+      if (problem && damaged) {
+        damaged->push_back("the sharded checkpoint of step " + std::to_string(step) + " saved by " +
+                           std::to_string(n) + " ranks: rank " + std::to_string(r) + "'s file " +
+                           path + " " + *problem);
+      }
+      ok = fs::exists(path) && !problem;
       if (!ok) break;
       auto this_run = checkpoint_run(path);
       if (r == 0) run = this_run;
@@ -335,7 +343,10 @@ std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {
     }
   }
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (!complete_worlds(dir, *it).empty()) return *it;
+    std::vector<std::string> damaged;
+    const bool complete = !complete_worlds(dir, *it, &damaged).empty();
+    for (const auto& d : damaged) report_skipped(d);
+    if (complete) return *it;
   }
   return std::nullopt;
 }

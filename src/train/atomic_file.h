@@ -1,0 +1,21 @@
+#pragma once
+// Atomic file writes (internal): a temporary file of the writer's own, flushed to the disk,
+// then renamed over the target, so a reader sees the old file or the new one, never a part.
+// Every writer has its own temporary name (process, thread and a count), so writers of one
+// path at once never collide (the last rename wins whole), and a failed write removes its
+// temporary before it throws: nothing but the target is ever left.
+
+#include <string>
+#include <string_view>
+
+namespace scaletrain {
+
+/// The temporary path a write of `path` uses: `path` + ".<pid>-<n>.tmp".
+std::string temporary_path(const std::string& path);
+
+/// Writes `bytes` to `path` atomically and durably (file and folder synced). Throws Error naming
+/// `what` and `path` (and the fix: a writable folder, space on the disk) on any failure, with
+/// the temporary file removed.
+void write_atomically(const std::string& path, std::string_view bytes, const std::string& what);
+
+}  // namespace scaletrain

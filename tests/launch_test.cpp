@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <thread>
 
@@ -408,6 +409,74 @@ TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveAKilledLauncher) {
   waitpid(launcher, nullptr, 0);
   for (pid_t p : survivors(pids)) ADD_FAILURE() << "process " << p << " outlived the launcher";
   fs::remove_all(pids);
+}
+
+// The VmRSS or VmHWM line of /proc/<pid>/status, in kB (-1 when unreadable).
+long status_kb(pid_t pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::stol(line.substr(key.size() + 1));
+  }
+  return -1;
+}
+
+// Issue: the launcher was 352 MB resident before any worker started: it was the trainer's own
+// binary and loaded LibTorch, which it never uses. `scaletrain run` is now a small front without
+// LibTorch. Budget: 64 MB resident (it measures a few MB; the full tool is over 300 MB).
+TEST(Launch, LauncherDoesNotCarryLibTorch) {
+  auto pids = temp_dir("small");
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string cmd = "PID_DIR=" + pids.string() + " exec " + cli_path() +
+                            " run --nproc-per-node 2 --master-port 0 --grace-period 1 -- " +
+                            script_path("pid_and_sleep.sh") + " >/dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 200 && read_pids(pids).size() < 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(read_pids(pids).size(), 4u) << "workers did not start";
+  const long rss = status_kb(launcher, "VmRSS"), hwm = status_kb(launcher, "VmHWM");
+  std::ifstream maps("/proc/" + std::to_string(launcher) + "/maps");
+  const std::string mapped((std::istreambuf_iterator<char>(maps)),
+                           std::istreambuf_iterator<char>());
+  kill(launcher, SIGTERM);
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  EXPECT_GT(rss, 0);
+  EXPECT_LT(rss, 64 * 1024) << "the launcher is " << rss << " kB resident";
+  EXPECT_LT(hwm, 64 * 1024) << "the launcher peaked at " << hwm << " kB";
+  EXPECT_FALSE(contains(mapped, "libtorch")) << "the launcher maps LibTorch";
+  fs::remove_all(pids);
+}
+
+// The front hands every other subcommand to the full tool, and still answers for all of them.
+TEST(Launch, FrontHandsOtherSubcommandsToTheFullTool) {
+  auto version = run_command(cli_path() + " --version");
+  EXPECT_EQ(version.exit_code, 0) << version.output;
+  EXPECT_TRUE(std::regex_search(version.output, std::regex("^scaletrain [0-9.]+ \\(LibTorch ")))
+      << version.output;
+  auto train_help = run_command(cli_path() + " train --help");
+  EXPECT_EQ(train_help.exit_code, 0) << train_help.output;
+  EXPECT_TRUE(contains(train_help.output, "--strategy")) << train_help.output;
+  auto help = run_command(cli_path() + " --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  for (const char* sub : {"run", "train", "check", "bench", "--version"}) {
+    EXPECT_TRUE(contains(help.output, sub)) << sub << "\n" << help.output;
+  }
+  EXPECT_FALSE(contains(help.output, "bench-worker")) << "an internal subcommand is listed";
+  auto unknown = run_command(cli_path() + " frobnicate");
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate'")) << unknown.output;
+  auto bad_flag = run_command(cli_path() + " train --frobnicate");
+  EXPECT_EQ(bad_flag.exit_code, 2) << bad_flag.output;
+  EXPECT_TRUE(contains(bad_flag.output, "--frobnicate")) << bad_flag.output;
+  auto run_help = run_command(cli_path() + " run --help");
+  EXPECT_EQ(run_help.exit_code, 0) << run_help.output;
+  EXPECT_TRUE(contains(run_help.output, "--nproc-per-node")) << run_help.output;
 }
 
 struct BadInput {

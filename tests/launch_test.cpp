@@ -290,6 +290,20 @@ TEST(Launch, FirstOwnFailureIsNamedAndTheLaterOneListed) {
       << r.output;
 }
 
+// LibTorch's errors print some 25 backtrace frames under their message: the summary quotes the
+// message, the frames counted as one line.
+TEST(Launch, BacktraceDoesNotPushTheErrorOutOfTheSummary) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 --quiet -- sh -c "
+                       "'echo \"error: mat1 and mat2 shapes cannot be multiplied\" >&2; "
+                       "for i in $(seq 0 30); do echo \"frame #$i: f$i() + 0x10\" >&2; done; "
+                       "echo >&2; exit 1'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "    error: mat1 and mat2 shapes cannot be multiplied\n"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "    [31 backtrace frame(s) left out]\n")) << r.output;
+}
+
 // Output a worker wrote just before it died is read to the end, a last line with no newline too.
 TEST(Launch, OutputWrittenJustBeforeDyingIsNotLost) {
   auto r = run_command(cli_path() +
@@ -387,6 +401,15 @@ TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveTheJob) {
     for (pid_t p : survivors(pids)) ADD_FAILURE() << "process " << p << " outlived the job";
     fs::remove_all(pids);
   }
+}
+
+// The guardian takes in what a running worker leaves behind (Note [Guardian]): it reaps those
+// orphans as they end, so that a long job that keeps daemonising does not fill up with zombies.
+TEST(Launch, OrphansOfARunningWorkerDoNotLingerAsZombies) {
+  auto r = run_command(cli_path() + " run --nproc-per-node 1 --master-port 0 -- " +
+                       script_path("orphans.sh"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:zombies 0\n")) << r.output;
 }
 
 // ... and when the launcher is killed outright (SIGKILL), the guardians sweep them.

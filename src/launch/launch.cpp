@@ -78,8 +78,9 @@ void on_launcher_death(int) {
 
 int relay_exit_of(pid_t prog) {
   int status = 0;
-  while (waitpid(prog, &status, 0) < 0) {
-    if (errno != EINTR) return 126;
+  // Also reaps the orphans re-parented here as they end, so that none lingers as a zombie.
+  for (pid_t pid; (pid = waitpid(-1, &status, 0)) != prog;) {
+    if (pid < 0 && errno != EINTR) return 126;
   }
   if (g_launcher_died) guardian_kill_everything();
   if (WIFSIGNALED(status)) {
@@ -200,6 +201,7 @@ struct Worker {
   Stream out, err;         // read ends of its stdout and stderr pipes
   std::deque<std::string> err_tail;
   bool tail_redraws = false;  // the last tail line ended in '\r': the next one replaces it
+  int backtrace_frames = 0;   // the last tail line stands for this many backtrace frames
   bool exited = false;
   int status = 0;
   Clock::time_point exit_time{};
@@ -355,7 +357,21 @@ void Group::start() {
   }
 }
 
+// A line of a C++ backtrace, as LibTorch's errors print some 25 under their message.
+bool is_backtrace_frame(std::string_view text) {
+  const size_t start = text.find_first_not_of(" \t");
+  return start != std::string_view::npos && text.substr(start, 7) == "frame #";
+}
+
 void Group::remember(Worker& w, std::string_view text, char end) {
+  // A backtrace counts as one line, so that it does not push its error message out of the tail.
+  if (is_backtrace_frame(text)) {
+    if (w.backtrace_frames == 0) w.err_tail.emplace_back();
+    w.err_tail.back() = fmt::format("[{} backtrace frame(s) left out]", ++w.backtrace_frames);
+    w.tail_redraws = false;
+    return;
+  }
+  w.backtrace_frames = 0;
   std::string line(text.substr(0, kQuoteBytes));
   if (text.size() > kQuoteBytes)
     line += fmt::format(" [... {} bytes more]", text.size() - kQuoteBytes);
@@ -585,6 +601,15 @@ const Worker* Group::root_cause() const {
   return first_own != nullptr ? first_own : first;
 }
 
+// A worker's last non-blank error line that is not a backtrace, for a one-line mention.
+std::string last_words(const std::deque<std::string>& tail) {
+  for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
+    if (it->find_first_not_of(" \t") == std::string::npos || (*it)[0] == '[') continue;
+    return ": " + it->substr(0, 200);
+  }
+  return "";
+}
+
 std::string how_it_ended(int status) {
   return WIFSIGNALED(status) ? fmt::format("was killed by {}", signal_name(WTERMSIG(status)))
                              : fmt::format("exited with code {}", WEXITSTATUS(status));
@@ -608,11 +633,10 @@ std::string Group::others_summary(const Worker& root) const {
     }
     listed += 1;
     const bool earlier = w.exit_time < root.exit_time;
-    msg += fmt::format("  rank {} (pid {}) {} {}{}{}\n", w.rank,
-                       w.program_pid > 0 ? w.program_pid : w.pid, how_it_ended(w.status),
-                       earlier ? "before it" : "after it",
-                       reads_as_consequence(w.err_tail) ? ", as a consequence" : "",
-                       w.err_tail.empty() ? "" : ": " + w.err_tail.back().substr(0, 200));
+    msg += fmt::format(
+        "  rank {} (pid {}) {} {}{}{}\n", w.rank, w.program_pid > 0 ? w.program_pid : w.pid,
+        how_it_ended(w.status), earlier ? "before it" : "after it",
+        reads_as_consequence(w.err_tail) ? ", as a consequence" : "", last_words(w.err_tail));
   }
   if (more > 0) msg += fmt::format("  and {} more rank(s) failed after it\n", more);
   if (stopped > 0) msg += fmt::format("  {} other worker(s) were stopped\n", stopped);

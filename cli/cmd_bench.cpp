@@ -29,8 +29,7 @@ std::string suite_list() {
 }  // namespace
 
 void add_bench_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand(
-      "bench", "Rerun the seeds' experiments: raw CSV, JSON statistics, PNG plots and a report");
+  auto* cmd = app.add_subcommand("bench", kBenchDescription);
   struct Args {
     std::string suite;
     bool quick = false, full = false;
@@ -80,7 +79,7 @@ void add_bench_command(CLI::App& app, Action& action) {
     };
   });
 
-  auto* worker = app.add_subcommand("bench-worker", "");  // internal: one rank of a suite
+  auto* worker = app.add_subcommand("bench-worker", kBenchWorkerDescription);
   worker->group("");
   struct WorkerArgs {
     std::string suite, csv;

@@ -16,11 +16,7 @@
 namespace scaletrain::cli {
 
 void add_check_command(CLI::App& app, Action& action) {
-  auto* cmd =
-      app.add_subcommand("check",
-                         "Join the process group (from torchrun/Slurm/MPI variables) and verify "
-                         "all-reduce, broadcast, barrier and DDP's gradient sum across every "
-                         "rank");
+  auto* cmd = app.add_subcommand("check", kCheckDescription);
   struct Args {
     std::string backend = "auto";
     int64_t numel = 1 << 20;

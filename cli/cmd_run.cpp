@@ -42,9 +42,7 @@ int parse_nproc_per_node(const std::string& value, int auto_value) {
 }
 
 void add_run_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("run",
-                                 "Start the workers of a program on this node, torchrun-style: "
-                                 "scaletrain run [options] -- PROGRAM [ARGS...]");
+  auto* cmd = app.add_subcommand("run", kRunDescription);
   struct Args {
     LaunchOptions o;
     std::string nproc = "1";

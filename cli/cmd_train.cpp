@@ -144,10 +144,7 @@ void apply_strategy_flags(Args& a) {
 }  // namespace
 
 void add_train_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand(
-      "train",
-      "Train a model of the zoo with ddp, dp, a pipeline or a grid (default: LeNet on "
-      "Fashion-MNIST with DDP over the local devices)");
+  auto* cmd = app.add_subcommand("train", kTrainDescription);
   auto args = std::make_shared<Args>();
   auto& o = args->o;
   cmd->add_option("--model", o.model, "toy, mlp, lenet, resnet18, resnet50 or resnet101")

@@ -2,7 +2,8 @@
 # project of its own builds against scaletrain with
 #   find_package(scaletrain 0.1 REQUIRED)        # -DCMAKE_PREFIX_PATH=PREFIX
 #   target_link_libraries(app PRIVATE scaletrain::scaletrain)
-# (docs/library.md). The tool, when built, is installed too.
+# (docs/library.md). The tool, when built, is installed too: the front `scaletrain` in bin/, the
+# full tool it hands subcommands to in libexec/scaletrain/ (Note [Front] in cli/commands.h).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -15,6 +16,7 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/scaletrain
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
 if(TARGET scaletrain_cli)
   install(TARGETS scaletrain_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  install(TARGETS scaletrain_tool RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/scaletrain)
 endif()
 
 set(SCALETRAIN_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/scaletrain)

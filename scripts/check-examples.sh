@@ -15,16 +15,23 @@ say() { printf '[examples] %s\n' "$*"; }
 if [ "$what" = install ]; then
   rm -rf "$prefix"
   cmake --install "$build" --prefix "$prefix" > /dev/null
-  # The installed tool finds its library beside it (RUNPATH $ORIGIN/../lib), with no
-  # LD_LIBRARY_PATH and whatever folder the prefix is in (regression: a first configure once left
-  # the RUNPATH at $ORIGIN/../ and every installed tool failed to start).
+  # The installed front (bin/scaletrain) needs no LibTorch and hands every subcommand but `run`
+  # to the full tool in libexec/scaletrain/, which finds its library (RUNPATH
+  # $ORIGIN/../../lib), with no LD_LIBRARY_PATH and whatever folder the prefix is in
+  # (regression: a first configure once left the RUNPATH at $ORIGIN/../ and every installed tool
+  # failed to start).
   tool=$prefix/bin/scaletrain
   if [ -x "$tool" ]; then
-    runpath=$(readelf -d "$tool" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')
+    full=$(find "$prefix" -path '*/scaletrain/scaletrain-tool' -type f | head -1)
+    [ -n "$full" ] || { say "the full tool (libexec/scaletrain/scaletrain-tool) was not installed"; exit 1; }
+    runpath=$(readelf -d "$full" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')
     case ":$runpath:" in
-      *':$ORIGIN/../lib:'* | *':$ORIGIN/../lib64:'* | *':$ORIGIN/../lib/'*) ;;
-      *) say "the installed tool's RUNPATH does not name its library folder: $runpath"; exit 1 ;;
+      *':$ORIGIN/../../lib:'* | *':$ORIGIN/../../lib64:'* | *':$ORIGIN/../../lib/'*) ;;
+      *) say "the installed full tool's RUNPATH does not name its library folder: $runpath"; exit 1 ;;
     esac
+    if readelf -d "$tool" | grep -q 'libtorch\|libscaletrain\|libc10'; then
+      say "the installed front links LibTorch or libscaletrain"; exit 1
+    fi
     moved=$(mktemp -d)
     cp -a "$prefix" "$moved/p"
     env -u LD_LIBRARY_PATH "$moved/p/bin/scaletrain" --version > /dev/null ||

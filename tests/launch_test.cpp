@@ -2,12 +2,14 @@
 // workers, so that they exercise exactly what a user runs.
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <thread>
 
@@ -242,6 +244,262 @@ TEST(Launch, SigintWhileStartingWorkersStopsAtOnce) {
   }
   for (pid_t p : started) EXPECT_FALSE(alive(p)) << "process " << p << " outlived the launcher";
   fs::remove_all(pids);
+}
+
+// Issue: when rank 1 failed (a corrupt input in its share of the data), rank 0 saw its peer
+// leave and exited first; the launcher named rank 0, stopped rank 1 before it printed, and the
+// only message left was rank 0's "rank 1 left the group ... Its own error ... says why". The
+// launcher names the rank whose error is its own, with that error, even with nothing on the
+// terminal (--quiet) and no --log-dir; the other failure is listed as a consequence.
+TEST(Launch, RankThatSawItsPeerLeaveIsNotNamedAsTheCause) {
+  for (const char* print_first : {"0", "1"}) {
+    for (int run = 0; run < 4; ++run) {
+      auto mark = temp_dir("consequence");
+      auto r =
+          run_command(std::string("PRINT_FIRST=") + print_first + " MARK=" + mark.string() + " " +
+                      cli_path() + " run --nproc-per-node 3 --master-port 0 --quiet -- " +
+                      script_path("consequence_first.sh"));
+      fs::remove_all(mark);
+      SCOPED_TRACE(std::string("PRINT_FIRST=") + print_first + ", run " + std::to_string(run));
+      EXPECT_EQ(r.exit_code, 1) << r.output;
+      EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1, node 0")) << r.output;
+      EXPECT_TRUE(contains(r.output, "exited with code 3\n")) << r.output;
+      EXPECT_TRUE(contains(r.output, "    error: corrupt input in shard 3 at record 1207\n"))
+          << r.output;
+      EXPECT_TRUE(std::regex_search(
+          r.output, std::regex("  rank 0 \\(pid [0-9]+\\) exited with code 1 before it, as a "
+                               "consequence: all-reduce of bucket 0 failed: rank 1 left")))
+          << r.output;
+      EXPECT_TRUE(contains(r.output, "1 other worker(s) were stopped")) << r.output;
+      EXPECT_FALSE(contains(r.output, "rank 0 (local rank 0")) << r.output;
+    }
+  }
+}
+
+// When both errors are a rank's own, the first failure in time is the one named.
+TEST(Launch, FirstOwnFailureIsNamedAndTheLaterOneListed) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 -- sh -c "
+                       "'if [ $RANK = 0 ]; then sleep 0.3; echo late failure >&2; exit 4; fi; "
+                       "echo early failure >&2; exit 6'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1, node 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "    early failure\n")) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("  rank 0 \\(pid [0-9]+\\) exited with code 4 after it: late failure")))
+      << r.output;
+}
+
+// LibTorch's errors print some 25 backtrace frames under their message: the summary quotes the
+// message, the frames counted as one line.
+TEST(Launch, BacktraceDoesNotPushTheErrorOutOfTheSummary) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 --quiet -- sh -c "
+                       "'echo \"error: mat1 and mat2 shapes cannot be multiplied\" >&2; "
+                       "for i in $(seq 0 30); do echo \"frame #$i: f$i() + 0x10\" >&2; done; "
+                       "echo >&2; exit 1'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "    error: mat1 and mat2 shapes cannot be multiplied\n"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "    [31 backtrace frame(s) left out]\n")) << r.output;
+}
+
+// Output a worker wrote just before it died is read to the end, a last line with no newline too.
+TEST(Launch, OutputWrittenJustBeforeDyingIsNotLost) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 2 --master-port 0 -- sh -c "
+                       "'seq 1 20000 >&2; printf \"last words, no newline\" >&2; exit 9'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:20000\n")) << r.output.substr(r.output.size() - 2000);
+  EXPECT_TRUE(contains(r.output, "[rank1]:20000\n")) << r.output.substr(r.output.size() - 2000);
+  EXPECT_TRUE(contains(r.output, "    last words, no newline\n"))
+      << r.output.substr(r.output.size() - 2000);
+}
+
+// Issue: a worker drawing a progress bar with '\r' and no '\n' grew the launcher without bound
+// (a whole output line was held in memory), and a 50 MB line was quoted whole in the failure
+// summary, --quiet or not. The launcher now holds at most 64 KiB of a line, and the summary
+// stays short.
+TEST(Launch, ProgressBarWithoutNewlineDoesNotGrowTheLauncher) {
+  auto logs = temp_dir("bar");
+  auto r = run_command("MB=40 " + cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 --quiet --log-dir " +
+                       logs.string() + " -- " + script_path("progress_bar.sh"));
+  EXPECT_EQ(r.exit_code, 1) << r.output.substr(0, 4000);
+  EXPECT_LT(r.output.size(), 16u * 1024) << r.output.substr(0, 4000);
+  EXPECT_TRUE(contains(r.output, "rank 0 (local rank 0, node 0")) << r.output.substr(0, 4000);
+  EXPECT_TRUE(contains(r.output, "    error: the bar broke\n")) << r.output.substr(0, 4000);
+  std::ifstream out(logs / "attempt_0" / "rank_0.stdout");
+  std::string word;
+  long before = 0, after = 0;
+  ASSERT_TRUE(out >> word >> before >> after) << "the worker did not report the launcher's memory";
+  // 80 MB went through the launcher; a few MB of growth is allocator noise, not a held line.
+  EXPECT_LT(after - before, 8 * 1024)
+      << "launcher VmHWM grew from " << before << " kB to " << after << " kB";
+  // The log keeps every byte, as it came.
+  EXPECT_EQ(fs::file_size(logs / "attempt_0" / "rank_0.stderr"), 80000000u + 22u);
+  fs::remove_all(logs);
+}
+
+// '\r' ends a segment too: each gets the rank's prefix, and keeps its '\r' so a bar redraws.
+TEST(Launch, CarriageReturnSegmentsGetTheRankPrefix) {
+  auto r = run_command(
+      cli_path() +
+      " run --nproc-per-node 1 --master-port 0 -- printf '\\rstep 1\\rstep 2\\r\\ndone\\n'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:step 1\r[rank0]:step 2\n[rank0]:done\n")) << r.output;
+}
+
+// A line longer than 64 KiB is cut, the cut marked, and goes on as the next line.
+TEST(Launch, OverlongLineIsCutAndMarked) {
+  auto r = run_command(cli_path() +
+                       " run --nproc-per-node 1 --master-port 0 -- sh -c "
+                       "'head -c 100000 /dev/zero | tr \"\\\\0\" y; echo'");
+  EXPECT_EQ(r.exit_code, 0) << r.output.size();
+  const std::string first = "[rank0]:" + std::string(65536, 'y') + " [line cut at 64 KiB";
+  EXPECT_TRUE(contains(r.output, first)) << r.output.size();
+  EXPECT_TRUE(contains(r.output, "\n[rank0]:" + std::string(100000 - 65536, 'y') + "\n"))
+      << r.output.size();
+}
+
+// A process is gone when it no longer exists or is a zombie waiting to be reaped.
+bool gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z';
+}
+
+// Waits up to 3 s for every process recorded in `dir` to be gone; kills and names the survivors.
+std::vector<pid_t> survivors(const fs::path& dir) {
+  std::vector<pid_t> left;
+  for (int i = 0; i < 60; ++i) {
+    left.clear();
+    for (pid_t p : read_pids(dir)) {
+      if (!gone(p)) left.push_back(p);
+    }
+    if (left.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (pid_t p : left) kill(p, SIGKILL);
+  return left;
+}
+
+// Issue: a worker's child that called setsid (out of the worker's process group) outlived the
+// job: two `sleep`s survived, though no child of a worker is to outlive the launcher.
+TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveTheJob) {
+  for (const char* exit_code : {"0", "1"}) {
+    auto pids = temp_dir(std::string("escape") + exit_code);
+    auto r =
+        run_command("PID_DIR=" + pids.string() + " EXIT=" + exit_code + " " + cli_path() +
+                        " run --nproc-per-node 2 --master-port 0 -- " + script_path("escape.sh"),
+                    60);
+    EXPECT_EQ(r.exit_code, exit_code[0] == '0' ? 0 : 1) << r.output;
+    EXPECT_LT(r.seconds, 10) << "the escaped processes held the job up";
+    EXPECT_EQ(read_pids(pids).size(), 4u) << r.output;
+    for (pid_t p : survivors(pids)) ADD_FAILURE() << "process " << p << " outlived the job";
+    fs::remove_all(pids);
+  }
+}
+
+// The guardian takes in what a running worker leaves behind (Note [Guardian]): it reaps those
+// orphans as they end, so that a long job that keeps daemonising does not fill up with zombies.
+TEST(Launch, OrphansOfARunningWorkerDoNotLingerAsZombies) {
+  auto r = run_command(cli_path() + " run --nproc-per-node 1 --master-port 0 -- " +
+                       script_path("orphans.sh"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank0]:zombies 0\n")) << r.output;
+}
+
+// ... and when the launcher is killed outright (SIGKILL), the guardians sweep them.
+TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveAKilledLauncher) {
+  auto pids = temp_dir("escape_kill");
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string cmd = "PID_DIR=" + pids.string() + " exec " + cli_path() +
+                            " run --nproc-per-node 2 --master-port 0 -- " +
+                            script_path("escape.sh") + " >/dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 200 && read_pids(pids).size() < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(read_pids(pids).size(), 6u) << "workers did not start";
+  kill(launcher, SIGKILL);
+  waitpid(launcher, nullptr, 0);
+  for (pid_t p : survivors(pids)) ADD_FAILURE() << "process " << p << " outlived the launcher";
+  fs::remove_all(pids);
+}
+
+// The VmRSS or VmHWM line of /proc/<pid>/status, in kB (-1 when unreadable).
+long status_kb(pid_t pid, const std::string& key) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key + ":", 0) == 0) return std::stol(line.substr(key.size() + 1));
+  }
+  return -1;
+}
+
+// Issue: the launcher was 352 MB resident before any worker started: it was the trainer's own
+// binary and loaded LibTorch, which it never uses. `scaletrain run` is now a small front without
+// LibTorch. Budget: 64 MB resident (it measures a few MB; the full tool is over 300 MB).
+TEST(Launch, LauncherDoesNotCarryLibTorch) {
+  auto pids = temp_dir("small");
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    const std::string cmd = "PID_DIR=" + pids.string() + " exec " + cli_path() +
+                            " run --nproc-per-node 2 --master-port 0 --grace-period 1 -- " +
+                            script_path("pid_and_sleep.sh") + " >/dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 200 && read_pids(pids).size() < 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_EQ(read_pids(pids).size(), 4u) << "workers did not start";
+  const long rss = status_kb(launcher, "VmRSS"), hwm = status_kb(launcher, "VmHWM");
+  std::ifstream maps("/proc/" + std::to_string(launcher) + "/maps");
+  const std::string mapped((std::istreambuf_iterator<char>(maps)),
+                           std::istreambuf_iterator<char>());
+  kill(launcher, SIGTERM);
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  EXPECT_GT(rss, 0);
+  EXPECT_LT(rss, 64 * 1024) << "the launcher is " << rss << " kB resident";
+  EXPECT_LT(hwm, 64 * 1024) << "the launcher peaked at " << hwm << " kB";
+  EXPECT_FALSE(contains(mapped, "libtorch")) << "the launcher maps LibTorch";
+  fs::remove_all(pids);
+}
+
+// The front hands every other subcommand to the full tool, and still answers for all of them.
+TEST(Launch, FrontHandsOtherSubcommandsToTheFullTool) {
+  auto version = run_command(cli_path() + " --version");
+  EXPECT_EQ(version.exit_code, 0) << version.output;
+  EXPECT_TRUE(std::regex_search(version.output, std::regex("^scaletrain [0-9.]+ \\(LibTorch ")))
+      << version.output;
+  auto train_help = run_command(cli_path() + " train --help");
+  EXPECT_EQ(train_help.exit_code, 0) << train_help.output;
+  EXPECT_TRUE(contains(train_help.output, "--strategy")) << train_help.output;
+  auto help = run_command(cli_path() + " --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  for (const char* sub : {"run", "train", "check", "bench", "--version"}) {
+    EXPECT_TRUE(contains(help.output, sub)) << sub << "\n" << help.output;
+  }
+  EXPECT_FALSE(contains(help.output, "bench-worker")) << "an internal subcommand is listed";
+  auto unknown = run_command(cli_path() + " frobnicate");
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+  EXPECT_TRUE(contains(unknown.output, "unknown subcommand 'frobnicate'")) << unknown.output;
+  auto bad_flag = run_command(cli_path() + " train --frobnicate");
+  EXPECT_EQ(bad_flag.exit_code, 2) << bad_flag.output;
+  EXPECT_TRUE(contains(bad_flag.output, "--frobnicate")) << bad_flag.output;
+  auto run_help = run_command(cli_path() + " run --help");
+  EXPECT_EQ(run_help.exit_code, 0) << run_help.output;
+  EXPECT_TRUE(contains(run_help.output, "--nproc-per-node")) << run_help.output;
 }
 
 struct BadInput {

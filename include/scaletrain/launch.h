@@ -4,10 +4,12 @@
 // MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), prefixes and keeps their output, and tears the
 // whole group down as soon as one worker fails.
 //
-// Contract: launch() blocks until every worker has exited; no worker outlives it (each worker
-// gets SIGKILL when the launcher dies, via PR_SET_PDEATHSIG, and lives in its own process
-// group, which teardown signals). Not thread-safe: it installs SIGINT/SIGTERM/SIGCHLD handlers
-// for its duration and restores the old ones afterwards.
+// Contract: launch() blocks until every worker has exited; no worker, nor any process a worker
+// started, outlives it (each worker gets SIGKILL when the launcher dies, via PR_SET_PDEATHSIG,
+// and lives in its own process group, which teardown signals; for its duration the calling
+// process is a child subreaper, and when an attempt ends every process below it is killed but
+// the children it had before the call). Not thread-safe: it installs SIGINT/SIGTERM/SIGCHLD
+// handlers for its duration and restores the old ones afterwards.
 
 #include <string>
 #include <vector>
@@ -28,7 +30,7 @@ struct LaunchOptions {
   std::vector<int> show_ranks;  // ranks whose output reaches the terminal; empty: all
   bool quiet = false;           // show no worker output at all (logs are still kept)
   double grace_period_s = 5;    // SIGTERM, then SIGKILL after this long
-  int tail_lines = 20;          // error-output lines quoted in the failure summary
+  int tail_lines = 20;          // error-output lines quoted in the failure summary (512 B each)
 };
 
 /// The most workers one launcher starts on a node. Each worker is two processes (the program and

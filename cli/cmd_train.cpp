@@ -263,6 +263,7 @@ void add_train_command(CLI::App& app, Action& action) {
           throw UsageError("--nproc-per-node " + args->nproc +
                            " must be at least 1 (or 'auto': every GPU, else 2)");
         }
+        require_free_output_folder(args->o);  // a live run there is the first thing to say
         validate(args->o, lo.nproc_per_node);
         lo.master_port = 0;
         lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet

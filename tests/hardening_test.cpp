@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -230,6 +231,28 @@ TEST(FolderOwner, TheLockIsHeldForTheRunAndReleasedAfter) {
   ASSERT_TRUE(checked && during.has_value()) << "held while the run trains";
   EXPECT_NE(during->find("process " + std::to_string(getpid())), std::string::npos) << *during;
   EXPECT_FALSE(FolderLock::holder(dir.path.string()).has_value()) << "released when train returns";
+}
+
+// Regression (OwnerCheckRacesTheOwner): the check every rank runs took the lock for a moment, and
+// rank 0 of the same run, taking it then, was refused ("in use by a live run (another process)").
+// A check takes nothing: an owner racing any number of checks always gets its lock.
+TEST(FolderOwner, ACheckNeverMakesTheOwnersLockFail) {
+  TempDir dir("owner_race");
+  std::atomic<bool> done{false};
+  std::thread checker([&] {
+    while (!done) FolderLock::holder(dir.path.string());
+  });
+  int refused = 0;
+  for (int i = 0; i < 2000; ++i) {
+    try {
+      FolderLock lock(dir.path.string());
+    } catch (const UsageError&) {
+      ++refused;
+    }
+  }
+  done = true;
+  checker.join();
+  EXPECT_EQ(refused, 0);
 }
 
 // The same from the command line: a second `scaletrain train` in the folder of one that is

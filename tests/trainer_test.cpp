@@ -67,6 +67,7 @@ std::vector<std::pair<int64_t, double>> step_lines(const fs::path& metrics,
 std::map<std::string, std::string> contents_of(const fs::path& dir) {
   std::map<std::string, std::string> out;
   for (auto& e : fs::directory_iterator(dir)) {
+    if (e.is_directory()) continue;  // a sharded checkpoint's world-<N>/
     std::ifstream in(e.path(), std::ios::binary);
     out[e.path().filename().string()] =
         std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

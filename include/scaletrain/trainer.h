@@ -249,7 +249,14 @@ struct TrainResult {
 /// Writes nothing but the output folder itself.
 void validate(const TrainerOptions& options, int world_size);
 
-/// Trains on this rank; every rank calls it with the same task and options.
+/// Throws UsageError when a live run owns `options.out_dir`, naming its process and host. train()
+/// takes the folder on rank 0 for the whole run and refuses a second run the same way; this says
+/// so before any rank starts (the command line calls it before it launches its workers). Never
+/// call it on a rank of a run that may already train: that run's rank 0 owns the folder.
+void require_free_output_folder(const TrainerOptions& options);
+
+/// Trains on this rank; every rank calls it with the same task and options. Rank 0 owns
+/// `out_dir` meanwhile (one run per folder at a time; another is refused, naming this one).
 TrainResult train(const TrainTask& task, const TrainerOptions& options, const Dist& dist);
 
 // ---- The zoo: what `scaletrain train` trains --------------------------------------------------

@@ -21,17 +21,17 @@
 // Two runs writing one folder at once lose work silently: a second `--resume auto` run took the
 // live run's checkpoint and trained on beside it (both exited 0, one set of checkpoints left), and
 // two fresh runs raced for the same temporary file. The folder therefore has an owner, rank 0 of
-// the run that trains in it, for the whole of train(): an exclusive flock() on
-// `.scaletrain.lock`, held by an open file description the kernel closes when the process ends,
-// by SIGKILL too, so a dead run never blocks its own resume. The lock file holds the owner's
-// process id, host and start time; a second run is refused naming them. validate() checks the
-// lock too (taking and releasing it), so that a second `scaletrain train` fails before it starts
-// any worker.
+// the run that trains in it, for the whole of train(): an exclusive lock of an open file
+// description (fcntl's F_OFD_SETLK) on `.scaletrain.lock`, which the kernel drops when the process
+// ends, by SIGKILL too, so a dead run never blocks its own resume. The lock file holds the owner's
+// process id, host and start time; a second run is refused naming them. validate() tests the lock
+// too (F_OFD_GETLK, which takes nothing: a test that took the lock for a moment made the owner's
+// rank 0 fail when another rank of its run validated at that instant), so that a second
+// `scaletrain train` fails before it starts any worker.
 
 #include "train/run_folder.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -111,16 +111,24 @@ bool is_inside(const fs::path& file, const fs::path& dir) {
 
 constexpr const char* kLockName = "/.scaletrain.lock";
 
+struct flock whole_file(short type) {
+  struct flock fl {};
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;  // l_start = l_len = 0: the whole file
+  return fl;
+}
+
 // Opens the lock file and tries to lock it: the fd when locked (or -2 where the file system
-// has no locks), -1 when another process holds it.
+// has no locks), -1 when another open file holds it.
 int try_lock(const std::string& dir) {
   const std::string path = dir + kLockName;
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return -2;  // an unwritable folder is validate_output()'s to report
-  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return fd;
+  auto fl = whole_file(F_WRLCK);
+  if (::fcntl(fd, F_OFD_SETLK, &fl) == 0) return fd;
   const int err = errno;
   ::close(fd);
-  return err == EWOULDBLOCK ? -1 : -2;
+  return err == EAGAIN || err == EACCES ? -1 : -2;
 }
 
 std::string describe_holder(const std::string& dir) {
@@ -158,9 +166,14 @@ FolderLock::~FolderLock() {
 }
 
 std::optional<std::string> FolderLock::holder(const std::string& dir) {
-  const int fd = try_lock(dir);
-  if (fd >= 0) ::close(fd);
-  if (fd != -1) return std::nullopt;
+  // A test, not a take: a check never makes the owner's own lock fail (every rank validates,
+  // and rank 0 takes the lock meanwhile).
+  const int fd = ::open((dir + kLockName).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  auto fl = whole_file(F_WRLCK);
+  const bool held = ::fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
+  ::close(fd);
+  if (!held) return std::nullopt;
   return describe_holder(dir);
 }
 

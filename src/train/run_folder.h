@@ -10,8 +10,9 @@
 
 namespace scaletrain {
 
-/// The output folder's owner (Note [Folder owner] in run_folder.cpp): an exclusive flock on
-/// `dir/.scaletrain.lock`, which the kernel releases when the holder exits, however it exits.
+/// The output folder's owner (Note [Folder owner] in run_folder.cpp): an exclusive lock on
+/// `dir/.scaletrain.lock` (an open file description's), which the kernel releases when the
+/// holder exits, however it exits.
 /// The file names the holder (process, host, start) for the error a second run gets.
 class FolderLock {
  public:
@@ -22,8 +23,8 @@ class FolderLock {
   FolderLock(const FolderLock&) = delete;
   FolderLock& operator=(const FolderLock&) = delete;
 
-  /// Whether another live process holds `dir`'s lock now: its description, or nullopt. Takes
-  /// and releases the lock when it is free.
+  /// Whether another open file (this process's too) holds `dir`'s lock now: its description, or
+  /// nullopt. Takes nothing.
   static std::optional<std::string> holder(const std::string& dir);
 
  private:

@@ -122,7 +122,7 @@ void Run::setup() {
   require_joined(d_, "train()");
   validate_trainer_numbers(o_);
   validate_strategy(o_, d_.size());
-  validate_output(o_, false);
+  validate_output(o_);
   // Rank 0 owns the folder for the run (Note [Folder owner] in run_folder.cpp); a second run
   // is refused here, naming this one.
   if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
@@ -584,6 +584,13 @@ void validate(const TrainerOptions& o, int world) {
   validate_trainer_numbers(o);
   validate_strategy(o, world);
   validate_output(o);
+}
+
+void require_free_output_folder(const TrainerOptions& o) {
+  if (auto holder = FolderLock::holder(o.out_dir)) {  // Note [Folder owner]
+    throw UsageError("the output folder '" + o.out_dir + "' is in use by a live run (" + *holder +
+                     "): wait for it to end, stop it, or choose another --out");
+  }
 }
 
 TrainResult train(const TrainTask& task, const TrainerOptions& options, const Dist& dist) {

@@ -58,6 +58,23 @@ int replicas(const TrainerOptions& o, int world) {
 
 void refuse(const std::string& what) { throw UsageError(what); }
 
+// dp's and a pipeline's devices exist here, before any tensor goes there (CUDA's own error is a
+// backtrace).
+void validate_devices(const TrainerOptions& o) {
+  const int gpus = cuda_device_count();
+  for (const auto& dev : o.devices) {
+    if (dev.rfind("cuda", 0) != 0) continue;
+    const int index = dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0;
+    if (index >= gpus) {
+      refuse("--devices lists " + dev + ", and this machine has " +
+             (gpus == 0
+                  ? std::string("no GPU that CUDA can see")
+                  : std::to_string(gpus) + " GPU(s), cuda:0 to cuda:" + std::to_string(gpus - 1)) +
+             ": list devices it has (cpu,cpu runs anywhere)");
+    }
+  }
+}
+
 }  // namespace
 
 void validate_strategy(const TrainerOptions& o, int world) {
@@ -76,18 +93,7 @@ void validate_strategy(const TrainerOptions& o, int world) {
     refuse("--devices is for dp and pipeline; --strategy " + name +
            " runs one device per process (--device)");
   }
-  const int gpus = cuda_device_count();
-  for (const auto& dev : o.devices) {  // before any tensor goes there (CUDA's own error is a trace)
-    if (dev.rfind("cuda", 0) != 0) continue;
-    const int index = dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0;
-    if (index >= gpus) {
-      refuse("--devices lists " + dev + ", and this machine has " +
-             (gpus == 0
-                  ? std::string("no GPU that CUDA can see")
-                  : std::to_string(gpus) + " GPU(s), cuda:0 to cuda:" + std::to_string(gpus - 1)) +
-             ": list devices it has (cpu,cpu runs anywhere)");
-    }
-  }
+  validate_devices(o);
   if (pipeline && !o.devices.empty() && o.devices.size() < 2) {
     refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
   }
@@ -187,7 +193,7 @@ void validate_strategy(const TrainerOptions& o, int world) {
   }
 }
 
-void validate_output(const TrainerOptions& o, bool check_owner) {
+void validate_output(const TrainerOptions& o) {
   std::error_code ec;
   fs::create_directories(o.out_dir, ec);
   const std::string probe = o.out_dir + "/.writable";
@@ -196,10 +202,6 @@ void validate_output(const TrainerOptions& o, bool check_owner) {
                      "' is not writable; choose another with --out");
   }
   fs::remove(probe, ec);
-  if (auto holder = check_owner ? FolderLock::holder(o.out_dir) : std::nullopt) {
-    throw UsageError("the output folder '" + o.out_dir + "' is in use by a live run (" + *holder +
-                     "): wait for it to end, stop it, or choose another --out");
-  }
   if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
     throw UsageError("--resume '" + o.resume + "': no such checkpoint (use auto, none or a file)");
   }

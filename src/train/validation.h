@@ -27,8 +27,8 @@ void require(bool ok, const char* flag, T value, const char* range) {
 void validate_trainer_numbers(const TrainerOptions& o);
 /// The strategy's combinations with the other options and the world.
 void validate_strategy(const TrainerOptions& o, int world);
-/// The output folder writable, the checkpoint to resume there, no other run's files, and (with
-/// `check_owner`) no live run in it (Note [Folder owner]; train() itself takes the lock instead).
-void validate_output(const TrainerOptions& o, bool check_owner = true);
+/// The output folder writable, the checkpoint to resume there, no other run's files. (A live run
+/// in it is train()'s to refuse, or require_free_output_folder()'s: Note [Folder owner].)
+void validate_output(const TrainerOptions& o);
 
 }  // namespace scaletrain

@@ -20,8 +20,8 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# The main job: LeNet on Fashion-MNIST with DDP over the local devices (every GPU, or 2 CPU
-# processes), with progress, checkpoints and metrics under runs/lenet.
+# The main job: LeNet on Fashion-MNIST with DDP over the local devices (every GPU, else a CPU
+# process per core, at most 8), with progress, checkpoints and metrics under runs/lenet.
 run: build
 	$(BUILD)/scaletrain train --out runs/lenet
 

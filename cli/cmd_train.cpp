@@ -1,6 +1,6 @@
 // `scaletrain train`: trains a model of the zoo with DDP. Started by hand it launches itself
-// over the local devices (every GPU, or 2 CPU processes); under `scaletrain run`, torchrun,
-// srun or mpirun it is one rank of the job.
+// over the local devices (every GPU, else a process per CPU core, at most 8); under `scaletrain
+// run`, torchrun, srun or mpirun it is one rank of the job.
 
 #include <unistd.h>
 
@@ -232,7 +232,8 @@ void add_train_command(CLI::App& app, Action& action) {
                 "and run.json, and start afresh");
   cmd->add_option("--log-every", o.log_every, "Steps between metric lines")->capture_default_str();
   cmd->add_option("--nproc-per-node", args->nproc,
-                  "Processes when started by hand: a number or auto (every GPU, else 2)")
+                  "Processes when started by hand: a number or auto (one per GPU, else one per "
+                  "CPU core, at most 8; as scaletrain run)")
       ->capture_default_str();
   cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
   cmd->add_option("--timeout", o.timeout_s,
@@ -256,12 +257,14 @@ void add_train_command(CLI::App& app, Action& action) {
         const bool per_device = s == Strategy::kDDP || s == Strategy::kZero1 ||
                                 s == Strategy::kZero2 || s == Strategy::kFsdp;
         const int automatic = s == Strategy::kGrid ? args->o.pipeline_stages
-                              : per_device         ? (gpus ? cuda_device_count() : 2)
-                                                   : 1;  // dp, pipeline: one process
+                              : per_device
+                                  ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
+                                  : 1;  // dp, pipeline: one process
         lo.nproc_per_node = parse_nproc_per_node(args->nproc, automatic);
         if (lo.nproc_per_node < 1) {
-          throw UsageError("--nproc-per-node " + args->nproc +
-                           " must be at least 1 (or 'auto': every GPU, else 2)");
+          throw UsageError(
+              "--nproc-per-node " + args->nproc +
+              " must be at least 1 (or 'auto': one per GPU, else one per CPU core, at most 8)");
         }
         require_free_output_folder(args->o);  // a live run there is the first thing to say
         validate(args->o, lo.nproc_per_node);

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "scaletrain/dist.h"
@@ -198,6 +200,32 @@ TEST(DistCollectives, MissingRankFailsTheCollectiveNamingIt) {
       std::chrono::milliseconds(500));
   EXPECT_NE(errors[0].find("rank 0 of 2: all_reduce of a [8] tensor timed out"), std::string::npos)
       << errors[0];
+}
+
+// mesh_groups(): each rank's group along each dimension of a 2 x 3 mesh is a working process
+// group of exactly the ranks the mesh names, ranked by their coordinate there.
+TEST(MeshGroups, EachGroupReducesOverItsOwnRanksOnly) {
+  const DeviceMesh mesh({{"dp", 2}, {"tp", 3}}, 6);
+  std::vector<std::map<std::string, std::pair<int, double>>> seen(6);
+  std::mutex mu;
+  auto errors = testing::run_ranks(6, [&](Dist& d) {
+    auto groups = mesh_groups(d, mesh, "test");
+    for (const auto& [dim, g] : groups) {
+      auto t = at::full({1}, static_cast<double>(d.rank()), at::kDouble);
+      g.all_reduce(t);
+      std::lock_guard<std::mutex> lock(mu);
+      seen[static_cast<size_t>(d.rank())][dim] = {g.rank(), t.item<double>()};
+    }
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < 6; ++r) {
+    for (const char* dim : {"dp", "tp"}) {
+      double sum = 0;
+      for (int member : mesh.group(r, dim)) sum += member;
+      EXPECT_EQ(seen[static_cast<size_t>(r)][dim].second, sum) << "rank " << r << " " << dim;
+      EXPECT_EQ(seen[static_cast<size_t>(r)][dim].first, mesh.coordinate(r, dim));
+    }
+  }
 }
 
 }  // namespace

@@ -18,10 +18,12 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "scaletrain/mesh.h"
 #include "scaletrain/world.h"
 
 namespace scaletrain {
@@ -96,6 +98,13 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
 /// a rank out of range or listed twice.
 std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
                               const std::string& name);
+
+/// Collective over the world: this rank's process group along each dimension of `mesh`
+/// (DeviceMesh::group: the ranks that differ from it on that dimension alone), by dimension name,
+/// each ranked by its mesh coordinate there. Every rank calls it with the same mesh and `name`
+/// (which keeps two meshes' groups apart). Throws UsageError when the mesh is not of this world.
+std::map<std::string, Dist> mesh_groups(const Dist& world, const DeviceMesh& mesh,
+                                        const std::string& name = "mesh");
 
 /// Makes one more backend over the same store (e.g. Gloo beside NCCL), with its own key prefix.
 c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,

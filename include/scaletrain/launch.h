@@ -49,9 +49,9 @@ void validate(LaunchOptions& options);
 /// are still being started too: the started ones are stopped and no more are started).
 int launch(const LaunchOptions& options);
 
-/// The default worker count for `--nproc-per-node auto`: one per visible NVIDIA GPU, else the
-/// number of CPU cores (at most 8).
-int auto_nproc_per_node();
+/// What `--nproc-per-node auto` means, in every command: one worker per visible NVIDIA GPU
+/// (when `use_gpus` and there are any), else one per CPU core, at most 8.
+int auto_nproc_per_node(bool use_gpus = true);
 
 /// A TCP port that was free on this host a moment ago.
 int pick_free_port();

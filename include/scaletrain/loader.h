@@ -1,7 +1,9 @@
 #pragma once
 // Batches prepared ahead of the training loop, by background threads.
 //
-//   Loader loader(batches_of(train_set), sampler.remaining(), {.batch_size = 128});
+//   LoaderOptions lo;
+//   lo.batch_size = 128;
+//   Loader loader(batches_of(train_set), sampler.remaining(), lo);
 //   while (auto b = loader.next()) step(b->images, b->labels);
 //
 // A Loader cuts a list of sample indices into batches and has `workers` threads build them

@@ -6,7 +6,9 @@
 //
 //   auto dist = scaletrain::init_process_group();
 //   torch::nn::Sequential chain = my_model_as_blocks();             // stage 3: a chain (blocks.h)
-//   scaletrain::ShardedDataParallel zero(chain, dist, {.stage = 3});
+//   scaletrain::ShardOptions so;
+//   so.stage = 3;
+//   scaletrain::ShardedDataParallel zero(chain, dist, so);
 //   torch::optim::Adam opt(zero.parameters(), 1e-3);                 // this rank's shards only
 //   for (auto& [x, y] : my_slice_of_the_data) {
 //     opt.zero_grad();
@@ -171,8 +173,8 @@ class ShardedDataParallel {
   const ShardOptions& options() const { return options_; }
 
   /// Collective: writes this rank's shard of the parameters and of the optimizer's state (SGD,
-  /// Adam, AdamW) with `state` to `dir/rank-<r>/ckpt-<step>.st` (atomic, CRC; keeps the newest
-  /// `keep` of the run's). Returns this rank's path.
+  /// Adam, AdamW) with `state` to `dir/world-<N>/rank-<r>/ckpt-<step>.st` (N: the world size)
+  /// (atomic, CRC; keeps the newest `keep` of the run's). Returns this rank's path.
   std::string save(const std::string& dir, const TrainingState& state,
                    const torch::optim::Optimizer& opt, int keep) const;
   /// Collective: loads the sharded checkpoint of `global_step` in `dir`, saved at any world size

@@ -295,6 +295,24 @@ std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
   return g;
 }
 
+std::map<std::string, Dist> mesh_groups(const Dist& world, const DeviceMesh& mesh,
+                                        const std::string& name) {
+  if (mesh.world_size() != world.size()) {
+    throw UsageError("the device mesh " + mesh.describe() + " is of " +
+                     std::to_string(mesh.world_size()) + " ranks, and this world has " +
+                     std::to_string(world.size()));
+  }
+  std::map<std::string, Dist> out;
+  for (const auto& dim : mesh.dims()) {
+    const auto groups = mesh.groups(dim.name);  // the same order on every rank
+    for (size_t i = 0; i < groups.size(); ++i) {
+      auto g = new_group(world, groups[i], name + "/" + dim.name + "/" + std::to_string(i));
+      if (g) out.emplace(dim.name, std::move(*g));
+    }
+  }
+  return out;
+}
+
 std::string resolve_backend(const std::string& backend, int gpus, int local_world_size) {
   if (backend != "auto") return backend;
   // NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so it needs a GPU per local

@@ -731,7 +731,7 @@ int pick_free_port() {
   return port;
 }
 
-int auto_nproc_per_node() {
+int auto_nproc_per_node(bool use_gpus) {
   int gpus = 0;
   std::error_code ec;
   if (fs::is_directory("/proc/driver/nvidia/gpus", ec)) {
@@ -741,7 +741,7 @@ int auto_nproc_per_node() {
     std::string v = vis;
     gpus = v.empty() ? 0 : 1 + static_cast<int>(std::count(v.begin(), v.end(), ','));
   }
-  if (gpus > 0) return gpus;
+  if (gpus > 0 && use_gpus) return gpus;
   return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u));
 }
 

@@ -3,6 +3,7 @@
 // stage's parameters are averaged over its replicas by DDP in a group of its own.
 //
 //   rank = replica × stages + stage        e.g. 4 ranks, 2 stages:   stage 0   stage 1
+//   (the DeviceMesh {dp, pp}, mesh.h)
 //                                                          replica 0   rank 0    rank 1
 //                                                          replica 1   rank 2    rank 3
 //
@@ -39,7 +40,7 @@ class GridStrategy : public TrainStrategy {
         model_(model),
         loss_(task.loss),
         stages_(o.pipeline_stages),
-        replica_(d.rank() / o.pipeline_stages),
+        replica_(d.rank() / o.pipeline_stages),  // the mesh's coordinates (below)
         stage_(d.rank() % o.pipeline_stages),
         dev_(rank_device(o.device, d)) {
     torch::nn::Sequential chain = chain_of(model);
@@ -60,17 +61,14 @@ class GridStrategy : public TrainStrategy {
     }
     for (auto& params : stage_params_) params = in_model_order(params);
     stage_module_ = chunks_.front();
-    // One group per stage (every rank calls new_group for all), DDP over this stage's replicas.
-    for (int s = 0; s < stages_; ++s) {
-      std::vector<int> ranks;
-      for (int r = 0; r < d.size() / stages_; ++r) ranks.push_back(r * stages_ + s);
-      auto g = new_group(d, ranks, "grid/stage" + std::to_string(s));
-      if (g) group_ = *g;
-    }
+    // The mesh {dp, pp}: DDP over this stage's replicas (its "dp" group), the pipeline along
+    // this replica's stages (its "pp" group).
+    const DeviceMesh mesh({{"dp", d.size() / stages_}, {"pp", stages_}}, d.size());
+    group_ = mesh_groups(d, mesh, "grid").at("dp");
     for (auto& c : chunks_) c->to(dev_);
     if (d.size() > stages_) ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, group_);
     DistPipelineOptions po;
-    for (int s = 0; s < stages_; ++s) po.stage_ranks.push_back(replica_ * stages_ + s);
+    po.stage_ranks = mesh.group(d.rank(), "pp");
     po.chunks = o.chunks > 0 ? o.chunks : 2 * stages_;
     po.schedule = o.schedule;
     po.device = dev_;

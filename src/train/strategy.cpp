@@ -10,14 +10,23 @@
 //   pipeline  one             the model's blocks, in stages     the model's (the blocks share
 //                             over the devices                  its tensors)
 //   grid      stages x        one stage of one pipeline; DDP    its stage's parameters
-//             replicas        over that stage's replicas
+//             replicas        over that stage's replicas (the
+//                             mesh {dp, pp}, mesh.h)
+//   zero1     one per device  the model; the optimizer state    its shard of every unit
+//                             sharded over the ranks (zero.h)
+//   zero2     one per device  ... and the gradients             its shard of every unit
+//   fsdp      one per device  ... and the parameters: units     its shard of every unit
+//                             gathered for their forward and
+//                             backward only
 //
-// In the first three, one optimizer covers the model's parameters in the model's order, so
+// In ddp, dp and pipeline, one optimizer covers the model's parameters in the model's order, so
 // their checkpoints are interchangeable, optimizer state included: a run trained with one
-// resumes with another exactly where it left off. A grid keeps an optimizer per stage; its
-// checkpoint holds the whole model's weights (gathered from the stages) and each stage's
-// optimizer state, so it resumes exactly as a grid of the same stages, and as any other
-// strategy with its weights (the optimizer starting afresh, which the trainer says).
+// resumes with another exactly where it left off. The sharded three keep the optimizer state
+// over the whole model, flat, in the checkpoint (zero_strategy.cpp), so they resume at any world
+// size and stage; --checkpoint-format sharded writes a file per rank instead. A grid keeps an
+// optimizer per stage; its checkpoint holds the whole model's weights (gathered from the stages)
+// and each stage's optimizer state, so it resumes exactly as a grid of the same stages, and as any
+// other strategy with its weights (the optimizer starting afresh, which the trainer says).
 
 #include "train/strategy.h"
 

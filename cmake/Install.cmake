@@ -20,6 +20,20 @@ if(TARGET scaletrain_cli)
 endif()
 
 set(SCALETRAIN_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/scaletrain)
+# A relocatable package: the libraries that LibTorch's config lists by absolute path (c10,
+# c10_cuda, nvrtc) are this build's and stay in its build interface; the installed config adds
+# those of the LibTorch the consumer finds (scaletrainConfig.cmake.in). Torch's targets are
+# exported by name. (Regression: Install.RelocatedPrefixWithBuildTreeGone.)
+get_target_property(_scaletrain_links scaletrain INTERFACE_LINK_LIBRARIES)
+set(_scaletrain_exported_links)
+foreach(_l IN LISTS _scaletrain_links)
+  if(IS_ABSOLUTE "${_l}")
+    list(APPEND _scaletrain_exported_links "$<BUILD_INTERFACE:${_l}>")
+  else()
+    list(APPEND _scaletrain_exported_links "${_l}")
+  endif()
+endforeach()
+set_property(TARGET scaletrain PROPERTY INTERFACE_LINK_LIBRARIES "${_scaletrain_exported_links}")
 install(EXPORT scaletrainTargets NAMESPACE scaletrain:: DESTINATION ${SCALETRAIN_CMAKE_DIR})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/scaletrainConfig.cmake.in
   ${PROJECT_BINARY_DIR}/scaletrainConfig.cmake INSTALL_DESTINATION ${SCALETRAIN_CMAKE_DIR})

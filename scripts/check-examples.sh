@@ -56,6 +56,22 @@ bin=$dir/${what}_example
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# A misused example exits 2 with one line saying what to change, never with an abort
+# (regression: the examples let UsageError reach std::terminate, SIGABRT).
+misuse() {
+  local out status
+  set +e
+  out=$("$@" 2>&1)
+  status=$?
+  set -e
+  if [ "$status" != 2 ] || [ "$(printf '%s\n' "$out" | wc -l)" != 1 ]; then
+    say "misused ($*): exit $status, expected 2 and one line:"
+    printf '%s\n' "$out"
+    exit 1
+  fi
+  say "$what misused: $out"
+}
+
 case $what in
   ddp)
     st=$prefix/bin/scaletrain
@@ -73,13 +89,15 @@ case $what in
     a=$(weights "$work/a.log") b=$(weights "$work/b.log") c=$(weights "$work/c.log")
     say "straight: $a; interrupted and resumed: $b; under torchrun: $c"
     [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ] || { say "the weights differ"; exit 1; }
+    misuse env RANK=5 WORLD_SIZE=2 "$bin" "$work/misused"
     ;;
   trainer)
     "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/ddp" ddp
     "$bin" "$work/pipeline" pipeline
+    misuse "$bin" "$work/misused" tp
     ;;
-  pipeline) "$bin" cpu,cpu 8 ;;
-  data_parallel) "$bin" cpu,cpu ;;
+  pipeline) "$bin" cpu,cpu 8 && misuse "$bin" cpu,cpu,cpu 8 ;;
+  data_parallel) "$bin" cpu,cpu && misuse "$bin" "" ;;
   *) say "unknown example '$what'"; exit 2 ;;
 esac
 say "$what: ok"

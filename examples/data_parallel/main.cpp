@@ -1,6 +1,7 @@
 // DataParallel of a module of its own (seeds 001, 003): one replica per device, the batch
 // scattered, gradients summed onto the module itself.   ./data_parallel_example cpu,cpu
 #include <scaletrain/data_parallel.h>
+#include <scaletrain/error.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -13,7 +14,7 @@ struct Net : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
 };
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::vector<at::Device> devices;
   std::stringstream list(argc > 1 ? argv[1] : "cpu,cpu");
   for (std::string d; std::getline(list, d, ',');) devices.emplace_back(d);
@@ -55,4 +56,19 @@ int main(int argc, char** argv) {
   }
   std::cout << "loss " << first << " -> " << last << "\n";
   return last < first ? 0 : 1;
+}
+
+// The pattern for a program of scaletrain: a misuse (bad input, options that do not go
+// together) is a UsageError whose message says what to change: exit 2. Anything else is a
+// failure of the job: exit 1. Never let either reach std::terminate.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const scaletrain::UsageError& e) {
+    std::cerr << argv[0] << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << argv[0] << ": error: " << e.what() << "\n";
+    return 1;
+  }
 }

@@ -3,6 +3,7 @@
 //   scaletrain run --nproc-per-node 2 -- ./ddp_example runs/x   (docs/library.md walks through it)
 #include <scaletrain/checkpoint.h>
 #include <scaletrain/ddp.h>
+#include <scaletrain/error.h>
 #include <scaletrain/sampler.h>
 #include <torch/torch.h>
 
@@ -15,7 +16,7 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "runs/ddp_example";
   const int64_t stop_at = argc > 2 ? std::stoll(argv[2]) : -1;  // to try the resume: stop there
   auto dist = scaletrain::init_process_group();  // the launcher's RANK, WORLD_SIZE, MASTER_*...
@@ -65,4 +66,20 @@ int main(int argc, char** argv) {
   double sum = 0;
   for (const auto& p : net->parameters()) sum += p.sum().item<double>();
   if (dist.rank() == 0) std::cout << "weights " << std::hexfloat << sum << "\n";
+  return 0;
+}
+
+// The pattern for a program of scaletrain: a misuse (bad input, options that do not go
+// together) is a UsageError whose message says what to change: exit 2. Anything else is a
+// failure of the job: exit 1. Never let either reach std::terminate.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const scaletrain::UsageError& e) {
+    std::cerr << argv[0] << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << argv[0] << ": error: " << e.what() << "\n";
+    return 1;
+  }
 }

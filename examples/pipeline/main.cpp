@@ -2,6 +2,7 @@
 // over two devices, each batch cut into micro-batches of split_size rows that flow through the
 // stages at once.   ./pipeline_example cpu,cpu 8      (cuda:0,cuda:1 with two GPUs)
 #include <scaletrain/blocks.h>
+#include <scaletrain/error.h>
 #include <scaletrain/pipeline.h>
 #include <torch/torch.h>
 
@@ -20,7 +21,7 @@ struct NetImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return fc(features(x).flatten(1)); }
 };
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::vector<at::Device> devices;
   std::stringstream list(argc > 1 ? argv[1] : "cpu,cpu");
   for (std::string d; std::getline(list, d, ',');) devices.emplace_back(d);
@@ -78,5 +79,21 @@ int main(int argc, char** argv) {
     opt.step();
     if (step % 5 == 0 || step == 19)
       std::cout << "step " << step << " loss " << loss.item<double>() << "\n";
+  }
+  return 0;
+}
+
+// The pattern for a program of scaletrain: a misuse (bad input, options that do not go
+// together) is a UsageError whose message says what to change: exit 2. Anything else is a
+// failure of the job: exit 1. Never let either reach std::terminate.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const scaletrain::UsageError& e) {
+    std::cerr << argv[0] << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << argv[0] << ": error: " << e.what() << "\n";
+    return 1;
   }
 }

@@ -3,6 +3,7 @@
 //   scaletrain run --nproc-per-node 2 -- ./trainer_example runs/x ddp
 //   ./trainer_example runs/y pipeline           (one process, the blocks over cpu,cpu)
 #include <scaletrain/blocks.h>
+#include <scaletrain/error.h>
 #include <scaletrain/trainer.h>
 #include <torch/torch.h>
 
@@ -35,9 +36,11 @@ struct NetImpl : torch::nn::Module {
   }
 };
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "runs/trainer_example";
   const std::string strategy = argc > 2 ? argv[2] : "ddp";
+  scaletrain::TrainerOptions o;
+  o.strategy = scaletrain::parse_strategy(strategy);  // a UsageError names the strategies
   auto dist = scaletrain::init_process_group();
   scaletrain::TrainTask task;
   task.model = [] {
@@ -63,8 +66,6 @@ int main(int argc, char** argv) {
   task.scheduler = [](torch::optim::Optimizer& opt) {
     return std::make_unique<torch::optim::StepLR>(opt, 10, 0.3);
   };
-  scaletrain::TrainerOptions o;
-  o.strategy = scaletrain::parse_strategy(strategy);
   if (strategy == "dp" || strategy == "pipeline") o.devices = {"cpu", "cpu"};
   o.epochs = 20;
   o.batch_size = 128;
@@ -77,4 +78,19 @@ int main(int argc, char** argv) {
               << result.global_step << " steps\n";
   }
   return result.test_accuracy > 0.9 ? 0 : 1;
+}
+
+// The pattern for a program of scaletrain: a misuse (bad input, options that do not go
+// together) is a UsageError whose message says what to change: exit 2. Anything else is a
+// failure of the job: exit 1. Never let either reach std::terminate.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const scaletrain::UsageError& e) {
+    std::cerr << argv[0] << ": " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << argv[0] << ": error: " << e.what() << "\n";
+    return 1;
+  }
 }

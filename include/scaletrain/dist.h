@@ -102,9 +102,12 @@ std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
 /// Collective over the world: this rank's process group along each dimension of `mesh`
 /// (DeviceMesh::group: the ranks that differ from it on that dimension alone), by dimension name,
 /// each ranked by its mesh coordinate there. Every rank calls it with the same mesh and `name`
-/// (which keeps two meshes' groups apart). Throws UsageError when the mesh is not of this world.
+/// (which keeps two meshes' groups apart). `only`: the dimensions to make groups for (each
+/// group is a backend with its own connections; empty: every dimension). Throws UsageError when
+/// the mesh is not of this world or names no such dimension.
 std::map<std::string, Dist> mesh_groups(const Dist& world, const DeviceMesh& mesh,
-                                        const std::string& name = "mesh");
+                                        const std::string& name = "mesh",
+                                        const std::vector<std::string>& only = {});
 
 /// Makes one more backend over the same store (e.g. Gloo beside NCCL), with its own key prefix.
 c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::string& backend,

@@ -296,14 +296,17 @@ std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,
 }
 
 std::map<std::string, Dist> mesh_groups(const Dist& world, const DeviceMesh& mesh,
-                                        const std::string& name) {
+                                        const std::string& name,
+                                        const std::vector<std::string>& only) {
   if (mesh.world_size() != world.size()) {
     throw UsageError("the device mesh " + mesh.describe() + " is of " +
                      std::to_string(mesh.world_size()) + " ranks, and this world has " +
                      std::to_string(world.size()));
   }
   std::map<std::string, Dist> out;
+  for (const auto& dim : only) mesh.size(dim);  // names a dimension of the mesh
   for (const auto& dim : mesh.dims()) {
+    if (!only.empty() && std::find(only.begin(), only.end(), dim.name) == only.end()) continue;
     const auto groups = mesh.groups(dim.name);  // the same order on every rank
     for (size_t i = 0; i < groups.size(); ++i) {
       auto g = new_group(world, groups[i], name + "/" + dim.name + "/" + std::to_string(i));

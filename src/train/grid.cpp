@@ -64,7 +64,7 @@ class GridStrategy : public TrainStrategy {
     // The mesh {dp, pp}: DDP over this stage's replicas (its "dp" group), the pipeline along
     // this replica's stages (its "pp" group).
     const DeviceMesh mesh({{"dp", d.size() / stages_}, {"pp", stages_}}, d.size());
-    group_ = mesh_groups(d, mesh, "grid").at("dp");
+    group_ = mesh_groups(d, mesh, "grid", {"dp"}).at("dp");
     for (auto& c : chunks_) c->to(dev_);
     if (d.size() > stages_) ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, group_);
     DistPipelineOptions po;

@@ -1,0 +1,193 @@
+#pragma once
+// Tensor parallelism (Megatron-LM's, Shoeybi et al. 2019) and sequence parallelism (Korthikanti
+// et al. 2022) for LibTorch modules, over a process group of the tensor-parallel ranks (the "tp"
+// dimension of a DeviceMesh, mesh.h; mesh_groups() in dist.h makes it).
+//
+// A user's transformer block is written once, with ParallelLinear and ParallelEmbedding where
+// torch::nn::Linear and torch::nn::Embedding would be (the same parameters under the same names,
+// the same function while no plan is applied), and parallelised by a plan that names which layer
+// takes which style, as PyTorch's parallelize_module does:
+//
+//   struct Mlp : torch::nn::Module {
+//     scaletrain::ParallelLinear fc{nullptr}, proj{nullptr};
+//     Mlp() { fc = register_module("fc", scaletrain::ParallelLinear(64, 256));
+//             proj = register_module("proj", scaletrain::ParallelLinear(256, 64)); }
+//     at::Tensor forward(const at::Tensor& x) { return proj(at::gelu(fc(x))); }
+//   };
+//   auto groups = scaletrain::mesh_groups(dist, scaletrain::DeviceMesh({{"dp", 2}, {"tp", 2}}));
+//   scaletrain::TensorParallelPlan plan;
+//   plan["fc"] = scaletrain::colwise();                   // weight rows split: output sharded
+//   plan["proj"] = scaletrain::rowwise();                 // weight columns split: output summed
+//   scaletrain::parallelize_module(*mlp, groups.at("tp"), plan);   // slices the weights in place
+//
+// Note [Conjugate regions]. A column-parallel layer takes the whole input on every rank and gives
+// each rank its slice of the output features; a row-parallel layer takes such a slice and gives
+// the whole output as the sum over the ranks. Between them nothing is communicated (an
+// element-wise activation, attention over this rank's heads). Two operators make it exact:
+// f = copy_to_region (identity forward, all-reduce of the gradient backward) in front of the
+// column-parallel layer, and g = reduce_from_region (all-reduce forward, identity backward)
+// behind the row-parallel one. With sequence parallelism the regions outside (LayerNorm,
+// dropout, the residual) hold a slice of the sequence instead of all of it: f becomes an
+// all-gather along the sequence (reduce-scatter of the gradient) and g a reduce-scatter (all-gather
+// of the gradient), which move the same bytes as the two all-reduces they replace, and the
+// activations there shrink by the degree. A replicated parameter used in a sequence-parallel
+// region (a LayerNorm's) then gets a partial gradient on each rank: sync_sequence_parallel_grads()
+// sums them.
+//
+// The plan changes a layer's parameters to its slice (set_data, so optimizers made afterwards and
+// references to the module see the slice); the state dict then holds slices under the full
+// layer's names, and gather_full_state() rebuilds the whole model's (for a checkpoint or
+// model.pt). Every rank of the group holds the same weights before the plan (the slice is cut
+// from them) and applies the same plan.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "scaletrain/dist.h"
+
+namespace scaletrain {
+
+// ---- The operators (autograd functions over the tensor-parallel group) ------------------------
+
+/// f: identity forward; the gradient is all-reduced (summed) over `tp` backward.
+at::Tensor copy_to_region(const at::Tensor& x, const Dist& tp);
+/// g: `x` all-reduced (summed) over `tp` forward; identity backward.
+at::Tensor reduce_from_region(const at::Tensor& x, const Dist& tp);
+/// Every rank's `x` concatenated along `dim`, by rank, forward; backward the gradient summed over
+/// the ranks and this rank's slice kept (reduce-scatter). Sequence parallelism's f.
+at::Tensor gather_from_sequence(const at::Tensor& x, const Dist& tp, int64_t dim);
+/// The sum of every rank's `x`, of which this rank keeps its slice along `dim` forward
+/// (reduce-scatter); backward the gradients' slices gathered (all-gather). Sequence parallelism's
+/// g. Throws UsageError when `dim` does not split into tp.size() equal slices.
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const Dist& tp, int64_t dim);
+/// This rank's slice of `x` along `dim` forward (no communication: every rank holds all of x);
+/// backward the slices' gradients gathered. Where a replicated tensor enters a sharded region.
+at::Tensor scatter_to_sequence(const at::Tensor& x, const Dist& tp, int64_t dim);
+/// Every rank's `x` concatenated along `dim` forward; backward this rank's slice of the gradient
+/// (no communication: every rank's gradient of the gathered tensor is the same).
+at::Tensor gather_from_region(const at::Tensor& x, const Dist& tp, int64_t dim);
+
+/// Cross entropy of logits whose last dimension (the vocabulary) is split over `tp`: this rank
+/// holds classes [rank·V/tp, (rank+1)·V/tp) of `logits` [..., V/tp]; `targets` [...] hold global
+/// class ids. No rank gathers the logits (three all-reduces of one number per token). Returns the
+/// mean over the targets other than `ignore_index` (PyTorch's cross_entropy with reduction
+/// "mean": NaN when every target is ignored), the same on every rank; its gradient flows to this
+/// rank's logits. A target outside [0, V) (ignored ones aside) is an Error naming it.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        const Dist& tp, int64_t ignore_index = -100);
+
+// ---- The layers --------------------------------------------------------------------------------
+
+/// How a layer is split (the plan's values; colwise(), rowwise(), vocab_parallel() make them).
+struct ParallelStyle {
+  enum class Kind {
+    kReplicate,  // every rank holds the whole layer (no plan entry is the same)
+    kColwise,    // Linear: output features split (weight rows, bias)
+    kRowwise,    // Linear: input features split (weight columns; the bias added once, whole)
+    kVocab,      // Embedding: rows (the vocabulary) split
+  };
+  Kind kind = Kind::kReplicate;
+  /// Colwise: the output is `chunks` equal parts each split on its own (a fused q, k, v
+  /// projection: 3), so that rank r holds the r-th slice of every part, in order.
+  int64_t chunks = 1;
+  /// Colwise: the input is this rank's slice of the sequence (along `sequence_dim`), gathered
+  /// first; rowwise and vocab: the output is reduce-scattered along it instead of all-reduced.
+  bool sequence_parallel = false;
+  int64_t sequence_dim = 1;  // [batch, sequence, features]
+  /// Colwise: the outputs gathered along the last dimension (every rank holds all of them);
+  /// false (default): each rank keeps its slice, for the rowwise layer after it or a
+  /// vocab-parallel loss.
+  bool gather_output = false;
+};
+ParallelStyle colwise(int64_t chunks = 1, bool sequence_parallel = false);
+ParallelStyle rowwise(bool sequence_parallel = false);
+ParallelStyle vocab_parallel(bool sequence_parallel = false);
+
+struct ParallelLinearOptions {
+  ParallelLinearOptions(int64_t in, int64_t out) : in_features(in), out_features(out) {}
+  int64_t in_features, out_features;
+  bool bias = true;
+};
+
+/// torch::nn::Linear's parameters (weight [out, in], bias [out]), initialisation and function,
+/// which a plan can split over a tensor-parallel group (ParallelStyle): then weight and bias hold
+/// this rank's slice and forward() communicates as the style says.
+class ParallelLinearImpl : public torch::nn::Cloneable<ParallelLinearImpl> {
+ public:
+  ParallelLinearImpl(int64_t in, int64_t out) : ParallelLinearImpl(ParallelLinearOptions(in, out)) {}
+  explicit ParallelLinearImpl(const ParallelLinearOptions& options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+  /// Splits the parameters (this rank's slice) and sets the style. Throws UsageError when the
+  /// split features do not divide by tp.size() (naming the layer as `name`) or the style is not
+  /// one of a Linear.
+  void parallelize(const Dist& tp, const ParallelStyle& style, const std::string& name = "");
+  const ParallelStyle& style() const { return style_; }
+
+  ParallelLinearOptions options;
+  at::Tensor weight, bias;
+
+ private:
+  ParallelStyle style_;
+  std::shared_ptr<const Dist> tp_;
+};
+TORCH_MODULE(ParallelLinear);
+
+/// torch::nn::Embedding's parameter (weight [num_embeddings, dim]), initialisation N(0, 1) and
+/// function; a vocab_parallel() plan splits its rows (this rank's ids looked up, the others' zero,
+/// summed over the ranks — or reduce-scattered along the sequence).
+class ParallelEmbeddingImpl : public torch::nn::Cloneable<ParallelEmbeddingImpl> {
+ public:
+  ParallelEmbeddingImpl(int64_t num_embeddings, int64_t dim);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& ids);
+  void parallelize(const Dist& tp, const ParallelStyle& style, const std::string& name = "");
+  const ParallelStyle& style() const { return style_; }
+  /// The first id this rank holds (0 without a plan).
+  int64_t first_id() const { return first_id_; }
+
+  int64_t num_embeddings, dim;
+  at::Tensor weight;
+
+ private:
+  ParallelStyle style_;
+  std::shared_ptr<const Dist> tp_;
+  int64_t first_id_ = 0;
+};
+TORCH_MODULE(ParallelEmbedding);
+
+// ---- The plan ----------------------------------------------------------------------------------
+
+/// Submodule names (as named_modules() gives them, "blocks.0.attn.qkv") to styles.
+using TensorParallelPlan = std::map<std::string, ParallelStyle>;
+
+/// Applies `plan` to `module`'s ParallelLinear and ParallelEmbedding submodules (see the top of
+/// this header). Throws UsageError naming the entry for a name that is not a submodule, a
+/// submodule that is not a ParallelLinear or ParallelEmbedding (the fix: declare it as one), a
+/// style that does not fit it, or a size that does not divide by tp.size().
+void parallelize_module(torch::nn::Module& module, const Dist& tp, const TensorParallelPlan& plan);
+
+/// After backward: sums over `tp` the gradients of the parameters that every rank holds whole but
+/// that sequence-parallel regions use on a slice of the sequence (LayerNorm's): `params` are
+/// those (sequence_parallel_params() finds them for a planned module).
+void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const Dist& tp);
+
+/// The parameters of `module` that no plan entry split: with a sequence-parallel plan these are
+/// the ones sync_sequence_parallel_grads() sums (a tensor-parallel model's replicated
+/// parameters otherwise need nothing: every rank computes the same gradient).
+std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module);
+
+/// The whole model's state dict, collective over `tp`: every split parameter gathered back into
+/// its full shape (chunks in place), the rest as they are; keys are the module's own. Every rank
+/// gets it (CPU tensors). With `gradients`: the parameters' gradients instead, assembled the same
+/// way (zeros where a parameter has none), buffers left out.
+std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, const Dist& tp,
+                                                    bool gradients = false);
+
+}  // namespace scaletrain

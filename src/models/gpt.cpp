@@ -1,0 +1,179 @@
+#include "models/gpt.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const GPTConfig& c) : head_dim_(c.n_embd / c.n_head), dropout_(c.dropout) {
+    c_attn = register_module("c_attn", ParallelLinear(c.n_embd, 3 * c.n_embd));
+    c_proj = register_module("c_proj", ParallelLinear(c.n_embd, c.n_embd));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto qkv = c_attn(x);  // [B, T, 3·C] (this rank's heads: 3·C/tp)
+    const int64_t b = qkv.size(0);
+    const int64_t t = qkv.size(1);
+    auto parts = qkv.chunk(3, -1);
+    auto heads = [&](const at::Tensor& p) { return p.view({b, t, -1, head_dim_}).transpose(1, 2); };
+    auto y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]),
+                                              {}, is_training() ? dropout_ : 0.0,
+                                              /*is_causal=*/true);
+    y = y.transpose(1, 2).contiguous().view({b, t, -1});
+    return at::dropout(c_proj(y), dropout_, is_training());
+  }
+  ParallelLinear c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  int64_t head_dim_;
+  double dropout_;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const GPTConfig& c) : dropout_(c.dropout) {
+    c_fc = register_module("c_fc", ParallelLinear(c.n_embd, 4 * c.n_embd));
+    c_proj = register_module("c_proj", ParallelLinear(4 * c.n_embd, c.n_embd));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return at::dropout(c_proj(at::gelu(c_fc(x))), dropout_, is_training());
+  }
+  ParallelLinear c_fc{nullptr}, c_proj{nullptr};
+
+ private:
+  double dropout_;
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& c) {
+    ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+    attn = register_module("attn", Attention(c));
+    ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+    mlp = register_module("mlp", Mlp(c));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  Attention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+}  // namespace
+
+GPTConfig gpt_config(const std::string& name) {
+  GPTConfig c;
+  if (name == "gpt-tiny") return c;
+  if (name == "gpt2-small") {
+    c.vocab_size = 50257;
+    c.block_size = 1024;
+    c.n_layer = 12;
+    c.n_head = 12;
+    c.n_embd = 768;
+    return c;
+  }
+  throw UsageError("unknown GPT size '" + name + "'; use gpt-tiny or gpt2-small");
+}
+
+GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
+  if (c.n_head < 1 || c.n_embd % c.n_head != 0) {
+    throw UsageError("GPT: the width " + std::to_string(c.n_embd) + " does not split into " +
+                     std::to_string(c.n_head) + " heads; make it a multiple of the heads");
+  }
+  transformer_ = register_module("transformer", std::make_shared<torch::nn::Module>());
+  wte_ = transformer_->register_module("wte", ParallelEmbedding(c.vocab_size, c.n_embd));
+  wpe_ = transformer_->register_module("wpe", ParallelEmbedding(c.block_size, c.n_embd));
+  h_ = transformer_->register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(Block(c));
+  ln_f_ = transformer_->register_module(
+      "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  // GPT-2's initialisation: N(0, 0.02), zero biases, the projections into the residual scaled
+  // by 1/sqrt(2·layers).
+  torch::NoGradGuard no_grad;
+  for (const auto& p : named_parameters()) {
+    const std::string& n = p.key();
+    if (n.find("ln_") != std::string::npos) continue;  // LayerNorm: ones and zeros
+    if (n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0) {
+      p.value().zero_();
+    } else if (n.find("c_proj.weight") != std::string::npos) {
+      torch::nn::init::normal_(p.value(), 0.0, 0.02 / std::sqrt(2.0 * c.n_layer));
+    } else {
+      torch::nn::init::normal_(p.value(), 0.0, 0.02);
+    }
+  }
+}
+
+at::Tensor GPTImpl::forward(const at::Tensor& ids) {
+  if (ids.dim() != 2 || ids.size(1) > config_.block_size) {
+    throw UsageError("GPT: token ids " + c10::str(ids.sizes()) +
+                     ": it takes [batch, positions] of at most " +
+                     std::to_string(config_.block_size) + " positions (its context)");
+  }
+  auto x = wte_(ids);  // [B, T, C], or this rank's slice of the positions
+  int64_t first = 0;
+  const int64_t n = x.size(1);
+  if (tp_ && sequence_parallel_) first = tp_->rank() * n;
+  auto pos = at::arange(first, first + n, ids.options().dtype(at::kLong));
+  x = at::dropout(x + wpe_(pos), config_.dropout, is_training());
+  for (const auto& block : *h_) x = block->as<Block>()->forward(x);
+  x = ln_f_(x);
+  if (tp_) x = sequence_parallel_ ? gather_from_sequence(x, *tp_, 1) : copy_to_region(x, *tp_);
+  return at::linear(x, wte_->weight);  // the head tied to the token embedding
+}
+
+at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets,
+                         int64_t ignore_index) const {
+  if (tp_) return vocab_parallel_cross_entropy(logits, targets, *tp_, ignore_index);
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), {},
+                                at::Reduction::Mean, ignore_index);
+}
+
+TensorParallelPlan GPTImpl::plan(bool sp) const {
+  TensorParallelPlan p;
+  p["transformer.wte"] = vocab_parallel(sp);
+  for (int64_t i = 0; i < config_.n_layer; ++i) {
+    const std::string b = "transformer.h." + std::to_string(i) + ".";
+    p[b + "attn.c_attn"] = colwise(3, sp);
+    p[b + "attn.c_proj"] = rowwise(sp);
+    p[b + "mlp.c_fc"] = colwise(1, sp);
+    p[b + "mlp.c_proj"] = rowwise(sp);
+  }
+  return p;
+}
+
+void GPTImpl::parallelize(const Dist& tp, bool sp) {
+  if (config_.n_head % tp.size() != 0) {
+    throw UsageError("tensor parallelism: GPT's " + std::to_string(config_.n_head) +
+                     " heads do not split over " + std::to_string(tp.size()) +
+                     " ranks; use a degree that divides the heads");
+  }
+  if (config_.dropout > 0 && tp.size() > 1) {
+    throw UsageError("tensor parallelism: GPT with dropout " + std::to_string(config_.dropout) +
+                     " is not supported yet (the ranks' draws are not coordinated); use dropout 0");
+  }
+  parallelize_module(*this, tp, plan(sp));
+  tp_ = std::make_shared<const Dist>(tp);
+  sequence_parallel_ = sp;
+}
+
+void GPTImpl::finish_gradients() {
+  if (tp_ && sequence_parallel_) sync_sequence_parallel_grads(replicated_parameters(*this), *tp_);
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,69 @@
+#pragma once
+// The zoo's GPT (internal): a decoder-only transformer with nanoGPT's layout and parameter names
+// (transformer.wte, transformer.wpe, transformer.h.<i>.{ln_1, attn.c_attn, attn.c_proj, ln_2,
+// mlp.c_fc, mlp.c_proj}, transformer.ln_f; the LM head tied to wte): token and position
+// embeddings, pre-LayerNorm blocks of causal self-attention (scaled_dot_product_attention) and a
+// GELU MLP of four times the width, a final LayerNorm and the logits over the vocabulary. Built
+// from ParallelLinear and ParallelEmbedding, so that parallelize() splits it over a
+// tensor-parallel group with Megatron's plan (tensor_parallel.h).
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <memory>
+#include <string>
+
+#include "scaletrain/tensor_parallel.h"
+
+namespace scaletrain {
+
+struct GPTConfig {
+  int64_t vocab_size = 256;
+  int64_t block_size = 64;  // the longest context
+  int64_t n_layer = 2;
+  int64_t n_head = 4;
+  int64_t n_embd = 64;
+  double dropout = 0;  // attention and residual dropout
+};
+
+/// "gpt-tiny" (2 layers, 4 heads, 64 wide, context 64, bytes: vocabulary 256) and "gpt2-small"
+/// (GPT-2's 124M: 12 layers, 12 heads, 768 wide, context 1024, vocabulary 50257). Throws
+/// UsageError naming them for another name.
+GPTConfig gpt_config(const std::string& name);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const GPTConfig& config);
+  /// Token ids [batch, T] (T ≤ block_size) to logits [batch, T, vocab] — under a tensor-parallel
+  /// plan, this rank's slice of the vocabulary (loss() takes them as they are).
+  at::Tensor forward(const at::Tensor& ids);
+  /// Mean cross entropy of `logits` (forward's) against `targets` [batch, T], `ignore_index`
+  /// left out: the vocabulary-parallel one under a plan.
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets,
+                  int64_t ignore_index = -100) const;
+  /// Megatron's plan for this model: c_attn colwise in three chunks (q, k, v: each rank its
+  /// heads), attn.c_proj rowwise, mlp.c_fc colwise, mlp.c_proj rowwise, wte by vocabulary; with
+  /// `sequence_parallel` the LayerNorms, residuals and position embeddings hold a slice of the
+  /// sequence.
+  TensorParallelPlan plan(bool sequence_parallel) const;
+  /// Applies plan() over `tp`. Throws UsageError when the heads, width or vocabulary do not
+  /// divide by tp.size(), or dropout is set (its draws across the split are not coordinated).
+  void parallelize(const Dist& tp, bool sequence_parallel);
+  /// After backward, with sequence parallelism: the replicated parameters' gradients summed over
+  /// the group (sync_sequence_parallel_grads); nothing otherwise.
+  void finish_gradients();
+  const GPTConfig& config() const { return config_; }
+
+ private:
+  GPTConfig config_;
+  std::shared_ptr<torch::nn::Module> transformer_;
+  ParallelEmbedding wte_{nullptr}, wpe_{nullptr};
+  torch::nn::ModuleList h_{nullptr};
+  torch::nn::LayerNorm ln_f_{nullptr};
+  std::shared_ptr<const Dist> tp_;
+  bool sequence_parallel_ = false;
+};
+TORCH_MODULE(GPT);
+
+}  // namespace scaletrain

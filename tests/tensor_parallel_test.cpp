@@ -1,0 +1,371 @@
+// Tensor and sequence parallelism (tensor_parallel.h) and the zoo's GPT split by it: the
+// conjugate operators value by value, the vocabulary-parallel cross entropy against the full one,
+// and transparency — a model split over 2 or 4 ranks gives the single process's loss, gradients
+// and weights at every step.
+//
+// Note [Tensor-parallel tolerance]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A transformer has softmax, LayerNorm and GELU, so Note [Tolerances]' magnitude trick does not
+// bound it. These tests compute both sides in float64 instead. The split model does the same
+// arithmetic as the whole one, grouped differently: a dot product over the features is summed
+// per rank over its slice, then over the ranks. Each result of either side errs from the exact
+// value by at most gamma(K)·M (Higham §3.1), with K the terms along its longest chain of sums
+// (here ≤ 4·width·layers + the batch's tokens ≈ 10^3, so gamma(K) ≤ 1.2e-13 in float64) and M
+// the sum of the absolute values of those terms. For these unit-scale models (LayerNorm'd
+// activations, weights N(0, 0.02), two blocks) M stays within 10^3 of the result's own scale,
+// so the two sides differ by at most 2·1.2e-13·10^3 ≈ 2.4e-10 of the largest entry: the bound
+// below is 1e-9 of it (plus 1e-13 for an all-but-zero tensor). A missing all-reduce or
+// reduce-scatter errs by the size of the result itself, seven orders of magnitude outside it,
+// on any CPU and summation order.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <string>
+
+#include "models/gpt.h"
+#include "scaletrain/error.h"
+#include "scaletrain/mesh.h"
+#include "scaletrain/tensor_parallel.h"
+#include "support/ranks.h"
+
+namespace scaletrain {
+namespace {
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double scale = want.abs().max().item<double>();
+  const double bound = 1e-9 * scale + 1e-13;
+  const double err = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+  EXPECT_LE(err, bound) << what << ": off by " << err << " (bound " << bound << ")";
+}
+
+std::vector<std::string> no_errors(int n) { return std::vector<std::string>(static_cast<size_t>(n)); }
+
+// ---- The operators, value by value (small integers in float64: every sum exact) --------------
+
+class TensorParallelOps : public ::testing::TestWithParam<int> {};
+
+TEST_P(TensorParallelOps, EachOperatorAndItsGradient) {
+  const int n = GetParam();
+  auto errors = testing::run_ranks(n, [&](Dist& d) {
+    const double r = d.rank();
+    const auto opts = at::TensorOptions().dtype(at::kDouble);
+    // f: identity forward, gradient summed.
+    auto x = at::full({2, 3}, r + 1, opts).requires_grad_();
+    auto y = copy_to_region(x, d);
+    EXPECT_TRUE(at::equal(y, at::full({2, 3}, r + 1, opts)));
+    (y * (r + 1)).sum().backward();
+    EXPECT_TRUE(at::equal(x.grad(), at::full({2, 3}, n * (n + 1) / 2.0, opts)));
+    // g: summed forward, gradient as it is.
+    x = at::full({2, 3}, r + 1, opts).requires_grad_();
+    y = reduce_from_region(x, d);
+    EXPECT_TRUE(at::equal(y, at::full({2, 3}, n * (n + 1) / 2.0, opts)));
+    (y * (r + 1)).sum().backward();
+    EXPECT_TRUE(at::equal(x.grad(), at::full({2, 3}, r + 1, opts)));
+    // Sequence all-gather along dim 1; its gradient reduce-scattered back.
+    x = at::full({2, 2, 3}, r, opts).requires_grad_();
+    y = gather_from_sequence(x, d, 1);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 2 * n, 3}));
+    for (int i = 0; i < n; ++i) {
+      EXPECT_TRUE(at::equal(y.narrow(1, 2 * i, 2), at::full({2, 2, 3}, double(i), opts)));
+    }
+    auto w = at::arange(2 * n, opts).view({1, 2 * n, 1}) * (r + 1);  // rank-dependent weights
+    (y * w).sum().backward();
+    auto want = at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) *
+                (n * (n + 1) / 2.0);
+    EXPECT_TRUE(at::equal(x.grad(), want.expand({2, 2, 3})));
+    // Sequence reduce-scatter; its gradient gathered.
+    x = (at::arange(2 * n, opts).view({1, 2 * n, 1}) + r).expand({2, 2 * n, 3}).clone();
+    x.requires_grad_();
+    y = reduce_scatter_to_sequence(x, d, 1);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 2, 3}));
+    auto mine = at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) * n +
+                n * (n - 1) / 2.0;
+    EXPECT_TRUE(at::equal(y, mine.expand({2, 2, 3})));
+    (y * (r + 1)).sum().backward();
+    for (int i = 0; i < n; ++i) {
+      EXPECT_TRUE(at::equal(x.grad().narrow(1, 2 * i, 2), at::full({2, 2, 3}, i + 1.0, opts)));
+    }
+    // Scatter (own slice, no communication) and gather of a replicated tensor.
+    x = at::arange(4 * n, opts).view({1, 4 * n}).requires_grad_();
+    y = scatter_to_sequence(x, d, 1);
+    EXPECT_TRUE(at::equal(y, at::arange(4 * d.rank(), 4 * d.rank() + 4, opts).view({1, 4})));
+    (y * (r + 1)).sum().backward();
+    for (int i = 0; i < n; ++i) {
+      EXPECT_TRUE(at::equal(x.grad().narrow(1, 4 * i, 4), at::full({1, 4}, i + 1.0, opts)));
+    }
+    x = at::full({3, 1}, r, opts).requires_grad_();
+    y = gather_from_region(x, d, -1);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, n}));
+    (y * at::arange(n, opts)).sum().backward();
+    EXPECT_TRUE(at::equal(x.grad(), at::full({3, 1}, r, opts)));
+    // A sequence that does not split evenly is refused, on every rank alike.
+    if (n > 1) {
+      EXPECT_THROW(reduce_scatter_to_sequence(at::zeros({1, 2 * n + 1, 2}, opts), d, 1),
+                   UsageError);
+    }
+  });
+  EXPECT_EQ(errors, no_errors(n));
+}
+
+INSTANTIATE_TEST_SUITE_P(Degrees, TensorParallelOps, ::testing::Values(1, 2, 3, 4));
+
+// ---- The vocabulary-parallel cross entropy ----------------------------------------------------
+
+TEST(TensorParallel, VocabParallelCrossEntropyEqualsTheFullOne) {
+  for (int n : {2, 4}) {
+    const int64_t vocab = 12;
+    auto logits = at::randn({2, 5, vocab}, at::kDouble) * 3;
+    // Targets on every slice, one on the last rank's slice, and an ignored token.
+    auto targets = at::tensor({0, 11, 5, 3, -100, 7, 8, 1, 10, 2}, at::kLong).view({2, 5});
+    auto whole = logits.clone().requires_grad_();
+    auto want = at::cross_entropy_loss(whole.view({-1, vocab}), targets.view({-1}), {},
+                                       at::Reduction::Mean, -100);
+    want.backward();
+    auto errors = testing::run_ranks(n, [&](Dist& d) {
+      const int64_t vl = vocab / n;
+      auto mine = logits.narrow(-1, d.rank() * vl, vl).clone().requires_grad_();
+      auto loss = vocab_parallel_cross_entropy(mine, targets, d);
+      expect_close(loss, want.detach(), "loss");
+      loss.backward();
+      expect_close(mine.grad(), whole.grad().narrow(-1, d.rank() * vl, vl), "logits' gradient");
+      // Every target ignored: NaN, as PyTorch's mean over no tokens.
+      auto none = at::full({2, 5}, -100, at::kLong);
+      EXPECT_TRUE(std::isnan(vocab_parallel_cross_entropy(mine, none, d).item<double>()));
+      // A target outside the vocabulary is named (every rank sees it).
+      auto bad = targets.clone();
+      bad[1][2] = vocab;
+      try {
+        vocab_parallel_cross_entropy(mine, bad, d);
+        ADD_FAILURE() << "no error for target " << vocab;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("target 12 of token 7"), std::string::npos)
+            << e.what();
+      }
+    });
+    EXPECT_EQ(errors, no_errors(n)) << "tp " << n;
+  }
+}
+
+// ---- A user's block, split by a plan ----------------------------------------------------------
+
+struct MlpImpl : torch::nn::Module {
+  ParallelLinear fc{nullptr}, proj{nullptr};
+  torch::nn::LayerNorm ln{nullptr};
+  MlpImpl() {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    fc = register_module("fc", ParallelLinear(8, 16));
+    proj = register_module("proj", ParallelLinear(16, 8));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + proj(at::gelu(fc(ln(x)))); }
+};
+TORCH_MODULE(Mlp);
+
+void copy_state(torch::nn::Module& to, const torch::nn::Module& from) {
+  torch::NoGradGuard no_grad;
+  auto src = from.named_parameters();
+  for (auto& p : to.named_parameters()) p.value().copy_(src[p.key()]);
+}
+
+TEST(TensorParallel, AUsersBlockSplitByAPlanEqualsTheWholeBlock) {
+  Mlp whole;
+  whole->to(at::kDouble);
+  auto x = at::randn({2, 4, 8}, at::kDouble);
+  auto out = whole->forward(x);
+  (out * out).sum().backward();
+  for (int n : {2, 4}) {
+    for (bool sp : {false, true}) {
+      auto errors = testing::run_ranks(n, [&](Dist& d) {
+        Mlp m;
+        m->to(at::kDouble);
+        copy_state(*m, *whole);
+        parallelize_module(*m, d, {{"fc", colwise(1, sp)}, {"proj", rowwise(sp)}});
+        EXPECT_EQ(m->fc->weight.size(0), 16 / n);
+        EXPECT_EQ(m->proj->weight.size(1), 16 / n);
+        at::Tensor in = sp ? x.narrow(1, d.rank() * 4 / n, 4 / n).contiguous() : x;
+        auto y = m->forward(in);
+        // Every rank takes the whole output's loss: the gathered output's gradient is the same
+        // everywhere, so the gather's backward keeps this rank's slice (gather_from_region), not
+        // the sum of every rank's (gather_from_sequence, for a consumer with partial gradients).
+        if (sp) y = gather_from_region(y, d, 1);
+        expect_close(y, out, "output");
+        (y * y).sum().backward();
+        if (sp) sync_sequence_parallel_grads(replicated_parameters(*m), d);
+        auto grads = gather_full_state(*m, d, /*gradients=*/true);
+        for (const auto& p : whole->named_parameters()) {
+          expect_close(grads.at(p.key()), p.value().grad(), p.key() + "'s gradient");
+        }
+        auto state = gather_full_state(*m, d);
+        for (const auto& p : whole->named_parameters()) {
+          EXPECT_TRUE(at::equal(state.at(p.key()), p.value())) << p.key();
+        }
+      });
+      EXPECT_EQ(errors, no_errors(n)) << "tp " << n << (sp ? " with" : " without")
+                                      << " sequence parallelism";
+    }
+  }
+}
+
+TEST(TensorParallel, BadPlansAreNamed) {
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    auto expect = [&](const TensorParallelPlan& plan, const std::string& part) {
+      Mlp m;
+      try {
+        parallelize_module(*m, d, plan);
+        ADD_FAILURE() << "no error for a plan that should fail with: " << part;
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      }
+    };
+    expect({{"fc2", colwise()}}, "'fc2' is not a submodule");
+    expect({{"ln", colwise()}}, "only a scaletrain::ParallelLinear or ParallelEmbedding");
+    expect({{"fc", vocab_parallel()}}, "vocab_parallel() is for a ParallelEmbedding");
+    expect({{"fc", colwise(3)}}, "output features (16) does not divide by 6");
+    Mlp m;
+    parallelize_module(*m, d, {{"fc", colwise()}});
+    EXPECT_THROW(parallelize_module(*m, d, {{"fc", colwise()}}), UsageError);
+  });
+  EXPECT_EQ(errors, no_errors(2));
+}
+
+// ---- The zoo's GPT: transparency over steps ----------------------------------------------------
+
+GPTConfig small_gpt() {
+  GPTConfig c;
+  c.vocab_size = 16;
+  c.block_size = 8;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_embd = 16;
+  return c;
+}
+
+// Three SGD steps of the whole model (float64): each step's loss, gradients and weights after.
+struct Trajectory {
+  std::vector<at::Tensor> losses;
+  std::vector<std::map<std::string, at::Tensor>> grads, weights;
+};
+
+Trajectory whole_run(GPT& model, const at::Tensor& ids, const at::Tensor& targets, int steps) {
+  Trajectory t;
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5));
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    auto loss = model->loss(model->forward(ids), targets);
+    loss.backward();
+    t.losses.push_back(loss.detach().clone());
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad().clone();
+    t.grads.push_back(g);
+    opt.step();
+    std::map<std::string, at::Tensor> w;
+    for (const auto& p : model->named_parameters()) w[p.key()] = p.value().detach().clone();
+    t.weights.push_back(w);
+  }
+  return t;
+}
+
+struct GptCase {
+  int tp;
+  bool sp;
+};
+
+class GptTransparency : public ::testing::TestWithParam<GptCase> {};
+
+TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep) {
+  const auto [n, sp] = GetParam();
+  const int steps = 3;
+  GPT whole(small_gpt());
+  whole->to(at::kDouble);
+  GPT start(small_gpt());
+  start->to(at::kDouble);
+  copy_state(*start, *whole);
+  auto ids = at::randint(0, 16, {2, 8}, at::kLong);
+  auto targets = at::randint(0, 16, {2, 8}, at::kLong);
+  targets[0][3] = -100;  // an ignored token
+  const Trajectory want = whole_run(whole, ids, targets, steps);
+  auto errors = testing::run_ranks(n, [&](Dist& d) {
+    GPT m(small_gpt());
+    m->to(at::kDouble);
+    copy_state(*m, *start);
+    m->parallelize(d, sp);
+    torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.5));
+    for (int s = 0; s < steps; ++s) {
+      const std::string step = "step " + std::to_string(s + 1) + ": ";
+      opt.zero_grad();
+      auto loss = m->loss(m->forward(ids), targets);
+      expect_close(loss.detach(), want.losses[s], step + "loss");
+      loss.backward();
+      m->finish_gradients();
+      auto grads = gather_full_state(*m, d, true);
+      for (const auto& [name, g] : want.grads[s]) {
+        expect_close(grads.at(name), g, step + name + "'s gradient");
+      }
+      opt.step();
+      auto w = gather_full_state(*m, d);
+      for (const auto& [name, v] : want.weights[s]) expect_close(w.at(name), v, step + name);
+    }
+  });
+  EXPECT_EQ(errors, no_errors(n));
+}
+
+INSTANTIATE_TEST_SUITE_P(Degrees, GptTransparency,
+                         ::testing::Values(GptCase{1, false}, GptCase{2, false}, GptCase{4, false},
+                                           GptCase{2, true}, GptCase{4, true}),
+                         [](const auto& c) {
+                           return "tp" + std::to_string(c.param.tp) +
+                                  (c.param.sp ? "_sequence_parallel" : "");
+                         });
+
+// Saved at one degree, loaded at another: the gathered state is the model's whole state, bit for
+// bit, and a model split at tp 4 from the state gathered at tp 2 gives the same whole state again.
+TEST(TensorParallel, StateGatheredAtOneDegreeSplitsAtAnother) {
+  GPT whole(small_gpt());
+  std::map<std::string, at::Tensor> at2;
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    GPT m(small_gpt());
+    copy_state(*m, *whole);
+    m->parallelize(d, false);
+    auto s = gather_full_state(*m, d);
+    if (d.rank() == 0) at2 = s;
+  });
+  ASSERT_EQ(errors, no_errors(2));
+  for (const auto& p : whole->named_parameters()) {
+    ASSERT_TRUE(at2.count(p.key())) << p.key();
+    EXPECT_TRUE(at::equal(at2.at(p.key()), p.value())) << p.key();
+  }
+  errors = testing::run_ranks(4, [&](Dist& d) {
+    GPT m(small_gpt());
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : m->named_parameters()) p.value().copy_(at2.at(p.key()));
+    }
+    m->parallelize(d, true);
+    auto s = gather_full_state(*m, d);
+    for (const auto& [name, v] : at2) EXPECT_TRUE(at::equal(s.at(name), v)) << name;
+  });
+  EXPECT_EQ(errors, no_errors(4));
+}
+
+TEST(TensorParallel, GptThatDoesNotSplitIsNamed) {
+  auto errors = testing::run_ranks(3, [&](Dist& d) {
+    GPT m(small_gpt());
+    try {
+      m->parallelize(d, false);
+      ADD_FAILURE() << "4 heads split over 3 ranks";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("4 heads do not split over 3"), std::string::npos)
+          << e.what();
+    }
+  });
+  EXPECT_EQ(errors, no_errors(3));
+  EXPECT_THROW(gpt_config("gpt-huge"), UsageError);
+  EXPECT_EQ(gpt_config("gpt2-small").n_embd, 768);
+}
+
+}  // namespace
+}  // namespace scaletrain

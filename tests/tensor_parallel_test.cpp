@@ -27,6 +27,8 @@
 #include <string>
 
 #include "models/gpt.h"
+#include "scaletrain/ddp.h"
+#include "scaletrain/zero.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
@@ -320,6 +322,93 @@ INSTANTIATE_TEST_SUITE_P(Degrees, GptTransparency,
                            return "tp" + std::to_string(c.param.tp) +
                                   (c.param.sp ? "_sequence_parallel" : "");
                          });
+
+// 2D: DistributedDataParallel over the mesh's dp dimension, the GPT split over its tp dimension
+// (mesh {dp: 2, tp: 2} on 4 ranks): each replica trains on half the batch, and the gradients are
+// the whole model's on the whole batch (every token counted: no ignored target here, so that
+// the two halves' means weigh alike).
+TEST(TensorParallel, DataParallelTimesTensorParallelEqualsTheSingleProcess) {
+  GPT whole(small_gpt());
+  whole->to(at::kDouble);
+  GPT start(small_gpt());
+  start->to(at::kDouble);
+  copy_state(*start, *whole);
+  auto ids = at::randint(0, 16, {4, 8}, at::kLong);
+  auto targets = at::randint(0, 16, {4, 8}, at::kLong);
+  const Trajectory want = whole_run(whole, ids, targets, 2);
+  for (bool sp : {false, true}) {
+    auto errors = testing::run_ranks(4, [&](Dist& d) {
+      const DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, 4);
+      auto groups = mesh_groups(d, mesh, "dp_tp");
+      const int replica = mesh.coordinates(d.rank()).at(0);
+      GPT m(small_gpt());
+      m->to(at::kDouble);
+      copy_state(*m, *start);
+      m->parallelize(groups.at("tp"), sp);
+      DistributedDataParallel ddp(m, groups.at("dp"));
+      torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.5));
+      auto x = ids.narrow(0, 2 * replica, 2);
+      auto y = targets.narrow(0, 2 * replica, 2);
+      for (int s = 0; s < 2; ++s) {
+        const std::string step = "step " + std::to_string(s + 1) + ": ";
+        opt.zero_grad();
+        auto loss = m->loss(ddp(x), y);
+        loss.backward();
+        m->finish_gradients();
+        auto grads = gather_full_state(*m, groups.at("tp"), true);
+        for (const auto& [name, g] : want.grads[s]) {
+          expect_close(grads.at(name), g, step + name + "'s gradient");
+        }
+        opt.step();
+        auto w = gather_full_state(*m, groups.at("tp"));
+        for (const auto& [name, v] : want.weights[s]) expect_close(w.at(name), v, step + name);
+      }
+    });
+    EXPECT_EQ(errors, no_errors(4)) << (sp ? "with" : "without") << " sequence parallelism";
+  }
+}
+
+// 2D with sharded data parallelism: ZeRO stage 1 and 2 over dp (the optimizer state and gradients
+// of each tensor-parallel slice sharded over its replicas), the GPT split over tp. The weights
+// after every step are the single process's.
+TEST(TensorParallel, ShardedDataParallelTimesTensorParallelEqualsTheSingleProcess) {
+  GPT whole(small_gpt());
+  whole->to(at::kDouble);
+  GPT start(small_gpt());
+  start->to(at::kDouble);
+  copy_state(*start, *whole);
+  auto ids = at::randint(0, 16, {4, 8}, at::kLong);
+  auto targets = at::randint(0, 16, {4, 8}, at::kLong);
+  const Trajectory want = whole_run(whole, ids, targets, 2);
+  for (int stage : {1, 2}) {
+    auto errors = testing::run_ranks(4, [&](Dist& d) {
+      const DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, 4);
+      auto groups = mesh_groups(d, mesh, "zero_tp");
+      const int replica = mesh.coordinate(d.rank(), "dp");
+      GPT m(small_gpt());
+      m->to(at::kDouble);
+      copy_state(*m, *start);
+      m->parallelize(groups.at("tp"), false);
+      ShardOptions so;
+      so.stage = stage;
+      ShardedDataParallel zero(m, groups.at("dp"), so);
+      torch::optim::SGD opt(zero.parameters(), torch::optim::SGDOptions(0.5));
+      auto x = ids.narrow(0, 2 * replica, 2);
+      auto y = targets.narrow(0, 2 * replica, 2);
+      for (int s = 0; s < 2; ++s) {
+        opt.zero_grad();
+        auto loss = m->loss(zero.forward([&] { return m->forward(x); }), y);
+        loss.backward();
+        zero.step(opt);
+        auto w = gather_full_state(*m, groups.at("tp"));
+        for (const auto& [name, v] : want.weights[s]) {
+          expect_close(w.at(name), v, "step " + std::to_string(s + 1) + ": " + name);
+        }
+      }
+    });
+    EXPECT_EQ(errors, no_errors(4)) << "ZeRO stage " << stage;
+  }
+}
 
 // Saved at one degree, loaded at another: the gathered state is the model's whole state, bit for
 // bit, and a model split at tp 4 from the state gathered at tp 2 gives the same whole state again.

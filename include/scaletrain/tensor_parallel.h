@@ -14,7 +14,8 @@
 //             proj = register_module("proj", scaletrain::ParallelLinear(256, 64)); }
 //     at::Tensor forward(const at::Tensor& x) { return proj(at::gelu(fc(x))); }
 //   };
-//   auto groups = scaletrain::mesh_groups(dist, scaletrain::DeviceMesh({{"dp", 2}, {"tp", 2}}));
+//   scaletrain::DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, dist.size());   // 4 ranks
+//   auto groups = scaletrain::mesh_groups(dist, mesh);
 //   scaletrain::TensorParallelPlan plan;
 //   plan["fc"] = scaletrain::colwise();                   // weight rows split: output sharded
 //   plan["proj"] = scaletrain::rowwise();                 // weight columns split: output summed
@@ -33,6 +34,14 @@
 // activations there shrink by the degree. A replicated parameter used in a sequence-parallel
 // region (a LayerNorm's) then gets a partial gradient on each rank: sync_sequence_parallel_grads()
 // sums them.
+//
+// Meshes. The tensor-parallel group is one dimension of a DeviceMesh; the others compose as they
+// are: DistributedDataParallel or ShardedDataParallel (ZeRO stages 1 and 2) over the "dp" group
+// of a split model average each slice over its replicas (tests/tensor_parallel_test.cpp checks
+// both against the single process). With sequence parallelism under DDP, call
+// sync_sequence_parallel_grads() after backward as usual; under ZeRO the replicated gradients
+// would have to be summed over tp before the shards' reduction, which ShardedDataParallel does
+// not do yet: use sequence parallelism with DDP.
 //
 // The plan changes a layer's parameters to its slice (set_data, so optimizers made afterwards and
 // references to the module see the slice); the state dict then holds slices under the full

@@ -27,7 +27,9 @@
 #include <string>
 
 #include "models/gpt.h"
+#include "scaletrain/blocks.h"
 #include "scaletrain/ddp.h"
+#include "scaletrain/models.h"
 #include "scaletrain/zero.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
@@ -236,8 +238,9 @@ TEST(TensorParallel, BadPlansAreNamed) {
 
 // ---- The zoo's GPT: transparency over steps ----------------------------------------------------
 
-GPTConfig small_gpt() {
+GPTConfig small_gpt(bool tied = true) {
   GPTConfig c;
+  c.tied_head = tied;
   c.vocab_size = 16;
   c.block_size = 8;
   c.n_layer = 2;
@@ -274,16 +277,17 @@ Trajectory whole_run(GPT& model, const at::Tensor& ids, const at::Tensor& target
 struct GptCase {
   int tp;
   bool sp;
+  bool tied = true;
 };
 
 class GptTransparency : public ::testing::TestWithParam<GptCase> {};
 
 TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep) {
-  const auto [n, sp] = GetParam();
+  const auto [n, sp, tied] = GetParam();
   const int steps = 3;
-  GPT whole(small_gpt());
+  GPT whole(small_gpt(tied));
   whole->to(at::kDouble);
-  GPT start(small_gpt());
+  GPT start(small_gpt(tied));
   start->to(at::kDouble);
   copy_state(*start, *whole);
   auto ids = at::randint(0, 16, {2, 8}, at::kLong);
@@ -291,7 +295,7 @@ TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep)
   targets[0][3] = -100;  // an ignored token
   const Trajectory want = whole_run(whole, ids, targets, steps);
   auto errors = testing::run_ranks(n, [&](Dist& d) {
-    GPT m(small_gpt());
+    GPT m(small_gpt(tied));
     m->to(at::kDouble);
     copy_state(*m, *start);
     m->parallelize(d, sp);
@@ -317,10 +321,12 @@ TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep)
 
 INSTANTIATE_TEST_SUITE_P(Degrees, GptTransparency,
                          ::testing::Values(GptCase{1, false}, GptCase{2, false}, GptCase{4, false},
-                                           GptCase{2, true}, GptCase{4, true}),
+                                           GptCase{2, true}, GptCase{4, true},
+                                           GptCase{2, false, false}, GptCase{4, true, false}),
                          [](const auto& c) {
                            return "tp" + std::to_string(c.param.tp) +
-                                  (c.param.sp ? "_sequence_parallel" : "");
+                                  (c.param.sp ? "_sequence_parallel" : "") +
+                                  (c.param.tied ? "" : "_untied_head");
                          });
 
 // 2D: DistributedDataParallel over the mesh's dp dimension, the GPT split over its tp dimension
@@ -438,6 +444,25 @@ TEST(TensorParallel, StateGatheredAtOneDegreeSplitsAtAnother) {
     for (const auto& [name, v] : at2) EXPECT_TRUE(at::equal(s.at(name), v)) << name;
   });
   EXPECT_EQ(errors, no_errors(4));
+}
+
+// The zoo's GPT: its chain of blocks computes its forward with its own parameters; a tied head
+// has no chain.
+TEST(Gpt, ZooModelAndItsChain) {
+  ModelOptions o;
+  o.vocab_size = 32;
+  o.context = 16;
+  Model m = make_model("gpt-tiny", o);
+  auto ids = at::randint(0, 32, {2, 16}, at::kLong);
+  auto out = m.forward(ids);
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{2, 16, 32}));
+  auto chain = as_sequential(m);
+  EXPECT_EQ(chain->size(), 4u);  // embed, h0, h1, head
+  EXPECT_TRUE(at::equal(chain->forward(ids), out));
+  EXPECT_NO_THROW(check_chain(*m.module, chain, m.forward, ids));
+  EXPECT_THROW(m.forward(at::randint(0, 32, {2, 17}, at::kLong)), UsageError);  // past context
+  GPT tied(small_gpt(true));
+  EXPECT_THROW(tied->blocks(), UsageError);
 }
 
 TEST(TensorParallel, GptThatDoesNotSplitIsNamed) {

@@ -8,6 +8,11 @@
 //             fc 800->128, ReLU, fc 128->10 (conv1, conv2, fc1, fc2); 28x28 inputs
 //   resnet18  seed 003's small-image ResNet-18: 3x3 stride-1 stem, no max-pool, BasicBlocks
 //             [2,2,2,2], global average pool, fc; torchvision's parameter names
+//   gpt-tiny, gpt2-small  a decoder-only transformer with nanoGPT's layout and names (2 layers,
+//             4 heads, 64 wide, context 64, bytes; GPT-2's 124M: 12 layers, 12 heads, 768 wide,
+//             context 1024, vocabulary 50257), an untied LM head (lm_head) so that every
+//             strategy can split it; token ids [batch, positions] to logits [batch, positions,
+//             vocabulary]; blocks embed, h0 ..., head
 //   resnet50, resnet101  torchvision's (Bottleneck [3,4,6,3] / [3,4,23,3], ImageNet stem);
 //             use in_channels 3 and num_classes 1000 for torchvision's exact model
 //
@@ -38,7 +43,9 @@ struct ModelOptions {
   int64_t in_channels = 1;    // image models
   int64_t in_features = 784;  // MLP
   int64_t hidden = 256;       // MLP
-  double dropout = 0;         // MLP: the probability of its dropout after the hidden layer
+  double dropout = 0;         // MLP, GPT: the probability of its dropout
+  int64_t vocab_size = 0;     // GPT: the vocabulary (0: the size's own)
+  int64_t context = 0;        // GPT: the longest sequence (0: the size's own)
   /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read
   /// (Note [Unread border]), its fused relu + 2x2 average pool, and the stem convolutions'
   /// weight gradient as one batched product (Note [Stem conv]); each is the plain model's
@@ -47,7 +54,7 @@ struct ModelOptions {
   bool model_optimizations = true;
 };
 
-/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101". Throws UsageError naming the known
+/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small". Throws UsageError naming the known
 /// models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
 

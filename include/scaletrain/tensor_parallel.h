@@ -120,8 +120,12 @@ ParallelStyle vocab_parallel(bool sequence_parallel = false);
 
 struct ParallelLinearOptions {
   ParallelLinearOptions(int64_t in, int64_t out) : in_features(in), out_features(out) {}
+  ParallelLinearOptions& bias(bool on) {
+    with_bias = on;
+    return *this;
+  }
   int64_t in_features, out_features;
-  bool bias = true;
+  bool with_bias = true;
 };
 
 /// torch::nn::Linear's parameters (weight [out, in], bias [out]), initialisation and function,

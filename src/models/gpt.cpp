@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -57,9 +58,9 @@ class MlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-class BlockImpl : public torch::nn::Module {
+class TransformerBlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GPTConfig& c) {
+  explicit TransformerBlockImpl(const GPTConfig& c) {
     ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     attn = register_module("attn", Attention(c));
     ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
@@ -73,7 +74,7 @@ class BlockImpl : public torch::nn::Module {
   Attention attn{nullptr};
   Mlp mlp{nullptr};
 };
-TORCH_MODULE(Block);
+TORCH_MODULE(TransformerBlock);
 
 }  // namespace
 
@@ -100,9 +101,13 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
   wte_ = transformer_->register_module("wte", ParallelEmbedding(c.vocab_size, c.n_embd));
   wpe_ = transformer_->register_module("wpe", ParallelEmbedding(c.block_size, c.n_embd));
   h_ = transformer_->register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(Block(c));
+  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c));
   ln_f_ = transformer_->register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
+  if (!c.tied_head) {
+    lm_head_ = register_module("lm_head",
+                               ParallelLinear(ParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
+  }
   // GPT-2's initialisation: N(0, 0.02), zero biases, the projections into the residual scaled
   // by 1/sqrt(2·layers).
   torch::NoGradGuard no_grad;
@@ -120,21 +125,51 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& ids) {
+  auto x = embed(ids);
+  for (const auto& block : *h_) x = block->as<TransformerBlock>()->forward(x);
+  return head(x);
+}
+
+at::Tensor GPTImpl::embed(const at::Tensor& ids) {
   if (ids.dim() != 2 || ids.size(1) > config_.block_size) {
     throw UsageError("GPT: token ids " + c10::str(ids.sizes()) +
                      ": it takes [batch, positions] of at most " +
                      std::to_string(config_.block_size) + " positions (its context)");
   }
   auto x = wte_(ids);  // [B, T, C], or this rank's slice of the positions
-  int64_t first = 0;
   const int64_t n = x.size(1);
-  if (tp_ && sequence_parallel_) first = tp_->rank() * n;
+  const int64_t first = tp_ && sequence_parallel_ ? tp_->rank() * n : 0;
   auto pos = at::arange(first, first + n, ids.options().dtype(at::kLong));
-  x = at::dropout(x + wpe_(pos), config_.dropout, is_training());
-  for (const auto& block : *h_) x = block->as<Block>()->forward(x);
+  return at::dropout(x + wpe_(pos), config_.dropout, is_training());
+}
+
+at::Tensor GPTImpl::head(at::Tensor x) {
   x = ln_f_(x);
+  if (lm_head_) return lm_head_(x);  // colwise under a plan: it gathers or copies its input
   if (tp_) x = sequence_parallel_ ? gather_from_sequence(x, *tp_, 1) : copy_to_region(x, *tp_);
   return at::linear(x, wte_->weight);  // the head tied to the token embedding
+}
+
+torch::nn::Sequential GPTImpl::blocks() {
+  if (config_.tied_head) {
+    throw UsageError(
+        "GPT: a tied LM head shares the token embedding's weight between the first and the last "
+        "block, which pipeline stages and fsdp units cannot share; build the GPT with an untied "
+        "head for them");
+  }
+  torch::nn::Sequential seq;
+  auto self = std::static_pointer_cast<GPTImpl>(shared_from_this());
+  seq->push_back("embed", scaletrain::Block(BlockParts{{"wte", wte_.ptr()}, {"wpe", wpe_.ptr()}},
+                                            [self](const at::Tensor& ids) { return self->embed(ids); }));
+  for (size_t i = 0; i < h_->size(); ++i) {
+    auto b = h_[i];
+    seq->push_back("h" + std::to_string(i),
+                   scaletrain::Block(BlockParts{{"block", b}},
+                                     [b](const at::Tensor& x) { return b->as<TransformerBlock>()->forward(x); }));
+  }
+  seq->push_back("head", scaletrain::Block(BlockParts{{"ln_f", ln_f_.ptr()}, {"lm_head", lm_head_.ptr()}},
+                                           [self](const at::Tensor& x) { return self->head(x); }));
+  return seq;
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets,
@@ -147,6 +182,7 @@ at::Tensor GPTImpl::loss(const at::Tensor& logits, const at::Tensor& targets,
 TensorParallelPlan GPTImpl::plan(bool sp) const {
   TensorParallelPlan p;
   p["transformer.wte"] = vocab_parallel(sp);
+  if (!config_.tied_head) p["lm_head"] = colwise(1, sp);
   for (int64_t i = 0; i < config_.n_layer; ++i) {
     const std::string b = "transformer.h." + std::to_string(i) + ".";
     p[b + "attn.c_attn"] = colwise(3, sp);

@@ -24,7 +24,8 @@ struct GPTConfig {
   int64_t n_layer = 2;
   int64_t n_head = 4;
   int64_t n_embd = 64;
-  double dropout = 0;  // attention and residual dropout
+  double dropout = 0;     // attention and residual dropout
+  bool tied_head = true;  // the LM head is wte's weight (GPT-2); false: lm_head of its own
 };
 
 /// "gpt-tiny" (2 layers, 4 heads, 64 wide, context 64, bytes: vocabulary 256) and "gpt2-small"
@@ -50,17 +51,26 @@ class GPTImpl : public torch::nn::Module {
   /// Applies plan() over `tp`. Throws UsageError when the heads, width or vocabulary do not
   /// divide by tp.size(), or dropout is set (its draws across the split are not coordinated).
   void parallelize(const Dist& tp, bool sequence_parallel);
+  /// The model as a chain of blocks sharing its parameters (blocks.h): "embed" (wte, wpe), "h<i>"
+  /// per transformer block, "head" (ln_f, lm_head), for the pipeline and fsdp strategies. Throws
+  /// UsageError for a tied head (one weight in two blocks, which stages on two devices cannot
+  /// share): build it with tied_head = false.
+  torch::nn::Sequential blocks();
   /// After backward, with sequence parallelism: the replicated parameters' gradients summed over
   /// the group (sync_sequence_parallel_grads); nothing otherwise.
   void finish_gradients();
   const GPTConfig& config() const { return config_; }
 
  private:
+  at::Tensor embed(const at::Tensor& ids);
+  at::Tensor head(at::Tensor x);
+
   GPTConfig config_;
   std::shared_ptr<torch::nn::Module> transformer_;
   ParallelEmbedding wte_{nullptr}, wpe_{nullptr};
   torch::nn::ModuleList h_{nullptr};
   torch::nn::LayerNorm ln_f_{nullptr};
+  ParallelLinear lm_head_{nullptr};  // untied only
   std::shared_ptr<const Dist> tp_;
   bool sequence_parallel_ = false;
 };

@@ -8,6 +8,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "kernels/ops.h"
+#include "models/gpt.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
@@ -288,7 +289,7 @@ Model wrap(const std::string& name, std::shared_ptr<M> m) {
 }  // namespace
 
 std::vector<std::string> model_names() {
-  return {"toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101"};
+  return {"toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small"};
 }
 
 Model make_model(const std::string& name, const ModelOptions& o) {
@@ -301,6 +302,15 @@ Model make_model(const std::string& name, const ModelOptions& o) {
   }
   if (name == "resnet101") {
     return wrap(name, std::make_shared<ResNetBottleneckImpl>(o, std::vector<int>{3, 4, 23, 3}));
+  }
+  if (name == "gpt-tiny" || name == "gpt2-small") {
+    GPTConfig c = gpt_config(name);
+    if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
+    if (o.context > 0) c.block_size = o.context;
+    c.dropout = o.dropout;
+    c.tied_head = false;
+    auto m = std::make_shared<GPTImpl>(c);
+    return {name, m, [m](const at::Tensor& x) { return m->forward(x); }, [m] { return m->blocks(); }};
   }
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;

@@ -301,7 +301,7 @@ ParallelLinearImpl::ParallelLinearImpl(const ParallelLinearOptions& o) : options
 
 void ParallelLinearImpl::reset() {
   weight = register_parameter("weight", at::empty({options.out_features, options.in_features}));
-  if (options.bias) {
+  if (options.with_bias) {
     bias = register_parameter("bias", at::empty({options.out_features}));
   } else {
     bias = register_parameter("bias", {}, /*requires_grad=*/false);

@@ -24,11 +24,13 @@
 #include <torch/optim/sgd.h>
 
 #include <map>
+#include <set>
 #include <string>
 
 #include "models/gpt.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/ddp.h"
+#include "scaletrain/dist_pipeline.h"
 #include "scaletrain/models.h"
 #include "scaletrain/zero.h"
 #include "scaletrain/error.h"
@@ -415,6 +417,76 @@ TEST(TensorParallel, ShardedDataParallelTimesTensorParallelEqualsTheSingleProces
     EXPECT_EQ(errors, no_errors(4)) << "ZeRO stage " << stage;
   }
 }
+
+// 3D: a pipeline of two stages across ranks, each stage split over tp, and with 8 ranks two such
+// pipelines in data parallel (DDP per stage over dp): mesh {dp, pp: 2, tp: 2}. The untied GPT's
+// chain is cut after its first block; the loss is the vocabulary-parallel one on the last stage.
+// Each stage's gradients and the loss equal the single process's on the whole batch.
+struct MeshCase {
+  int dp;
+  PipelineSchedule schedule;
+};
+class ThreeDimensions : public ::testing::TestWithParam<MeshCase> {};
+
+TEST_P(ThreeDimensions, PipelineTimesTensorParallelEqualsTheSingleProcess) {
+  const auto [dp, schedule] = GetParam();
+  GPT whole(small_gpt(false));
+  whole->to(at::kDouble);
+  GPT start(small_gpt(false));
+  start->to(at::kDouble);
+  copy_state(*start, *whole);
+  auto ids = at::randint(0, 16, {4 * dp, 8}, at::kLong);
+  auto targets = at::randint(0, 16, {4 * dp, 8}, at::kLong);
+  const Trajectory want = whole_run(whole, ids, targets, 1);
+  const int world = dp * 4;
+  auto errors = testing::run_ranks(world, [&](Dist& d) {
+    const DeviceMesh mesh({{"dp", dp}, {"pp", 2}, {"tp", 2}}, world);
+    auto groups = mesh_groups(d, mesh, "dp_pp_tp", {"dp", "tp"});
+    const int replica = mesh.coordinate(d.rank(), "dp");
+    const int stage = mesh.coordinate(d.rank(), "pp");
+    GPT m(small_gpt(false));
+    m->to(at::kDouble);
+    copy_state(*m, *start);
+    m->parallelize(groups.at("tp"), false);
+    auto chain = m->blocks();  // embed, h0, h1, head
+    auto mine = stage == 0 ? slice(chain, 0, 2) : slice(chain, 2, 4);
+    std::unique_ptr<DistributedDataParallel> ddp;
+    if (dp > 1) ddp = std::make_unique<DistributedDataParallel>(mine, groups.at("dp"));
+    DistPipelineOptions o;
+    o.stage_ranks = mesh.group(d.rank(), "pp");
+    o.chunks = 2;
+    o.schedule = schedule;
+    o.ddp = ddp.get();
+    DistPipeline pipe(mine, o, d);
+    auto x = ids.narrow(0, 4 * replica, 4);
+    auto y = targets.narrow(0, 4 * replica, 4);
+    auto loss = pipe.train_step(stage == 0 ? x : at::Tensor(), stage == 1 ? y : at::Tensor(),
+                                [&](const at::Tensor& out, const at::Tensor& t) {
+                                  return m->loss(out, t);
+                                });
+    if (stage == 1 && dp == 1) expect_close(loss.detach(), want.losses[0], "loss");
+    std::set<std::string> held;
+    for (const auto& p : m->named_parameters()) {
+      if (p.value().grad().defined()) held.insert(p.key());
+    }
+    auto grads = gather_full_state(*m, groups.at("tp"), true);
+    ASSERT_FALSE(held.empty());
+    for (const auto& name : held) {
+      expect_close(grads.at(name), want.grads[0].at(name), "stage " + std::to_string(stage) +
+                                                               ": " + name + "'s gradient");
+    }
+  });
+  EXPECT_EQ(errors, no_errors(world));
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, ThreeDimensions,
+                         ::testing::Values(MeshCase{1, PipelineSchedule::kGPipe},
+                                           MeshCase{1, PipelineSchedule::k1F1B},
+                                           MeshCase{2, PipelineSchedule::k1F1B}),
+                         [](const auto& c) {
+                           return "dp" + std::to_string(c.param.dp) + "_pp2_tp2_" +
+                                  (c.param.schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b");
+                         });
 
 // Saved at one degree, loaded at another: the gathered state is the model's whole state, bit for
 // bit, and a model split at tp 4 from the state gathered at tp 2 gives the same whole state again.

@@ -31,11 +31,24 @@
 
 namespace scaletrain {
 
+struct Dist;
+
 struct Model {
   std::string name;
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::function<torch::nn::Sequential()> blocks;  // see as_sequential()
+  /// Tensor parallelism (tensor_parallel.h; the trainer's TrainerOptions::tensor_parallel):
+  /// splits the module in place over `tp`, with sequence parallelism when asked. Every rank of
+  /// the group holds the same weights before. Null: the model cannot be split.
+  std::function<void(const Dist& tp, bool sequence_parallel)> parallelize = nullptr;
+  /// Once split: the loss of forward's outputs (a vocabulary-parallel cross entropy where the
+  /// last dimension is split), what runs after each backward (sequence parallelism's
+  /// replicated gradients), and whether the outputs' last dimension is split over the group.
+  std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> parallel_loss =
+      nullptr;
+  std::function<void()> after_backward = nullptr;
+  bool output_split = false;
 };
 
 struct ModelOptions {

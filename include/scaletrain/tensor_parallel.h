@@ -203,4 +203,10 @@ std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module);
 std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, const Dist& tp,
                                                     bool gradients = false);
 
+/// The inverse of gather_full_state(): `state` (the whole model's, by the module's names) into
+/// `module`, each split parameter taking its slice. Not collective. Throws UsageError naming a
+/// parameter that `state` lacks or holds in another shape.
+void load_full_state(torch::nn::Module& module, const Dist& tp,
+                     const std::map<std::string, at::Tensor>& state);
+
 }  // namespace scaletrain

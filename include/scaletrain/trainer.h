@@ -219,6 +219,11 @@ struct TrainerOptions {
   int pipeline_stages = 2;                                        // grid: ranks per pipeline
   int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
                               // (grid of one replica); --balance then lists that many times more
+  // ddp: ranks per tensor-parallel group (tensor_parallel.h). The world is the mesh
+  // {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
+  // (Model::parallelize) over its tp ranks, and DDP averages over dp. 1: no split.
+  int tensor_parallel = 1;
+  bool sequence_parallel = false;  // with tensor_parallel > 1: LayerNorms etc. on a sequence slice
 };
 
 struct DeviceReport {

@@ -310,7 +310,13 @@ Model make_model(const std::string& name, const ModelOptions& o) {
     c.dropout = o.dropout;
     c.tied_head = false;
     auto m = std::make_shared<GPTImpl>(c);
-    return {name, m, [m](const at::Tensor& x) { return m->forward(x); }, [m] { return m->blocks(); }};
+    Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); },
+                [m] { return m->blocks(); }};
+    model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
+    model.after_backward = [m] { m->finish_gradients(); };
+    model.output_split = true;
+    return model;
   }
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;

@@ -482,4 +482,25 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
   return out;
 }
 
+void load_full_state(torch::nn::Module& module, const Dist& tp,
+                     const std::map<std::string, at::Tensor>& state) {
+  const auto split = split_parameters(module);
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters()) {
+    auto it = state.find(p.key());
+    if (it == state.end()) throw UsageError("load_full_state: no '" + p.key() + "' in the state");
+    at::Tensor v = it->second;
+    auto s = split.find(p.key());
+    if (s != split.end() && tp.size() > 1) {
+      v = split_of(v, s->second.dim, s->second.chunks, tp.rank(), tp.size());
+    }
+    if (v.sizes() != p.value().sizes()) {
+      throw UsageError("load_full_state: '" + p.key() + "' is " + c10::str(it->second.sizes()) +
+                       " in the state; this model's slice of it is " +
+                       c10::str(p.value().sizes()));
+    }
+    p.value().copy_(v);
+  }
+}
+
 }  // namespace scaletrain

@@ -343,11 +343,18 @@ std::unique_ptr<TrainStrategy> make_zero_strategy(const TrainTask& task,
                                                   const TrainerOptions& options, const Dist& dist,
                                                   Model& model, int stage);
 
+std::unique_ptr<TrainStrategy> make_tensor_parallel_strategy(const TrainTask& task,
+                                                             const TrainerOptions& options,
+                                                             const Dist& dist, Model& model);
+
 std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const TrainerOptions& options,
                                              const Dist& dist, Model& model,
                                              const at::Tensor& sample) {
   switch (options.strategy) {
     case Strategy::kDDP:
+      if (options.tensor_parallel > 1) {
+        return make_tensor_parallel_strategy(task, options, dist, model);
+      }
       return std::make_unique<DdpStrategy>(task, options, dist, model);
     case Strategy::kDataParallel:
       return std::make_unique<DpStrategy>(task, options, dist, model);

@@ -139,6 +139,11 @@ void Run::setup() {
   for (int64_t i = 0; i < n; ++i) first[static_cast<size_t>(i)] = i;
   const Batch sample = task_.train_data.batch(first, 0);
   check_model_takes(sample);
+  if (o_.tensor_parallel > 1 && model_.output_split && !default_loss_) {
+    throw UsageError("tensor parallelism: model '" + model_.name +
+                     "' gives outputs split over the tensor-parallel group, which TrainTask::loss "
+                     "cannot take; leave it unset (the model's parallel_loss is used)");
+  }
   strategy_ = make_strategy(task_, o_, d_, model_, sample.images);
   opt_ = task_.optimizer(strategy_->parameters());
   for (auto& g : opt_->param_groups()) first_lrs_.push_back(g.options().get_lr());
@@ -580,8 +585,11 @@ std::string to_string(Strategy s) {
   return "?";
 }
 
+void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_strategy.cpp
+
 void validate(const TrainerOptions& o, int world) {
   validate_trainer_numbers(o);
+  validate_tensor_parallel(o, world);
   validate_strategy(o, world);
   validate_output(o);
 }

@@ -1,0 +1,227 @@
+// Note [Tensor-parallel strategy]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ddp with TrainerOptions::tensor_parallel = t > 1: the world is the mesh {dp: W/t, tp: t}
+// (row-major: ranks r·t … r·t + t − 1 are replica r's tensor-parallel group). Each rank keeps two
+// models. The task's model (the trainer's Model) stays whole on the CPU: checkpoints, model.pt
+// and resumes read and write it under PyTorch's names, whatever the degree. A second build of
+// the task's model, given the whole one's weights, is split over tp (Model::parallelize) and
+// trains, wrapped in DDP over dp. gather_weights() assembles the split weights into the whole
+// model (gather_full_state) and weights_loaded() cuts them again (load_full_state), so a
+// checkpoint saved at one degree resumes at another. The optimizer steps the split parameters:
+// its state goes into the checkpoint per rank, and comes back when the mesh is the same (at
+// another mesh the weights go on and the optimizer starts afresh, as between strategies).
+// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics and loss sums
+// are counted once per rank, so each replica's are counted t times, numerators and denominators
+// alike: their ratios are the replicas' means.
+
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "scaletrain/ddp.h"
+#include "scaletrain/error.h"
+#include "scaletrain/mesh.h"
+#include "scaletrain/tensor_parallel.h"
+#include "train/strategy.h"
+
+namespace scaletrain {
+namespace {
+
+const char* kMeshKey = "tensor_parallel/mesh";
+std::string optimizer_key(int rank) { return "tensor_parallel/optimizer/rank" + std::to_string(rank); }
+
+at::Tensor bytes_of(const torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive ar;
+  opt.save(ar);
+  std::ostringstream out;
+  ar.save_to(out);
+  const std::string s = out.str();
+  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  auto source = from.named_parameters();
+  for (auto& p : to.named_parameters()) p.value().copy_(source[p.key()]);
+}
+
+std::map<std::string, at::Tensor> whole_state(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value().detach();
+  return out;
+}
+
+class TensorParallelStrategy : public TrainStrategy {
+ public:
+  TensorParallelStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d,
+                         Model& model)
+      : TrainStrategy(d),
+        whole_(model),
+        mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
+        groups_(mesh_groups(d, mesh_, "tensor_parallel")),
+        dev_(rank_device(o.device, d)) {
+    split_ = task.model();
+    if (!split_.parallelize) {
+      throw UsageError("tensor parallelism: model '" + split_.name +
+                       "' cannot be split (its Model has no parallelize; build its linear layers "
+                       "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
+    }
+    {  // rank 0's weights everywhere, then this rank's slices of them
+      std::vector<at::Tensor> params = whole_.module->parameters();
+      auto flat = at::cat([&] {
+        std::vector<at::Tensor> v;
+        for (auto& p : params) v.push_back(p.detach().reshape({-1}));
+        return v;
+      }());
+      dist_.broadcast(flat, 0);
+      torch::NoGradGuard no_grad;
+      int64_t at = 0;
+      for (auto& p : params) {
+        p.copy_(flat.narrow(0, at, p.numel()).view_as(p));
+        at += p.numel();
+      }
+    }
+    copy_parameters(*whole_.module, *split_.module);
+    split_.parallelize(tp(), o.sequence_parallel);
+    split_.module->to(dev_);
+    loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
+    if (mesh_.size("dp") > 1) {
+      ddp_ = std::make_unique<DistributedDataParallel>(split_.module, groups_.at("dp"));
+    }
+  }
+
+  std::vector<at::Tensor> parameters() override { return split_.module->parameters(); }
+  int data_rank() const override { return mesh_.coordinate(dist_.rank(), "dp"); }
+  int data_replicas() const override { return mesh_.size("dp"); }
+  at::Device device() const override { return dev_; }
+
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
+    std::optional<DistributedDataParallel::NoSync> local;
+    if (ddp_ && !sync) local.emplace(*ddp_);
+    at::Tensor out = ddp_ ? ddp_->forward([&] { return split_.forward(x); }) : split_.forward(x);
+    at::Tensor loss = loss_(out, y);
+    (weight != 1 ? loss * weight : loss).backward();
+    if (split_.after_backward) split_.after_backward();
+    return loss.detach();
+  }
+
+  at::Tensor predict(const at::Tensor& x) override {
+    at::Tensor out = split_.forward(x);
+    return split_.output_split ? gather_from_region(out, tp(), -1) : out;
+  }
+  void zero_grad(torch::optim::Optimizer& opt) override {
+    if (ddp_) {
+      ddp_->zero_grad();
+    } else {
+      opt.zero_grad();
+    }
+  }
+  void end_epoch() override {
+    if (ddp_) ddp_->join();
+  }
+  void train_mode(bool on) override { split_.module->train(on); }
+
+  void gather_weights() override {
+    auto full = gather_full_state(*split_.module, tp());
+    torch::NoGradGuard no_grad;
+    for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
+  }
+  void weights_loaded() override { load_full_state(*split_.module, tp(), whole_state(*whole_.module)); }
+
+  bool saved_optimizer_is_standard() const override { return false; }
+  const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
+                                                 TrainingState& state) override {
+    // Every rank's bytes to every rank (the sizes first, then padded to the largest).
+    auto mine = bytes_of(opt);
+    auto sizes = dist_.all_gather(at::full({1}, mine.numel(), at::kLong).to(collective()));
+    int64_t longest = 0;
+    for (const auto& s : sizes) longest = std::max(longest, s.cpu().item<int64_t>());
+    auto padded = at::zeros({longest}, at::kByte);
+    padded.narrow(0, 0, mine.numel()).copy_(mine);
+    auto all = dist_.all_gather(padded.to(collective()));
+    for (int r = 0; r < dist_.size(); ++r) {
+      state.tensors[optimizer_key(r)] =
+          all[static_cast<size_t>(r)].cpu().narrow(0, 0, sizes[static_cast<size_t>(r)].cpu().item<int64_t>()).clone();
+    }
+    state.values[kMeshKey] = mesh_.describe();
+    return nullptr;
+  }
+  bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
+    auto mesh = state.values.find(kMeshKey);
+    auto bytes = state.tensors.find(optimizer_key(dist_.rank()));
+    if (mesh == state.values.end() || mesh->second != mesh_.describe() ||
+        bytes == state.tensors.end()) {
+      return false;
+    }
+    const auto t = bytes->second.contiguous();
+    std::istringstream in(
+        std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
+    torch::serialize::InputArchive ar;
+    ar.load_from(in);
+    opt.load(ar);
+    return true;
+  }
+
+  std::vector<DeviceReport> devices() const override {
+    int64_t n = 0;
+    for (const auto& p : split_.module->parameters()) n += p.numel();
+    return {{dev_.str(), n, peak_memory(dev_)}};
+  }
+
+ private:
+  const Dist& tp() const { return groups_.at("tp"); }
+  at::Device collective() const { return dist_.backend_name == "nccl" ? dev_ : at::Device(at::kCPU); }
+
+  Model& whole_;
+  Model split_;
+  DeviceMesh mesh_;
+  std::map<std::string, Dist> groups_;
+  at::Device dev_;
+  LossFn loss_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainStrategy> make_tensor_parallel_strategy(const TrainTask& task,
+                                                             const TrainerOptions& options,
+                                                             const Dist& dist, Model& model) {
+  return std::make_unique<TensorParallelStrategy>(task, options, dist, model);
+}
+
+void validate_tensor_parallel(const TrainerOptions& o, int world) {
+  if (o.tensor_parallel < 1) {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+                     ": the tensor-parallel degree is at least 1 (1: no split)");
+  }
+  if (o.sequence_parallel && o.tensor_parallel == 1) {
+    throw UsageError("--sequence-parallel splits the sequence over a tensor-parallel group: give "
+                     "--tp 2 or more with it");
+  }
+  if (o.tensor_parallel == 1) return;
+  if (o.strategy != Strategy::kDDP) {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " goes with --strategy ddp (" +
+                     to_string(o.strategy) + " does not split layers yet)");
+  }
+  if (world % o.tensor_parallel != 0) {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " does not divide the world of " +
+                     std::to_string(world) +
+                     " ranks into tensor-parallel groups; give --nproc-per-node a multiple of it");
+  }
+  if (o.amp != "none") {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " with --amp " + o.amp +
+                     " is not supported yet; use --amp none");
+  }
+  const int replicas = world / o.tensor_parallel;
+  if (o.batch_size % replicas != 0) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " does not split over the " +
+                     std::to_string(replicas) + " data-parallel replicas of --tp " +
+                     std::to_string(o.tensor_parallel));
+  }
+}
+
+}  // namespace scaletrain

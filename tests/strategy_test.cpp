@@ -62,6 +62,7 @@ struct Case {
   std::vector<std::string> devices;
   PipelineSchedule schedule = PipelineSchedule::kGPipe;
   int chunks = 0;
+  double max_norm = 0;  // TrainerOptions::max_grad_norm
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -117,6 +118,7 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
     o.devices = c.devices;
     o.schedule = c.schedule;
     o.chunks = c.chunks;
+    o.max_grad_norm = c.max_norm;
     o.epochs = kSteps;
     o.batch_size = kSamples;  // one step per epoch, over every sample
     o.workers = 0;
@@ -130,7 +132,10 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
 
   // Terms: forward fan-ins 7, 13, 13; the loss 18; backward fan-outs 12, 12, 3; the batch;
   // the replicas' and micro-batches' sums and weights; the update's three roundings.
-  const double terms = 7 + 13 + 13 + 18 + 27 + kSamples + 2 * std::max(c.chunks, 4) + c.world + 3;
+  // Clipping: the norm sums the squares of the 279 gradient entries (each within the bound
+  // above) and scales every one by the coefficient: its relative error adds 279 + 4 terms.
+  const double terms = 7 + 13 + 13 + 18 + 27 + kSamples + 2 * std::max(c.chunks, 4) + c.world +
+                       3 + (c.max_norm > 0 ? 279 + 4 : 0);
   auto forward = [](torch::nn::Module& m, const at::Tensor& x) {
     return static_cast<NetImpl&>(m).forward(x);
   };
@@ -141,11 +146,18 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
                                       data.images, testing::cross_entropy_gradient(data.labels));
     const auto& after = weights[0][static_cast<size_t>(step)];
     ASSERT_EQ(after.size(), before.size());
+    double coef = 1;  // PyTorch's clip_grad_norm_ with the exact global norm
+    if (c.max_norm > 0) {
+      double squares = 0;
+      for (const auto& g : exact.grads) squares += g.square().sum().item<double>();
+      coef = std::min(1.0, c.max_norm / (std::sqrt(squares) + 1e-6));
+      ASSERT_LT(coef, 0.9) << "the case must clip";
+    }
     for (size_t i = 0; i < after.size(); ++i) {
       auto w = before[i].to(at::kDouble);
       EXPECT_TRUE(testing::within_rounding(
-          after[i], w - kLr * exact.grads[i],
-          w.abs() + kLr * (exact.grad_magnitudes[i] + exact.grads[i].abs()), terms))
+          after[i], w - kLr * coef * exact.grads[i],
+          w.abs() + kLr * coef * (exact.grad_magnitudes[i] + exact.grads[i].abs()), terms))
           << c.name << ", step " << step << ", parameter " << i;
     }
     for (int r = 1; r < c.world; ++r) {  // every rank holds the same model
@@ -180,7 +192,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3},
         Case{"grid_zb_h1", Strategy::kGrid, 2, {}, PipelineSchedule::kZeroBubbleH1, 4},
         Case{"zero1", Strategy::kZero1, 2, {}}, Case{"zero2", Strategy::kZero2, 3, {}},
-        Case{"fsdp", Strategy::kFsdp, 4, {}}),
+        Case{"fsdp", Strategy::kFsdp, 4, {}},
+        // Clipping by the global norm, wherever each rank holds which part of the gradients.
+        Case{"ddp_clipped", Strategy::kDDP, 2, {}, PipelineSchedule::kGPipe, 0, 0.05},
+        Case{"dp_clipped", Strategy::kDataParallel, 1, {"cpu", "cpu"}, PipelineSchedule::kGPipe,
+             0, 0.05},
+        Case{"pipeline_clipped", Strategy::kPipeline, 1, {"cpu", "cpu"}, PipelineSchedule::k1F1B,
+             4, 0.05},
+        Case{"grid_clipped", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3, 0.05},
+        Case{"zero1_clipped", Strategy::kZero1, 2, {}, PipelineSchedule::kGPipe, 0, 0.05},
+        Case{"zero2_clipped", Strategy::kZero2, 3, {}, PipelineSchedule::kGPipe, 0, 0.05},
+        Case{"fsdp_clipped", Strategy::kFsdp, 4, {}, PipelineSchedule::kGPipe, 0, 0.05}),
     [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 // ---- Batch norm's semantics per strategy -----------------------------------------------------

@@ -189,6 +189,39 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   EXPECT_GT(apart, 1e-6);
 }
 
+// Clipping by the global norm: the slices' squares summed over the group, the replicated
+// parameters' counted once; a rank's own norm (or the replicated ones counted tp times) would
+// scale by another coefficient.
+TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
+  const TokenTask data;
+  std::map<int, std::map<std::string, at::Tensor>> ends;
+  double first_norm = 0;
+  for (int tp : {1, 2, 4}) {
+    TempDir dir("clip" + std::to_string(tp));
+    auto o = options(dir.path, tp);
+    o.max_grad_norm = 0.05;
+    o.sequence_parallel = tp == 4;
+    TrainTask t = data.task();
+    std::vector<double> norms;
+    t.on_step = [&norms](const StepReport& r) { norms.push_back(r.grad_norm); };
+    TrainResult r;
+    auto errors = testing::run_ranks(tp, [&](Dist& d) {
+      TrainTask mine = t;
+      if (d.rank() != 0) mine.on_step = nullptr;
+      auto result = train(mine, o, d);
+      if (d.rank() == 0) r = result;
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(tp)));
+    ASSERT_EQ(norms.size(), 8u);
+    if (tp == 1) first_norm = norms[0];
+    EXPECT_NEAR(norms[0], first_norm, 1e-9 * first_norm) << "tp " << tp;
+    EXPECT_GT(norms[0], 0.5) << "the case must clip";
+    ends[tp] = final_weights(r.weights_path);
+  }
+  expect_close(ends.at(2), ends.at(1), "clipped, tp 2");
+  expect_close(ends.at(4), ends.at(1), "clipped, tp 4 with sequence parallelism");
+}
+
 TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   auto o = options("/tmp", 2);
   auto expect = [&](const TrainerOptions& bad, int world, const std::string& part) {

@@ -130,6 +130,7 @@ struct StepReport {
   int64_t global_step = 0;
   double loss = 0;            // this rank's loss of the batch (NaN where it computes none)
   bool checkpointed = false;  // a checkpoint of this step was just written
+  double grad_norm = 0;       // with TrainerOptions::max_grad_norm: the norm before clipping
 };
 
 using OptimizerFactory =
@@ -203,6 +204,10 @@ struct TrainerOptions {
   std::string device = "auto";
   // "none", "bf16", "fp16" (with loss scaling): ddp's autocast; zero1, zero2, fsdp: "bf16" is
   // the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype)
+  // > 0: before each optimizer step the gradients are scaled down to this global L2 norm where
+  // it is larger (PyTorch's clip_grad_norm_), the norm over the whole model whichever rank holds
+  // which part (shards, stages, slices). StepReport::grad_norm gives the norm before clipping.
+  double max_grad_norm = 0;
   std::string amp = "none";
   bool channels_last = true;           // convolution weights and image batches in NHWC memory
   std::string uneven_inputs = "fail";  // ddp: "fail" within a step, naming the ranks, or "join"

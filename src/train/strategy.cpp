@@ -35,6 +35,8 @@
 #include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 
+#include <cmath>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -105,6 +107,36 @@ bool TrainStrategy::gradients_finite() {
   std::vector<at::Tensor> grads;
   for (auto& p : parameters()) grads.push_back(p.grad());
   return all_finite(grads);  // averaged gradients: the same bits on every rank
+}
+
+double square_sum(const std::vector<at::Tensor>& tensors) {
+  std::map<std::string, std::vector<at::Tensor>> by_device;  // one sync per device
+  for (const auto& t : tensors) {
+    if (t.defined() && t.numel() > 0) {
+      by_device[t.device().str()].push_back(t.to(at::kDouble).square().sum());
+    }
+  }
+  double sum = 0;
+  for (auto& [device, parts] : by_device) sum += at::stack(parts).sum().item<double>();
+  return sum;
+}
+
+double TrainStrategy::gradient_square_sum() {
+  std::vector<at::Tensor> grads;
+  for (auto& p : parameters()) grads.push_back(p.grad());
+  return square_sum(grads);
+}
+
+double TrainStrategy::clip_gradients(double max_norm) {
+  const double norm = std::sqrt(gradient_square_sum());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.grad().defined()) p.grad().mul_(coef);
+    }
+  }
+  return norm;
 }
 
 const torch::optim::Optimizer* TrainStrategy::saved_optimizer(torch::optim::Optimizer& opt,

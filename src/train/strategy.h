@@ -33,6 +33,13 @@ class TrainStrategy {
   virtual at::Tensor predict(const at::Tensor& x) = 0;
   /// Collective: whether the gradients of this step are finite on every rank.
   virtual bool gradients_finite();
+  /// The sum of the squares of the whole model's averaged gradients, the same on every rank
+  /// (collective where ranks hold parts of them: shards, stages, tensor-parallel slices). The
+  /// default sums parameters()'s gradients on this rank, which holds them all.
+  virtual double gradient_square_sum();
+  /// PyTorch's clip_grad_norm_: scales the gradients by max_norm / (norm + 1e-6) where that is
+  /// below 1, the norm being the global L2 norm (gradient_square_sum()); returns the norm.
+  double clip_gradients(double max_norm);
   /// Steps the optimizer (through the GradScaler where there is one).
   virtual void optimizer_step(torch::optim::Optimizer& opt) { opt.step(); }
   /// Clears the gradients for the next step.
@@ -91,5 +98,7 @@ std::vector<at::Device> local_devices(const TrainerOptions& options);
 int64_t peak_memory(const at::Device& device);
 /// Whether every tensor is finite (undefined ones count as finite). One host sync.
 bool all_finite(const std::vector<at::Tensor>& tensors);
+/// The sum of the squares of the defined tensors' elements, in float64 (one sync per device).
+double square_sum(const std::vector<at::Tensor>& tensors);
 
 }  // namespace scaletrain

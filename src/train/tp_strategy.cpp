@@ -109,6 +109,22 @@ class TensorParallelStrategy : public TrainStrategy {
     return loss.detach();
   }
 
+  // Split parameters hold a slice of their gradient on each rank of the group; replicated ones
+  // (LayerNorms, biases of rowwise layers) the same whole gradient on each.
+  double gradient_square_sum() override {
+    std::vector<at::Tensor> split, replicated;
+    auto same = replicated_parameters(*split_.module);
+    for (auto& p : split_.module->parameters()) {
+      bool is_replicated = false;
+      for (const auto& r : same) is_replicated = is_replicated || r.is_same(p);
+      (is_replicated ? replicated : split).push_back(p.grad());
+    }
+    auto sum = at::full({1}, square_sum(split) + square_sum(replicated) / tp().size(),
+                        at::TensorOptions().dtype(at::kDouble).device(collective()));
+    tp().all_reduce(sum);
+    return sum.item<double>();
+  }
+
   at::Tensor predict(const at::Tensor& x) override {
     at::Tensor out = split_.forward(x);
     return split_.output_split ? gather_from_region(out, tp(), -1) : out;

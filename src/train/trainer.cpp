@@ -114,6 +114,7 @@ class Run {
   double train_seconds_ = 0;
   bool default_loss_ = false;  // the task gave no loss: cross entropy over classes
   uint64_t seed_ = 0;          // the data order's: the options', or the resumed run's
+  double grad_norm_ = 0;       // the last step's gradient norm before clipping (max_grad_norm)
   double loss_sum_ = 0;        // this rank's losses of the epoch so far (a resumed epoch's too)
   int64_t loss_n_ = 0;
 };
@@ -366,6 +367,7 @@ double Run::step(const Batch& b, bool last_micro, int64_t epoch) {
     if (!strategy_->gradients_finite()) {
       diverged("the gradients hold NaN or inf", state_.global_step + 1, epoch, value);
     }
+    if (o_.max_grad_norm > 0) grad_norm_ = strategy_->clip_gradients(o_.max_grad_norm);
     strategy_->optimizer_step(*opt_);
     strategy_->zero_grad(*opt_);
   }
@@ -397,7 +399,7 @@ void Run::epoch(int64_t e) {
     ++state_.global_step;
     samples_ += b->labels.size(0) * strategy_->data_replicas();
     if (std::isfinite(loss)) loss_sum_ += loss, ++loss_n_;
-    StepReport report{e + 1, done, state_.global_step, loss, false};
+    StepReport report{e + 1, done, state_.global_step, loss, false, grad_norm_};
     if (o_.log_every > 0 && state_.global_step % o_.log_every == 0)
       loss = strategy_->reported_loss(loss);
     reporter_->step(e, done, batches, state_.global_step, loss,

@@ -56,6 +56,13 @@ class ZeroStrategy : public TrainStrategy {
     dist_.all_reduce(finite, c10d::ReduceOp::MIN);
     return finite.item<double>() > 0.5;
   }
+  // Each rank holds its shards' gradients (zero padding adds nothing): their sum over the world.
+  double gradient_square_sum() override {
+    auto sum = at::full({1}, TrainStrategy::gradient_square_sum(),
+                        at::TensorOptions().dtype(at::kDouble).device(dev_));
+    dist_.all_reduce(sum);
+    return sum.item<double>();
+  }
   void optimizer_step(torch::optim::Optimizer& opt) override { zero_->step(opt); }
   void weights_loaded() override { zero_->scatter_full_parameters(); }
   void gather_weights() override { zero_->gather_full_parameters(); }

@@ -210,7 +210,7 @@ TEST(Tokens, FolderIsReadInPathOrderWithoutTheOutputFolder) {
   write_file(dir.path / "text" / "a.txt", "AAAA");
   write_file(dir.path / "text" / "sub" / "c.txt", "CCCC");
   write_file(dir.path / "text" / "a0.txt", "0000");
-  const std::string out = (dir.path / "text" / "tokens").string();
+  const std::string out = (dir.path / "text" / "tokens").string() + "/";
   for (int run = 0; run < 2; ++run) {  // the second run must not read the first one's files
     const auto r = write_byte_tokens((dir.path / "text").string(), out, 0.25);
     EXPECT_EQ(r.files, 4) << "run " << run;

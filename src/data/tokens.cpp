@@ -66,7 +66,9 @@ uint64_t splitmix(uint64_t seed, uint64_t i) {
 
 // Whether `p` lies under the folder `dir` (both as the file system resolves them).
 bool lies_under(const fs::path& p, const fs::path& dir) {
-  const fs::path a = fs::weakly_canonical(p), d = fs::weakly_canonical(dir);
+  const fs::path a = fs::weakly_canonical(p);
+  fs::path d = fs::weakly_canonical(dir);
+  if (d.filename().empty()) d = d.parent_path();  // "out/" names the folder "out"
   return std::mismatch(d.begin(), d.end(), a.begin(), a.end()).first == d.end();
 }
 

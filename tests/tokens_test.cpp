@@ -1,6 +1,6 @@
 // Token files (tokens.h): text to token files and back, the windows the trainer reads (shifted
 // by one, repeatable by seed and index, strided over the whole file), the files refused with
-// their path named.
+// their path named, and `scaletrain data text`.
 
 #include "scaletrain/tokens.h"
 
@@ -13,11 +13,14 @@
 #include <set>
 
 #include "scaletrain/error.h"
+#include "support/subprocess.h"
 
 namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::cli_path;
+using testing::run_command;
 
 struct TempDir {
   fs::path path;
@@ -242,6 +245,28 @@ TEST(Tokens, DecodeRefusesIdsBeyondAByte) {
   const auto beyond = at::tensor({104, 300}, at::kLong);
   expect_usage_error([&] { decode_bytes(beyond); }, {"token id 300 at position 1"});
   expect_usage_error([] { decode_bytes(at::ones({2})); }, {"integer token ids"});
+}
+
+TEST(Tokens, DataTextCommandWritesTheFiles) {
+  TempDir dir("cli");
+  const std::string text = sample_text(2000);
+  write_file(dir.path / "in.txt", text);
+  const std::string out = (dir.path / "out").string();
+  auto ok = run_command(cli_path() + " data text --input " + (dir.path / "in.txt").string() +
+                        " --out " + out + " --val-fraction 0.25");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("1500 tokens"), std::string::npos) << ok.output;
+  TokenFile train(out + "/train.bin"), val(out + "/val.bin");
+  EXPECT_EQ(decode_bytes(tokens_of(train)) + decode_bytes(tokens_of(val)), text);
+
+  const std::string missing = (dir.path / "missing").string();
+  auto bad = run_command(cli_path() + " data text --input " + missing + " --out " + out);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_EQ(bad.output, "scaletrain: text input '" + missing +
+                            "': no such file or folder; give a text file or a folder of them\n");
+  auto no_out = run_command(cli_path() + " data text --input " + missing);
+  EXPECT_EQ(no_out.exit_code, 2) << no_out.output;
+  EXPECT_NE(no_out.output.find("--out"), std::string::npos) << no_out.output;
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "scaletrain/error.h"
@@ -267,6 +268,50 @@ TEST(Tokens, DataTextCommandWritesTheFiles) {
   auto no_out = run_command(cli_path() + " data text --input " + missing);
   EXPECT_EQ(no_out.exit_code, 2) << no_out.output;
   EXPECT_NE(no_out.output.find("--out"), std::string::npos) << no_out.output;
+}
+
+// The epoch lines of a run's metrics.jsonl.
+std::vector<nlohmann::json> epochs_of(const fs::path& out) {
+  std::vector<nlohmann::json> epochs;
+  std::ifstream in(out / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "epoch") epochs.push_back(j);
+  }
+  return epochs;
+}
+
+// `scaletrain train --model gpt-tiny --dataset text`: the byte-level GPT learns the text under
+// DDP (2 processes), its loss the per-token cross entropy, from ln 256 = 5.55 at the start.
+TEST(Tokens, TrainCommandTrainsTheGptOnText) {
+  TempDir dir("train");
+  write_file(dir.path / "in.txt", sample_text(40000));
+  const std::string data = (dir.path / "data").string(), out = (dir.path / "run").string();
+  auto prepared = run_command(cli_path() + " data text --input " + (dir.path / "in.txt").string() +
+                              " --out " + data);
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const std::string common = " train --device cpu --model gpt-tiny --dataset text --data-dir " +
+                             data + " --no-progress --out " + out;
+  auto run = run_command(cli_path() + common +
+                         " --nproc-per-node 2 --epochs 2 --limit-train 512 --limit-test 32"
+                         " --batch-size 32 --optimizer adam --lr 3e-3 --weight-decay 0");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto epochs = epochs_of(out);
+  ASSERT_EQ(epochs.size(), 2u) << run.output;
+  const double first = epochs[0]["loss"], second = epochs[1]["loss"];
+  EXPECT_LT(second, first);
+  EXPECT_LT(second, 3.5) << "the text's bytes are far from uniform (ln 256 = 5.55)";
+  EXPECT_GT(epochs[1]["test_accuracy"].get<double>(), 0.2);
+
+  auto images = run_command(cli_path() + common + " --model lenet");
+  EXPECT_EQ(images.exit_code, 2) << images.output;
+  EXPECT_NE(images.output.find("--dataset text is token ids, for a GPT"), std::string::npos)
+      << images.output;
+  auto no_files = run_command(cli_path() + " train --model gpt-tiny --dataset text --data-dir " +
+                              dir.path.string() + " --out " + out);
+  EXPECT_EQ(no_files.exit_code, 2) << no_files.output;
+  EXPECT_NE(no_files.output.find((dir.path / "train.bin").string()), std::string::npos)
+      << no_files.output;
 }
 
 }  // namespace

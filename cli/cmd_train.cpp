@@ -147,13 +147,16 @@ void add_train_command(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("train", kTrainDescription);
   auto args = std::make_shared<Args>();
   auto& o = args->o;
-  cmd->add_option("--model", o.model, "toy, mlp, lenet, resnet18, resnet50 or resnet101")
+  cmd->add_option("--model", o.model,
+                  "toy, mlp, lenet, resnet18, resnet50, resnet101, gpt-tiny or gpt2-small")
       ->capture_default_str();
   cmd->add_option("--dataset", o.dataset,
-                  "fashion-mnist, synthetic, or folder (ImageNet-style train/ and val/)")
+                  "fashion-mnist, synthetic, folder (ImageNet-style train/ and val/), or text "
+                  "(train.bin and val.bin of token ids, for a GPT)")
       ->capture_default_str();
   cmd->add_option("--data-dir", o.data_dir,
-                  "Folder of the IDX .gz files, or of train/ and val/ for --dataset folder")
+                  "Folder of the IDX .gz files, of train/ and val/ for --dataset folder, or of "
+                  "train.bin and val.bin for --dataset text")
       ->capture_default_str();
   cmd->add_option("--image-size", o.image_size, "Crop size of --dataset folder images")
       ->capture_default_str();

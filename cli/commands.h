@@ -29,6 +29,8 @@ inline constexpr const char* kCheckDescription =
     "all-reduce, broadcast, barrier and DDP's gradient sum across every rank";
 inline constexpr const char* kBenchDescription =
     "Rerun the seeds' experiments: raw CSV, JSON statistics, PNG plots and a report";
+inline constexpr const char* kDataDescription =
+    "Prepare a data set: `data text` tokenizes text into the token files a GPT trains on";
 inline constexpr const char* kBenchWorkerDescription = "";  // internal: one rank of a suite
 inline constexpr const char* kVersionDescription =
     "Print scaletrain's and LibTorch's versions and exit";
@@ -41,12 +43,14 @@ struct SubcommandInfo {
 inline constexpr SubcommandInfo kToolSubcommands[] = {{"train", kTrainDescription},
                                                       {"check", kCheckDescription},
                                                       {"bench", kBenchDescription},
+                                                      {"data", kDataDescription},
                                                       {"bench-worker", kBenchWorkerDescription}};
 
 void add_run_command(CLI::App& app, Action& action);
 void add_check_command(CLI::App& app, Action& action);
 void add_bench_command(CLI::App& app, Action& action);
 void add_train_command(CLI::App& app, Action& action);
+void add_data_command(CLI::App& app, Action& action);
 
 /// The app both programs start from: name, description, footer, argparse's repeated options.
 void configure_app(CLI::App& app);

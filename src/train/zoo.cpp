@@ -11,10 +11,12 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "models/gpt.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/image_folder.h"
 #include "scaletrain/lr_schedule.h"
+#include "scaletrain/tokens.h"
 #include "scaletrain/trainer.h"
 #include "train/balance.h"
 #include "train/validation.h"
@@ -61,6 +63,14 @@ std::function<void(const StepReport&)> kill_at_step_hook() {
 // The zoo's models against the data's shape (the trainer checks any model with one sample too,
 // Note [Model against data]; these say which flag to change).
 void validate_zoo_shapes(const TrainOptions& o) {
+  const bool gpt = o.model == "gpt-tiny" || o.model == "gpt2-small";
+  if (gpt != (o.dataset == "text")) {
+    throw UsageError(gpt ? "--model " + o.model +
+                               " reads token ids: give --dataset text (--data-dir with "
+                               "train.bin and val.bin, docs/text.md)"
+                         : "--dataset text is token ids, for a GPT: give --model gpt-tiny or "
+                           "gpt2-small");
+  }
   if (o.model == "toy") {
     throw UsageError(
         "--model toy takes 10 numbers per sample (seed 000's toy), and the zoo's data sets are "
@@ -76,9 +86,20 @@ void validate_zoo_shapes(const TrainOptions& o) {
 
 void validate_zoo_names(const TrainOptions& o) {
   make_model(o.model);  // throws for an unknown model
-  if (o.dataset != "fashion-mnist" && o.dataset != "synthetic" && o.dataset != "folder") {
+  if (o.dataset != "fashion-mnist" && o.dataset != "synthetic" && o.dataset != "folder" &&
+      o.dataset != "text") {
     throw UsageError("unknown data set '" + o.dataset +
-                     "'; use fashion-mnist, synthetic or folder (--data-dir with train/ and val/)");
+                     "'; use fashion-mnist, synthetic, folder (--data-dir with train/ and val/) "
+                     "or text (--data-dir with train.bin and val.bin)");
+  }
+  if (o.dataset == "text") {
+    for (const char* split : {"/train.bin", "/val.bin"}) {
+      if (!fs::is_regular_file(o.data_dir + split)) {
+        throw UsageError("--dataset text needs '" + o.data_dir + split +
+                         "': point --data-dir at the folder of train.bin and val.bin (`scaletrain "
+                         "data text --input TEXT --out DIR` writes them)");
+      }
+    }
   }
   if (o.dataset == "folder") {
     for (const char* split : {"/train", "/val"}) {
@@ -110,7 +131,24 @@ struct Data {
   ModelOptions model;  // the classes and channels the data has
 };
 
+// Token files: random windows of the model's context from train.bin, and val.bin side by side
+// (tokens.h); the vocabulary is the model's own (gpt-tiny: bytes).
+Data load_text(const TrainOptions& o) {
+  Data d;
+  TokenWindowOptions w;
+  w.block_size = gpt_config(o.model).block_size;
+  w.samples = o.limit_train;
+  w.seed = o.seed;
+  d.train = token_windows(o.data_dir + "/train.bin", w);
+  w.mode = TokenWindowOptions::Mode::kStrided;
+  w.samples = 0;
+  d.test = token_windows(o.data_dir + "/val.bin", w);
+  if (o.limit_test > 0 && o.limit_test < d.test.size) d.test.size = o.limit_test;
+  return d;
+}
+
 Data load(const TrainOptions& o) {
+  if (o.dataset == "text") return load_text(o);
   Data d;
   if (o.dataset == "folder") {
     ImageFolderOptions io;

@@ -134,12 +134,7 @@ class DistPipeline::Transfers {
   Transfers(const Dist& dist, at::Device device) : dist_(dist), dev_(device) {}
   // After a failure mid-step, receives posted ahead are still pending: withdrawn here.
   ~Transfers() {
-    for (auto& p : posted_) {
-      try {
-        p.work->abort();
-      } catch (const std::exception&) {  // a destructor reports nothing
-      }
-    }
+    for (auto& p : posted_) p.work.abort();
   }
   Transfers(const Transfers&) = delete;
   Transfers& operator=(const Transfers&) = delete;
@@ -147,18 +142,17 @@ class DistPipeline::Transfers {
   void send(const at::Tensor& t, int to, int tag) {
     // Sends that completed let go of their tensors (1F1B's memory holds across ranks too).
     size_t done = 0;
-    while (done < sends_.size() && sends_[done]->isCompleted()) {
-      wait_for(sends_[done], "a pipeline send", dist_);  // at once; throws its error, if any
+    while (done < sends_.size() && sends_[done].done()) {
+      sends_[done].wait();  // at once; throws its error, if any
       ++done;
     }
     sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
     in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
-    in_flight_.push_back({t.contiguous()});
-    sends_.push_back(dist_.backend->send(in_flight_.back(), to, tag));
+    in_flight_.push_back(t.contiguous());
+    sends_.push_back(dist_.isend(in_flight_.back(), to, tag, "a pipeline send"));
   }
   void recv(at::Tensor t, int from, int tag, const std::string& what) {
-    std::vector<at::Tensor> v{t};
-    wait_for(dist_.backend->recv(v, from, tag), what + " from rank " + std::to_string(from), dist_);
+    dist_.recv(t, from, tag, what + " from rank " + std::to_string(from));
   }
   // An activation: its dtype and sizes first (NCCL moves device tensors only: the shape travels
   // on the stage's device there), then the data. `known`: the shape this id had at the last
@@ -231,7 +225,7 @@ class DistPipeline::Transfers {
                   std::to_string(p.tag) + " next, its task reads " + std::to_string(tag));
     }
     posted_.pop_front();
-    wait_for(p.work, what + " from rank " + std::to_string(p.from), dist_);
+    p.work.wait(what + " from rank " + std::to_string(p.from));
     top_up();
     return p.buffer;
   }
@@ -247,7 +241,7 @@ class DistPipeline::Transfers {
   }
 
   void wait() {
-    for (auto& w : sends_) wait_for(w, "a pipeline send", dist_);
+    for (auto& w : sends_) w.wait();
     sends_.clear();
     in_flight_.clear();
   }
@@ -265,19 +259,18 @@ class DistPipeline::Transfers {
       p.buffer = at::empty(
           std::vector<int64_t>(e.shape.begin() + 1, e.shape.end()),
           at::TensorOptions().dtype(static_cast<at::ScalarType>(e.shape[0])).device(dev_));
-      std::vector<at::Tensor> v{p.buffer};
-      p.work = dist_.backend->recv(v, e.from, e.tag);
+      p.work = dist_.irecv(p.buffer, e.from, e.tag);
       posted_.push_back(std::move(p));
     }
   }
   struct Posted {
     int from = 0, tag = 0;
     at::Tensor buffer;
-    c10::intrusive_ptr<c10d::Work> work;
+    Pending work;
   };
 
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
-  std::vector<std::vector<at::Tensor>> in_flight_;  // tensors of pending sends
+  std::vector<Pending> sends_;
+  std::vector<at::Tensor> in_flight_;  // tensors of pending sends
   std::vector<Expected> expected_;
   size_t next_expected_ = 0;
   std::deque<Posted> posted_;
@@ -354,9 +347,7 @@ DistPipeline::Agreed DistPipeline::relay_microbatches(const at::Tensor& input) {
     for (int64_t d = 0; input.defined() && d < input.dim(); ++d) msg[4 + d] = input.size(d);
   } else {
     at::Tensor in = at::empty({kLen}, on);
-    std::vector<at::Tensor> v{in};
-    wait_for(dist_.backend->recv(v, prev, kCountTag),
-             "micro-batch count from rank " + std::to_string(prev), dist_);
+    dist_.recv(in, prev, kCountTag, "micro-batch count from rank " + std::to_string(prev));
     msg = in.cpu();
   }
   const auto key = std::vector<int64_t>(msg.data_ptr<int64_t>() + 2,
@@ -364,17 +355,13 @@ DistPipeline::Agreed DistPipeline::relay_microbatches(const at::Tensor& input) {
   const bool mine = shapes_valid_ && key == shaped_key_ && msg[0].item<int64_t>() == shaped_count_;
   msg[1] = (stage_ == 0 || msg[1].item<int64_t>() == 1) && mine ? 1 : 0;
   if (next >= 0) {
-    std::vector<at::Tensor> v{msg.to(on)};
-    wait_for(dist_.backend->send(v, next, kCountTag), "micro-batch count", dist_);
+    dist_.send(msg.to(on), next, kCountTag, "micro-batch count");
     at::Tensor verdict = at::empty({1}, on);
-    v = {verdict};
-    wait_for(dist_.backend->recv(v, next, kCountTag + 1),
-             "shape verdict from rank " + std::to_string(next), dist_);
+    dist_.recv(verdict, next, kCountTag + 1, "shape verdict from rank " + std::to_string(next));
     msg[1] = verdict.cpu()[0];
   }
   if (prev >= 0) {
-    std::vector<at::Tensor> v{msg.narrow(0, 1, 1).to(on).contiguous()};
-    wait_for(dist_.backend->send(v, prev, kCountTag + 1), "shape verdict", dist_);
+    dist_.send(msg.narrow(0, 1, 1).to(on).contiguous(), prev, kCountTag + 1, "shape verdict");
   }
   return {static_cast<int>(msg[0].item<int64_t>()), msg[1].item<int64_t>() == 1, key};
 }

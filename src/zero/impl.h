@@ -49,6 +49,8 @@ struct ShardedDataParallel::Impl {
   void remove_hooks();
   void before_gradient(size_t param);
   std::string who() const;  // "rank r: ShardedDataParallel: ", for errors
+  /// Each parameter's name, master dtype and sizes, one line each (checkpoints compare them).
+  std::vector<std::string> described_params() const;
 
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
   void start_gather(size_t u);

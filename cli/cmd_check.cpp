@@ -39,17 +39,16 @@ void add_check_command(CLI::App& app, Action& action) {
                                              : at::Device(at::kCPU);
       const int w = d.size();
       // all-reduce: rank r contributes r+1 everywhere, so every element must be w(w+1)/2.
-      std::vector<at::Tensor> t{at::full({args->numel}, d.rank() + 1.0,
-                                         at::TensorOptions().dtype(at::kFloat).device(device))};
-      wait_for(d.backend->allreduce(t), "all-reduce", d);
+      auto t = at::full({args->numel}, d.rank() + 1.0,
+                        at::TensorOptions().dtype(at::kFloat).device(device));
+      d.all_reduce(t, ReduceOp::SUM, "all-reduce");
       const double want = w * (w + 1) / 2.0;
-      bool ok = at::all(t[0].eq(want)).item<bool>();
+      bool ok = at::all(t.eq(want)).item<bool>();
       // broadcast from rank 0.
-      std::vector<at::Tensor> b{
-          at::full({4}, d.rank() == 0 ? 42.0 : -1.0, at::TensorOptions().device(device))};
-      wait_for(d.backend->broadcast(b), "broadcast", d);
-      ok = ok && at::all(b[0].eq(42.0)).item<bool>();
-      wait_for(d.backend->barrier(), "barrier", d);
+      auto b = at::full({4}, d.rank() == 0 ? 42.0 : -1.0, at::TensorOptions().device(device));
+      d.broadcast(b, 0, "broadcast");
+      ok = ok && at::all(b.eq(42.0)).item<bool>();
+      d.barrier("barrier");
       // DDP's gradient sum, on the path it takes here (shared memory, hierarchical, backend):
       // rank r feeds r + 1 to a linear layer, so the averaged weight gradient is (w + 1) / 2.
       // DDP divides by w before summing: float rounding of w terms of size up to 1, each off by
@@ -67,7 +66,7 @@ void add_check_command(CLI::App& app, Action& action) {
       std::cout << describe(d.world) << "\n"
                 << "rank " << d.rank() << ": " << d.backend_name << " all-reduce of " << args->numel
                 << " floats " << (ok ? "ok" : "WRONG") << " (expected " << want << ", got "
-                << t[0][0].item<float>() << "), broadcast and barrier " << (ok ? "ok" : "checked")
+                << t[0].item<float>() << "), broadcast and barrier " << (ok ? "ok" : "checked")
                 << ", DDP gradients through " << ddp.reduce_path() << " "
                 << (ddp_ok ? "ok" : "WRONG") << ", " << ms << " ms in all" << std::endl;
       return ok && ddp_ok ? 0 : 1;

@@ -141,12 +141,8 @@ void apply_strategy_flags(Args& a) {
   }
 }
 
-}  // namespace
-
-void add_train_command(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("train", kTrainDescription);
-  auto args = std::make_shared<Args>();
-  auto& o = args->o;
+// The model, its data and where it computes.
+void add_model_flags(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--model", o.model,
                   "toy, mlp, lenet, resnet18, resnet50, resnet101, gpt-tiny or gpt2-small")
       ->capture_default_str();
@@ -173,6 +169,10 @@ void add_train_command(CLI::App& app, Action& action) {
                 "Keep convolution weights and batches in the default (NCHW) memory layout");
   cmd->add_option("--limit-train", o.limit_train, "Use only the first N training samples");
   cmd->add_option("--limit-test", o.limit_test, "Use only the first N test samples");
+}
+
+// The optimizer and the schedule of its learning rate.
+void add_optimizer_flags(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--epochs", o.epochs)->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "Global batch, split over the ranks")
       ->capture_default_str();
@@ -184,38 +184,57 @@ void add_train_command(CLI::App& app, Action& action) {
       ->capture_default_str();
   cmd->add_option("--step-size", o.step_size, "Epochs between step-schedule decays");
   cmd->add_option("--gamma", o.gamma, "Step-schedule factor");
+}
+
+// The parallel strategy and its pipeline's shape.
+void add_strategy_flags(CLI::App* cmd, Args& a) {
   cmd->add_option(
-         "--strategy", args->strategy,
+         "--strategy", a.strategy,
          "ddp (a process per device), dp (DataParallel over --devices), pipeline (the "
          "model's blocks over --devices), grid (a pipeline of --pipeline-stages ranks, "
          "replicated over the rest), zero1, zero2, fsdp (a process per device, sharding the "
          "optimizer state; and the gradients; and the parameters too)")
       ->capture_default_str();
-  cmd->add_option("--devices", args->devices,
+  cmd->add_option("--devices", a.devices,
                   "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
                   "GPU, else cpu,cpu)");
-  cmd->add_option("--schedule", args->schedule,
+  cmd->add_option("--schedule", a.schedule,
                   "Pipelines: gpipe, 1f1b, interleaved (with --stages-per-device) or zb-h1 (zero "
                   "bubble); the last two with --strategy pipeline, or grid of one replica")
       ->capture_default_str();
-  cmd->add_option("--stages-per-device", o.stages_per_device,
+  cmd->add_option("--stages-per-device", a.o.stages_per_device,
                   "--schedule interleaved: stages on each device (pipeline) or process (grid); "
                   "--balance then lists that many times more")
       ->capture_default_str();
-  cmd->add_option("--chunks", o.chunks, "Pipelines: micro-batches per batch (0: twice the stages)")
+  cmd->add_option("--chunks", a.o.chunks,
+                  "Pipelines: micro-batches per batch (0: twice the stages)")
       ->capture_default_str();
-  cmd->add_option("--split-size", o.split_size,
+  cmd->add_option("--split-size", a.o.split_size,
                   "Pipeline: micro-batches of this many samples instead of --chunks (seed 000)");
-  cmd->add_option("--balance", o.balance,
+  cmd->add_option("--balance", a.o.balance,
                   "Pipelines: blocks per stage: auto or time (measured), size, or N,M,...")
       ->capture_default_str();
-  cmd->add_option("--checkpoint-activations", args->checkpointing,
+  cmd->add_option("--checkpoint-activations", a.checkpointing,
                   "Pipeline: recompute activations in backward: never, except-last or always")
       ->capture_default_str();
-  cmd->add_option("--pipeline-stages", o.pipeline_stages, "Grid: ranks per pipeline")
+  cmd->add_option("--pipeline-stages", a.o.pipeline_stages, "Grid: ranks per pipeline")
       ->capture_default_str();
+  cmd->add_option("--tp", a.o.tensor_parallel,
+                  "ddp: ranks per tensor-parallel group, each splitting one replica's model "
+                  "(gpt-tiny, gpt2-small); the rest of the world is data parallel")
+      ->capture_default_str();
+  cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
+                "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
+}
+
+// Steps, seed, and what the run writes: checkpoints, metrics.
+void add_run_flags(CLI::App* cmd, Args& a) {
+  auto& o = a.o;
   cmd->add_option("--accumulate", o.accumulate, "Batches per optimizer step");
-  cmd->add_option("--seed", args->seed,
+  cmd->add_option("--max-grad-norm", o.max_grad_norm,
+                  "Clip the gradients to this global L2 norm before each step (0: no clipping)")
+      ->capture_default_str();
+  cmd->add_option("--seed", a.seed,
                   "Seed of the weights and the data order (rank r's "
                   "dropout draws from a stream of its own)")
       ->capture_default_str();
@@ -225,7 +244,7 @@ void add_train_command(CLI::App& app, Action& action) {
   cmd->add_option("--checkpoint-every", o.checkpoint_every,
                   "Steps between checkpoints (0: epochs)");
   cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
-  cmd->add_option("--checkpoint-format", args->checkpoint_format,
+  cmd->add_option("--checkpoint-format", a.checkpoint_format,
                   "full (one file, gathered to rank 0) or sharded (zero1, zero2, fsdp: each rank "
                   "writes its shard; resumes at any world size)")
       ->capture_default_str();
@@ -234,11 +253,16 @@ void add_train_command(CLI::App& app, Action& action) {
                 "--out holds another run: delete its checkpoints, metrics, event files, model.pt "
                 "and run.json, and start afresh");
   cmd->add_option("--log-every", o.log_every, "Steps between metric lines")->capture_default_str();
-  cmd->add_option("--nproc-per-node", args->nproc,
+}
+
+// The processes: how many, how they talk, how long they wait for one another.
+void add_process_flags(CLI::App* cmd, Args& a) {
+  auto& o = a.o;
+  cmd->add_option("--nproc-per-node", a.nproc,
                   "Processes when started by hand: a number or auto (one per GPU, else one per "
                   "CPU core, at most 8; as scaletrain run)")
       ->capture_default_str();
-  cmd->add_option("--backend", args->backend, "gloo, nccl or auto")->capture_default_str();
+  cmd->add_option("--backend", a.backend, "gloo, nccl or auto")->capture_default_str();
   cmd->add_option("--timeout", o.timeout_s,
                   "Collective timeout in seconds: a rank waiting longer for the others in one "
                   "collective fails, naming it (300: room for a slow first step or a big "
@@ -249,56 +273,73 @@ void add_train_command(CLI::App& app, Action& action) {
                   "(the others finish the epoch)")
       ->capture_default_str();
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
-  cmd->callback([args, &action, cmd] {
-    action = [args, cmd] {
+}
+
+// Started by hand: become the launcher of this node's ranks.
+int launch_ranks(Args& a) {
+  LaunchOptions lo;
+  const bool gpus = cuda_device_count() > 0 && a.o.device != "cpu";
+  const auto s = a.o.strategy;
+  const bool per_device =
+      s == Strategy::kDDP || s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp;
+  const int automatic = s == Strategy::kGrid ? a.o.pipeline_stages
+                        : per_device ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
+                                     : 1;  // dp, pipeline: one process
+  lo.nproc_per_node = parse_nproc_per_node(a.nproc, automatic);
+  if (lo.nproc_per_node < 1) {
+    throw UsageError(
+        "--nproc-per-node " + a.nproc +
+        " must be at least 1 (or 'auto': one per GPU, else one per CPU core, at most 8)");
+  }
+  require_free_output_folder(a.o);  // a live run there is the first thing to say
+  validate(a.o, lo.nproc_per_node);
+  lo.master_port = 0;
+  lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
+  std::error_code ec;
+  lo.command = {std::filesystem::read_symlink("/proc/self/exe", ec).string()};
+  for (size_t i = 1; i < program_args().size(); ++i) lo.command.push_back(program_args()[i]);
+  scaletrain::validate(lo);
+  const int status = launch(lo);
+  if (status >= 128) {  // interrupted (the launcher said by which signal)
+    auto last = newest_valid_checkpoint(a.o.out_dir);
+    std::cerr << "scaletrain train: interrupted; "
+              << (last ? "the last checkpoint is " + *last +
+                             ": run the same command again to resume from it"
+                       : "no checkpoint was written yet in " + a.o.out_dir +
+                             " (--overwrite starts afresh there)")
+              << std::endl;
+  }
+  return status;
+}
+
+// One rank of a job: join the process group, train, and report on rank 0.
+int train_rank(Args& a) {
+  InitOptions io;
+  io.backend = a.backend;
+  validate(a.o, discover_world().world_size);  // before any rendezvous
+  io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
+  // CPU tensors need Gloo even where NCCL could be had.
+  if (io.backend == "auto" && a.o.device == "cpu") io.backend = "gloo";
+  Dist d = init_process_group(io);
+  TrainResult r = train(a.o, d);
+  if (d.rank() == 0) print_summary(a.o, r, d);
+  return 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("train", kTrainDescription);
+  auto args = std::make_shared<Args>();
+  add_model_flags(cmd, args->o);
+  add_optimizer_flags(cmd, args->o);
+  add_strategy_flags(cmd, *args);
+  add_run_flags(cmd, *args);
+  add_process_flags(cmd, *args);
+  cmd->callback([args, &action] {
+    action = [args] {
       apply_strategy_flags(*args);
-      if (!inside_a_job()) {
-        // Started by hand: become the launcher of this node's ranks.
-        LaunchOptions lo;
-        const bool gpus = cuda_device_count() > 0 && args->o.device != "cpu";
-        const auto s = args->o.strategy;
-        const bool per_device = s == Strategy::kDDP || s == Strategy::kZero1 ||
-                                s == Strategy::kZero2 || s == Strategy::kFsdp;
-        const int automatic = s == Strategy::kGrid ? args->o.pipeline_stages
-                              : per_device
-                                  ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
-                                  : 1;  // dp, pipeline: one process
-        lo.nproc_per_node = parse_nproc_per_node(args->nproc, automatic);
-        if (lo.nproc_per_node < 1) {
-          throw UsageError(
-              "--nproc-per-node " + args->nproc +
-              " must be at least 1 (or 'auto': one per GPU, else one per CPU core, at most 8)");
-        }
-        require_free_output_folder(args->o);  // a live run there is the first thing to say
-        validate(args->o, lo.nproc_per_node);
-        lo.master_port = 0;
-        lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
-        std::error_code ec;
-        lo.command = {std::filesystem::read_symlink("/proc/self/exe", ec).string()};
-        for (size_t i = 1; i < program_args().size(); ++i) lo.command.push_back(program_args()[i]);
-        scaletrain::validate(lo);
-        const int status = launch(lo);
-        if (status >= 128) {  // interrupted (the launcher said by which signal)
-          auto last = newest_valid_checkpoint(args->o.out_dir);
-          std::cerr << "scaletrain train: interrupted; "
-                    << (last ? "the last checkpoint is " + *last +
-                                   ": run the same command again to resume from it"
-                             : "no checkpoint was written yet in " + args->o.out_dir +
-                                   " (--overwrite starts afresh there)")
-                    << std::endl;
-        }
-        return status;
-      }
-      InitOptions io;
-      io.backend = args->backend;
-      validate(args->o, discover_world().world_size);  // before any rendezvous
-      io.timeout = std::chrono::milliseconds(static_cast<int64_t>(args->o.timeout_s * 1000));
-      // CPU tensors need Gloo even where NCCL could be had.
-      if (io.backend == "auto" && args->o.device == "cpu") io.backend = "gloo";
-      Dist d = init_process_group(io);
-      TrainResult r = train(args->o, d);
-      if (d.rank() == 0) print_summary(args->o, r, d);
-      return 0;
+      return inside_a_job() ? train_rank(*args) : launch_ranks(*args);
     };
   });
 }

@@ -202,6 +202,78 @@ TEST(DistCollectives, MissingRankFailsTheCollectiveNamingIt) {
       << errors[0];
 }
 
+// The _async forms and point-to-point over 1 to 4 ranks: a Pending waits once, says done() after,
+// and a default one is complete; the store is shared by the group.
+TEST_P(DistCollectives, AsyncFormsAndPointToPointGiveTheSameResults) {
+  const int n = GetParam();
+  auto errors = testing::run_ranks(n, [&](Dist& d) {
+    const auto r = static_cast<float>(d.rank());
+    auto t = at::full({5}, r + 1);
+    Pending sum = d.all_reduce_async(t, ReduceOp::SUM, "sum of t");
+    EXPECT_TRUE(static_cast<bool>(sum));
+    sum.wait();
+    EXPECT_FALSE(static_cast<bool>(sum));
+    EXPECT_TRUE(sum.done());
+    sum.wait();  // a second wait returns at once
+    EXPECT_TRUE(at::equal(t, at::full({5}, n * (n + 1) / 2.0f)));
+    EXPECT_TRUE(Pending().done());
+
+    auto flat = at::empty({3 * n});
+    d.all_gather_into_tensor_async(flat, at::full({3}, r)).wait();
+    for (int i = 0; i < n; ++i)
+      EXPECT_TRUE(at::equal(flat.narrow(0, 3 * i, 3), at::full({3}, float(i))));
+
+    auto in = at::arange(n, at::kFloat).repeat_interleave(2) + r;
+    auto mine = at::empty({2});
+    d.reduce_scatter_tensor_async(mine, in, ReduceOp::MAX).wait();
+    EXPECT_TRUE(at::equal(mine, at::full({2}, d.rank() + n - 1.0f))) << mine;
+
+    // A ring: each rank sends its rank to the next and receives the previous one's, once
+    // in flight; then rank 0 to rank 1, blocking.
+    if (n > 1) {
+      const int next = (d.rank() + 1) % n, prev = (d.rank() + n - 1) % n;
+      auto from = at::empty({2});
+      Pending got = d.irecv(from, prev, 7);
+      Pending sent = d.isend(at::full({2}, r), next, 7);
+      got.wait();
+      sent.wait();
+      EXPECT_TRUE(at::equal(from, at::full({2}, static_cast<float>(prev))));
+      auto x = at::full({1}, r * 2);
+      if (d.rank() == 0) d.send(x, 1, 8, "x to rank 1");
+      if (d.rank() == 1) {
+        d.recv(x, 0, 8);
+        EXPECT_EQ(x.item<float>(), 0.0f);
+      }
+      EXPECT_THROW(d.isend(x, n, 9), UsageError);
+    }
+    EXPECT_GE(d.store_add("async-test/count", 1), 1);
+    d.barrier("after the count");
+    EXPECT_EQ(d.store_add("async-test/count", 0), n);
+    if (d.rank() == 0) d.store_set("async-test/word", "hello");
+    EXPECT_EQ(d.store_get("async-test/word"), "hello");
+    EXPECT_TRUE(d.store_check("async-test/word"));
+    EXPECT_FALSE(d.store_check("async-test/no-such-key"));
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(n)));
+}
+
+// A Pending that never completes names its `what` in the timeout error.
+TEST(DistCollectives, PendingTimeoutNamesWhatItWaitsFor) {
+  auto errors = testing::run_ranks(
+      2,
+      [&](Dist& d) {
+        if (d.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(3));
+          return;
+        }
+        auto t = at::zeros({4});
+        d.irecv(t, 1, 3, "the weights from rank 1").wait();
+      },
+      std::chrono::milliseconds(500));
+  EXPECT_NE(errors[0].find("rank 0 of 2: the weights from rank 1 timed out"), std::string::npos)
+      << errors[0];
+}
+
 // mesh_groups(): each rank's group along each dimension of a 2 x 3 mesh is a working process
 // group of exactly the ranks the mesh names, ranked by their coordinate there.
 TEST(MeshGroups, EachGroupReducesOverItsOwnRanksOnly) {

@@ -63,18 +63,18 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats,
     auto time = [&](const std::string& path, const std::function<void(const std::string&)>& op) {
       op("warm-up all-reduce");
       for (int i = 0; i < repeats; ++i) {
-        wait_for(d.backend->barrier(), "barrier", d);
+        d.barrier("barrier");
         auto t0 = std::chrono::steady_clock::now();
         op("all-reduce of " + std::to_string(bytes) + " bytes");
         if (d.rank() == 0) csv << bytes << "," << seconds_since(t0) << "," << path << "\n";
       }
     };
     if (wanted("gloo")) {
-      time("gloo", [&](const std::string& what) { wait_for(d.backend->allreduce(t), what, d); });
+      time("gloo", [&](const std::string& what) { d.all_reduce(t[0], ReduceOp::SUM, what); });
     }
     if ((comm->shared_memory() && wanted("shm")) || (hier && wanted("hier"))) {
       time(hier ? "hier" : "shm", [&](const std::string& what) {
-        if (auto work = comm->all_reduce_sum(t[0], what)) wait_for(work, what, d);
+        comm->all_reduce_sum(t[0], what).wait();
       });
     }
   }

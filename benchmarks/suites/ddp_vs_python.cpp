@@ -130,10 +130,10 @@ int run_ddp_worker(const std::vector<std::string>& args) {
   if (d.rank() == 0) csv.open(kv["--csv"], std::ios::app);
   Phases synced;
   for (int r = 0; r < repeats; ++r) {
-    wait_for(d.backend->barrier(), "barrier", d);
+    d.barrier("barrier");
     auto t0 = Clock::now();
     for (int i = 0; i < steps; ++i) step(&synced);
-    wait_for(d.backend->barrier(), "barrier", d);
+    d.barrier("barrier");
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     if (d.rank() == 0) csv << static_cast<double>(steps * batch) / secs << "\n" << std::flush;
   }
@@ -145,7 +145,7 @@ int run_ddp_worker(const std::vector<std::string>& args) {
       auto no_sync = ddp.no_sync();
       for (int i = 0; i < steps; ++i) step(&local);
     }
-    wait_for(d.backend->barrier(), "barrier", d);
+    d.barrier("barrier");
     if (d.rank() == 0) {
       const double n = static_cast<double>(steps) * repeats;
       std::ofstream out(phases_csv);

@@ -45,38 +45,107 @@ struct InitOptions {
 /// (NCCL refuses two ranks on one GPU), else "gloo". Other names are returned as they are.
 std::string resolve_backend(const std::string& backend, int gpus, int local_world_size);
 
+/// The reduction of a collective: ReduceOp::SUM (the default), MIN, MAX, PRODUCT; AVG with NCCL.
+using ReduceOp = c10d::ReduceOp;
+
+struct Dist;
+
+/// A collective or point-to-point transfer in flight: the `_async` methods and isend/irecv of
+/// Dist return one. The tensors it reads or writes must live, untouched, until it completes. A
+/// default-constructed Pending is complete already. Not for concurrent use by threads.
+class Pending {
+ public:
+  Pending() = default;
+
+  /// Waits for it, once (later calls return at once). A failure or a wait past the group's
+  /// timeout is an Error naming what it is, this rank and the timeout (wait_for below).
+  void wait();
+  /// The same, naming it `what` in errors instead (a receive posted before its reader was known).
+  void wait(const std::string& what);
+  /// Whether it has completed (a failure too: wait() throws it). Does not block.
+  bool done() const;
+  /// Whether it holds an operation not waited for yet.
+  explicit operator bool() const { return static_cast<bool>(work_); }
+  /// Withdraws it unwaited (a receive nobody will read after a failure); swallows any error.
+  void abort() noexcept;
+
+ private:
+  friend struct Dist;
+  Pending(c10::intrusive_ptr<c10d::Work> work, std::string what, const Dist& dist);
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  int rank_ = 0, size_ = 1;
+  std::chrono::milliseconds timeout_{};
+};
+
 /// A joined process group. Holds the store and the backend alive; copyable (shared handles).
 struct Dist {
   World world;
   std::string backend_name;  // "gloo" or "nccl"
+  // The c10d handles, for programs that need c10d itself. The library reaches them only in
+  // src/dist; everything else goes through the methods below (Structure.NoC10dOutsideDist).
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
   std::chrono::milliseconds timeout{};  // the collective timeout the backend was made with
 
   int rank() const { return world.rank; }
   int size() const { return world.world_size; }
+  /// Whether it holds a process group (init_process_group's); a default-constructed one does not.
+  bool joined() const { return static_cast<bool>(backend); }
 
   // Collectives over the group, with PyTorch's names. Each waits for its result: a failure or a
-  // wait past `timeout` is an Error naming the operation, this rank and the timeout (wait_for
-  // below). Every rank calls them in the same order, with tensors of the same shape and dtype.
-  // Gloo carries CPU and CUDA tensors, NCCL CUDA tensors. Not for concurrent use by threads.
+  // wait past `timeout` is an Error naming the operation (`what`, or a description of the call
+  // when empty), this rank and the timeout (wait_for below). The `_async` forms return a Pending
+  // instead, whose wait() gives those errors. Every rank calls them in the same order, with
+  // tensors of the same shape and dtype. Gloo carries CPU and CUDA tensors, NCCL CUDA tensors.
+  // Not for concurrent use by threads.
 
   /// In place: `tensor` reduced over the ranks (sum by default).
-  void all_reduce(at::Tensor& tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM) const;
+  void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM,
+                  const std::string& what = "") const;
+  Pending all_reduce_async(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM,
+                           const std::string& what = "") const;
   /// In place: rank `src`'s `tensor` on every rank.
-  void broadcast(at::Tensor& tensor, int src = 0) const;
+  void broadcast(at::Tensor& tensor, int src = 0, const std::string& what = "") const;
   /// Every rank's `tensor`, by rank.
-  std::vector<at::Tensor> all_gather(const at::Tensor& tensor) const;
+  std::vector<at::Tensor> all_gather(const at::Tensor& tensor, const std::string& what = "") const;
   /// Every rank's `tensor` (same shape everywhere) concatenated along dimension 0, by rank:
   /// PyTorch's all_gather_into_tensor.
-  at::Tensor all_gather_into_tensor(const at::Tensor& tensor) const;
+  at::Tensor all_gather_into_tensor(const at::Tensor& tensor, const std::string& what = "") const;
+  /// The same into `out`, which holds size() times `input` along dimension 0 (contiguous).
+  Pending all_gather_into_tensor_async(at::Tensor& out, const at::Tensor& input,
+                                       const std::string& what = "") const;
   /// `input`'s dimension 0 holds size() equal slices: returns this rank's slice of their
   /// reduction over the ranks (PyTorch's reduce_scatter_tensor). Throws UsageError when dimension
   /// 0 does not split evenly.
-  at::Tensor reduce_scatter_tensor(const at::Tensor& input,
-                                   c10d::ReduceOp op = c10d::ReduceOp::SUM) const;
+  at::Tensor reduce_scatter_tensor(const at::Tensor& input, ReduceOp op = ReduceOp::SUM,
+                                   const std::string& what = "") const;
+  /// The same into `out` (one slice's shape; `input` contiguous).
+  Pending reduce_scatter_tensor_async(at::Tensor& out, const at::Tensor& input,
+                                      ReduceOp op = ReduceOp::SUM,
+                                      const std::string& what = "") const;
   /// Returns when every rank has called it.
-  void barrier() const;
+  void barrier(const std::string& what = "") const;
+
+  // Point-to-point, matched by (peer, tag): rank `dst`'s recv from this rank with the same tag
+  // receives what send sends, in order. Same errors as the collectives.
+
+  /// Sends `tensor` (contiguous) to rank `dst`.
+  void send(const at::Tensor& tensor, int dst, int tag = 0, const std::string& what = "") const;
+  /// Receives into `tensor` (its shape and dtype those sent) from rank `src`.
+  void recv(at::Tensor& tensor, int src, int tag = 0, const std::string& what = "") const;
+  Pending isend(const at::Tensor& tensor, int dst, int tag = 0, const std::string& what = "") const;
+  Pending irecv(at::Tensor& tensor, int src, int tag = 0, const std::string& what = "") const;
+
+  // The job's key-value store (rendezvous's): small agreements outside the collectives.
+
+  /// Adds `by` to the counter `key` (0 when new) and returns its new value.
+  int64_t store_add(const std::string& key, int64_t by) const;
+  void store_set(const std::string& key, const std::string& value) const;
+  /// The value of `key`, waiting for it up to the store's timeout.
+  std::string store_get(const std::string& key) const;
+  /// Whether `key` has a value (does not wait).
+  bool store_check(const std::string& key) const;
 };
 
 /// Throws UsageError naming `who` when `dist` holds no process group (a default-constructed
@@ -91,6 +160,10 @@ Dist init_process_group(const InitOptions& options = {});
 /// Waits for a collective. A failure or a timeout becomes an Error naming the operation
 /// (`op`, e.g. "all-reduce of bucket 3"), this rank, the timeout and what to look for.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& dist);
+
+/// The same group over a backend of its own (new connections; its keys under `prefix` in the
+/// store): its collectives run beside `dist`'s and never queue behind them. Collective.
+Dist clone_group(const Dist& dist, const std::string& prefix);
 
 /// A process group of some of the ranks (torch.distributed.new_group): every rank of the world
 /// calls it with the same `ranks` and `name`; members get a Dist in which they are ranked by

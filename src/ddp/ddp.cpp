@@ -33,7 +33,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   // DDP instances are built in the same order on every rank: number them per rank (in the
   // store, so that ranks sharing one process — threads in tests — count separately).
   const auto instance = static_cast<int>(
-      dist_.store->add("scaletrain/ddp/instances/" + std::to_string(dist_.rank()), 1));
+      dist_.store_add("scaletrain/ddp/instances/" + std::to_string(dist_.rank()), 1));
   verify_same_model(dist_, described, "ddp", instance);
   broadcast_coalesced(dist_, params, "the parameters");
   if (options_.broadcast_buffers) {
@@ -224,16 +224,12 @@ void DistributedDataParallel::check_replicas() {
     sums[static_cast<int64_t>(i)][0] = t.sum();
     sums[static_cast<int64_t>(i)][1] = (t * t).sum();
   }
-  std::vector<at::Tensor> in{sums};
-  std::vector<std::vector<at::Tensor>> out{
-      std::vector<at::Tensor>(static_cast<size_t>(dist_.size()))};
-  for (auto& o : out[0]) o = at::empty_like(sums);
-  wait_for(dist_.backend->allgather(out, in), "replica check", dist_);
+  const auto all = dist_.all_gather(sums, "replica check");
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string differ;
     for (int r = 1; r < dist_.size(); ++r) {
-      if (!at::equal(out[0][0][static_cast<int64_t>(i)],
-                     out[0][static_cast<size_t>(r)][static_cast<int64_t>(i)])) {
+      if (!at::equal(all[0][static_cast<int64_t>(i)],
+                     all[static_cast<size_t>(r)][static_cast<int64_t>(i)])) {
         differ += (differ.empty() ? "" : ", ") + std::to_string(r);
       }
     }

@@ -120,7 +120,7 @@ void Reducer::prepare(const std::vector<at::Tensor>& outputs) {
   for (size_t k = 0; k < buckets.size(); ++k) {
     buckets[k].pending = assignment[k].size();
     buckets[k].launched = false;
-    buckets[k].work.reset();
+    buckets[k].work = Pending();
   }
   next_launch = 0;
   callback_queued = false;
@@ -210,17 +210,11 @@ void Reducer::finalize() {
   }
   for (size_t k = 0; k < buckets.size(); ++k) {
     Bucket& b = buckets[k];
-    if (b.work) {  // null: already summed (shared memory)
-      wait_for(b.work,
-               "all-reduce of gradient bucket " + std::to_string(k) + " of " +
-                   std::to_string(buckets.size()),
-               dist);
-    }
+    b.work.wait();  // complete already on the shared-memory path
     if (b.wire.defined()) {
       b.flat.copy_(b.wire);
       b.wire = at::Tensor();
     }
-    b.work.reset();
   }
   if (!opts.gradient_as_bucket_view) {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -266,11 +260,11 @@ void Reducer::shadow_backward() {
         b.flat, opts.comm_hook == CommHook::kNone
                     ? b.flat.scalar_type()
                     : (opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16));
-    if (auto work = comm->all_reduce_sum(zeros, what)) wait_for(work, what, dist);
+    comm->all_reduce_sum(zeros, what).wait();
   }
   if (opts.find_unused_parameters) {
-    std::vector<at::Tensor> t{at::zeros({static_cast<int64_t>(params.size())}, at::kInt)};
-    wait_for(dist.backend->allreduce(t), "all-reduce of the used-parameter map (shadowed)", dist);
+    auto t = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+    dist.all_reduce(t, ReduceOp::SUM, "all-reduce of the used-parameter map (shadowed)");
   }
 }
 
@@ -279,8 +273,7 @@ void Reducer::drop_globally_unused() {
   // them (weight decay and momentum included).
   auto map = at::empty({static_cast<int64_t>(params.size())}, at::kInt);
   for (size_t i = 0; i < params.size(); ++i) map[static_cast<int64_t>(i)] = used[i] ? 1 : 0;
-  std::vector<at::Tensor> t{map};
-  wait_for(dist.backend->allreduce(t), "all-reduce of the used-parameter map", dist);
+  dist.all_reduce(map, ReduceOp::SUM, "all-reduce of the used-parameter map");
   auto acc = map.accessor<int, 1>();
   for (size_t i = 0; i < params.size(); ++i) {
     if (acc[static_cast<int64_t>(i)] == 0) params[i].mutable_grad() = at::Tensor();
@@ -295,21 +288,20 @@ void Reducer::report_missing(const std::vector<size_t>& missing) {
   const std::string prefix = "scaletrain/ddp/missing/" + std::to_string(round) + "/";
   std::string lists;
   try {
-    dist.store->set(prefix + std::to_string(dist.rank()), mine);
+    dist.store_set(prefix + std::to_string(dist.rank()), mine);
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     for (int r = 0; r < dist.size(); ++r) {
       std::string key = prefix + std::to_string(r);
-      while (!dist.store->check({key}) && std::chrono::steady_clock::now() < deadline) {
+      while (!dist.store_check(key) && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      if (dist.store->check({key})) {
-        auto v = dist.store->get(key);
-        lists += "\n  rank " + std::to_string(r) + ": " + std::string(v.begin(), v.end());
+      if (dist.store_check(key)) {
+        lists += "\n  rank " + std::to_string(r) + ": " + dist.store_get(key);
       }
     }
     // Rank 0 serves the store: let the others finish reading before it goes away.
-    dist.store->add(prefix + "read", 1);
-    while (dist.rank() == 0 && dist.store->add(prefix + "read", 0) < dist.size() &&
+    dist.store_add(prefix + "read", 1);
+    while (dist.rank() == 0 && dist.store_add(prefix + "read", 0) < dist.size() &&
            std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

@@ -30,7 +30,7 @@ struct DistributedDataParallel::Reducer {
     at::Tensor wire;     // compressed copy sent over the wire (fp16/bf16 hooks)
     size_t pending = 0;  // parameters still without gradient in this backward
     bool launched = false;
-    c10::intrusive_ptr<c10d::Work> work;
+    Pending work;  // the sum in flight
   };
 
   Dist dist;

@@ -49,18 +49,15 @@ class BackendCollectives : public Collectives {
  public:
   explicit BackendCollectives(Dist dist) : dist_(std::move(dist)) {}
 
-  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t, const std::string&) override {
-    std::vector<at::Tensor> v{t};
-    return dist_.backend->allreduce(v);
+  Pending all_reduce_sum(at::Tensor& t, const std::string& what) override {
+    return dist_.all_reduce_async(t, ReduceOp::SUM, what);
   }
 
   std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) override {
-    std::vector<at::Tensor> in{at::full({1}, mine, at::kInt)};
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int r = 0; r < dist_.size(); ++r) out[0].push_back(at::empty({1}, at::kInt));
-    wait_for(dist_.backend->allgather(out, in), what, dist_);
     std::vector<int32_t> flags;
-    for (auto& t : out[0]) flags.push_back(t.item<int32_t>());
+    for (auto& t : dist_.all_gather(at::full({1}, mine, at::kInt), what)) {
+      flags.push_back(t.item<int32_t>());
+    }
     return flags;
   }
 
@@ -77,7 +74,7 @@ class SharedMemoryCollectives : public BackendCollectives {
   SharedMemoryCollectives(Dist dist, std::unique_ptr<SharedGroup> group)
       : BackendCollectives(std::move(dist)), group_(std::move(group)) {}
 
-  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t, const std::string& what) override {
+  Pending all_reduce_sum(at::Tensor& t, const std::string& what) override {
     if (!t.is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) {
       return BackendCollectives::all_reduce_sum(t, what);
     }
@@ -115,24 +112,21 @@ std::unique_ptr<SharedGroup> open_shared_group(const Dist& dist, const std::stri
       try {
         g = SharedGroup::create(o);
       } catch (const Error&) {
-        dist.store->set(key, std::vector<uint8_t>{});  // "none": the others need not look
+        dist.store_set(key, "");  // "none": the others need not look
         throw;
       }
-      const auto& name = g->name();
-      dist.store->set(key, std::vector<uint8_t>(name.begin(), name.end()));
+      dist.store_set(key, g->name());
     } else {
-      const auto v = dist.store->get(key);
-      if (!v.empty()) g = SharedGroup::attach(std::string(v.begin(), v.end()), o);
+      const auto name = dist.store_get(key);
+      if (!name.empty()) g = SharedGroup::attach(name, o);
     }
   } catch (const Error&) {
     // Not reachable from here: the backend carries everything.
   }
-  std::vector<at::Tensor> ok{at::full({1}, g ? 1 : 0, at::kInt)};
-  c10d::AllreduceOptions ao;
-  ao.reduceOp = c10d::ReduceOp::MIN;
-  wait_for(dist.backend->allreduce(ok, ao), "agreement on a shared-memory segment", dist);
+  auto ok = at::full({1}, g ? 1 : 0, at::kInt);
+  dist.all_reduce(ok, ReduceOp::MIN, "agreement on a shared-memory segment");
   if (g && dist.rank() == 0) g->unlink();  // every rank mapped it, or nobody will use it
-  if (ok[0].item<int>() != 1) return nullptr;
+  if (ok.item<int>() != 1) return nullptr;
   return g;
 }
 
@@ -160,15 +154,14 @@ class HierarchicalCollectives : public BackendCollectives {
         leaders_(std::move(leaders)),
         machines_(machines) {}
 
-  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t, const std::string& what) override {
+  Pending all_reduce_sum(at::Tensor& t, const std::string& what) override {
     if (!t.is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) {
       return BackendCollectives::all_reduce_sum(t, what);
     }
     float* data = t.mutable_data_ptr<float>();
     if (segment_) segment_->allreduce_sum(data, t.numel(), what + " (within the machine)");
     if (leaders_) {
-      std::vector<at::Tensor> v{t};
-      wait_for(leaders_->backend->allreduce(v), what + " (between machines)", *leaders_);
+      leaders_->all_reduce(t, ReduceOp::SUM, what + " (between machines)");
     } else {
       t.zero_();
     }
@@ -192,15 +185,11 @@ class HierarchicalCollectives : public BackendCollectives {
 std::unique_ptr<Collectives> make_hierarchical(const Dist& dist, const std::string& key,
                                                int64_t chunk_floats) {
   if (dist.size() < 3 || dist.backend_name != "gloo") return nullptr;
-  at::Tensor mine = at::full({1}, machine_key(), at::kLong);
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < dist.size(); ++r) out[0].push_back(at::empty({1}, at::kLong));
-  std::vector<at::Tensor> in{mine};
-  wait_for(dist.backend->allgather(out, in), "machine identities", dist);
+  const auto keys = dist.all_gather(at::full({1}, machine_key(), at::kLong), "machine identities");
   std::map<int64_t, std::vector<int>> machines;  // key -> ranks, in order of first rank
   std::vector<int64_t> order;
   for (int r = 0; r < dist.size(); ++r) {
-    const int64_t k = out[0][static_cast<size_t>(r)].item<int64_t>();
+    const int64_t k = keys[static_cast<size_t>(r)].item<int64_t>();
     if (!machines.count(k)) order.push_back(k);
     machines[k].push_back(r);
   }
@@ -220,11 +209,9 @@ std::unique_ptr<Collectives> make_hierarchical(const Dist& dist, const std::stri
     segment = open_shared_group(*local, key + "/segment", chunk_floats);
     ok = segment != nullptr;
   }
-  std::vector<at::Tensor> agree{at::full({1}, ok ? 1 : 0, at::kInt)};
-  c10d::AllreduceOptions ao;
-  ao.reduceOp = c10d::ReduceOp::MIN;
-  wait_for(dist.backend->allreduce(agree, ao), "agreement on per-machine segments", dist);
-  if (agree[0].item<int>() != 1) return nullptr;
+  auto agree = at::full({1}, ok ? 1 : 0, at::kInt);
+  dist.all_reduce(agree, ReduceOp::MIN, "agreement on per-machine segments");
+  if (agree.item<int>() != 1) return nullptr;
   // The machine's group was needed to agree on its segment only: the segment works alone.
   return std::make_unique<HierarchicalCollectives>(dist, std::move(segment), std::move(leaders), m);
 }

@@ -6,8 +6,6 @@
 // backend between one leader per machine (Note [Hierarchical reduce]). The reducer never
 // chooses a path itself.
 
-#include <c10/util/intrusive_ptr.h>
-
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -21,10 +19,10 @@ class Collectives {
  public:
   virtual ~Collectives() = default;
 
-  /// Starts the sum of `t` over the group, in place. Returns the work to wait for (wait_for in
-  /// dist.h), or null when the sum is already complete. Every rank calls it with tensors of the
-  /// same shape, dtype and device, in the same order. `what` names it in errors.
-  virtual c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& t, const std::string& what) = 0;
+  /// Starts the sum of `t` over the group, in place. Returns it in flight (Pending in dist.h),
+  /// complete already on the shared-memory paths. Every rank calls it with tensors of the same
+  /// shape, dtype and device, in the same order. `what` names it in errors.
+  virtual Pending all_reduce_sum(at::Tensor& t, const std::string& what) = 0;
 
   /// Every rank's `mine`, by rank (blocking).
   virtual std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) = 0;

@@ -1,5 +1,5 @@
-// Dist's collectives (dist.h): each a c10d call on the group's backend, waited for with the
-// group's timeout and wait_for's errors.
+// Dist's collectives, point-to-point transfers and store (dist.h): each a c10d call on the
+// group's backend or store, waited for with the group's timeout and wait_for's errors.
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -8,16 +8,38 @@
 #include "scaletrain/error.h"
 
 namespace scaletrain {
+namespace {
 
-void Dist::all_reduce(at::Tensor& tensor, c10d::ReduceOp op) const {
+std::string described(const std::string& what, const std::string& op, const at::Tensor& t) {
+  return what.empty() ? op + " of a " + c10::str(t.sizes()) + " tensor" : what;
+}
+
+std::string or_else(const std::string& what, const std::string& otherwise) {
+  return what.empty() ? otherwise : what;
+}
+
+void check_peer(const Dist& d, int peer, const std::string& op) {
+  if (peer < 0 || peer >= d.size()) {
+    throw UsageError(op + " with rank " + std::to_string(peer) + " from rank " +
+                     std::to_string(d.rank()) + ": the group has ranks 0-" +
+                     std::to_string(d.size() - 1));
+  }
+}
+
+}  // namespace
+
+Pending Dist::all_reduce_async(at::Tensor& tensor, ReduceOp op, const std::string& what) const {
   std::vector<at::Tensor> t{tensor};
   c10d::AllreduceOptions o;
   o.reduceOp = op;
-  wait_for(backend->allreduce(t, o), "all_reduce of a " + c10::str(tensor.sizes()) + " tensor",
-           *this);
+  return Pending(backend->allreduce(t, o), described(what, "all_reduce", tensor), *this);
 }
 
-void Dist::broadcast(at::Tensor& tensor, int src) const {
+void Dist::all_reduce(at::Tensor& tensor, ReduceOp op, const std::string& what) const {
+  all_reduce_async(tensor, op, what).wait();
+}
+
+void Dist::broadcast(at::Tensor& tensor, int src, const std::string& what) const {
   if (src < 0 || src >= size()) {
     throw UsageError("broadcast from rank " + std::to_string(src) + ": the group has ranks 0-" +
                      std::to_string(size() - 1));
@@ -25,30 +47,37 @@ void Dist::broadcast(at::Tensor& tensor, int src) const {
   std::vector<at::Tensor> t{tensor};
   c10d::BroadcastOptions o;
   o.rootRank = src;
-  wait_for(backend->broadcast(t, o), "broadcast from rank " + std::to_string(src), *this);
+  wait_for(backend->broadcast(t, o), or_else(what, "broadcast from rank " + std::to_string(src)),
+           *this);
 }
 
-std::vector<at::Tensor> Dist::all_gather(const at::Tensor& tensor) const {
+std::vector<at::Tensor> Dist::all_gather(const at::Tensor& tensor, const std::string& what) const {
   std::vector<at::Tensor> in{tensor};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < size(); ++r) out[0].push_back(at::empty_like(tensor));
-  wait_for(backend->allgather(out, in), "all_gather of a " + c10::str(tensor.sizes()) + " tensor",
-           *this);
+  wait_for(backend->allgather(out, in), described(what, "all_gather", tensor), *this);
   return out[0];
 }
 
-at::Tensor Dist::all_gather_into_tensor(const at::Tensor& tensor) const {
+at::Tensor Dist::all_gather_into_tensor(const at::Tensor& tensor, const std::string& what) const {
   auto shape = tensor.sizes().vec();
   if (shape.empty()) shape.push_back(1);
   shape[0] *= size();
   auto out = at::empty(shape, tensor.options());
   auto in = tensor.contiguous();
-  wait_for(backend->_allgather_base(out, in),
-           "all_gather_into_tensor of a " + c10::str(tensor.sizes()) + " tensor", *this);
+  all_gather_into_tensor_async(out, in, described(what, "all_gather_into_tensor", tensor)).wait();
   return out;
 }
 
-at::Tensor Dist::reduce_scatter_tensor(const at::Tensor& input, c10d::ReduceOp op) const {
+Pending Dist::all_gather_into_tensor_async(at::Tensor& out, const at::Tensor& input,
+                                           const std::string& what) const {
+  auto in = input;  // c10d takes it by reference
+  return Pending(backend->_allgather_base(out, in),
+                 described(what, "all_gather_into_tensor", input), *this);
+}
+
+at::Tensor Dist::reduce_scatter_tensor(const at::Tensor& input, ReduceOp op,
+                                       const std::string& what) const {
   if (input.dim() == 0 || input.size(0) % size() != 0) {
     throw UsageError("reduce_scatter_tensor: dimension 0 of a " + c10::str(input.sizes()) +
                      " tensor does not split into " + std::to_string(size()) +
@@ -57,14 +86,58 @@ at::Tensor Dist::reduce_scatter_tensor(const at::Tensor& input, c10d::ReduceOp o
   auto shape = input.sizes().vec();
   shape[0] /= size();
   auto out = at::empty(shape, input.options());
-  auto in = input.contiguous();
-  c10d::ReduceScatterOptions o;
-  o.reduceOp = op;
-  wait_for(backend->_reduce_scatter_base(out, in, o),
-           "reduce_scatter_tensor of a " + c10::str(input.sizes()) + " tensor", *this);
+  reduce_scatter_tensor_async(out, input.contiguous(), op,
+                              described(what, "reduce_scatter_tensor", input))
+      .wait();
   return out;
 }
 
-void Dist::barrier() const { wait_for(backend->barrier(), "barrier", *this); }
+Pending Dist::reduce_scatter_tensor_async(at::Tensor& out, const at::Tensor& input, ReduceOp op,
+                                          const std::string& what) const {
+  auto in = input;  // c10d takes it by reference
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = op;
+  return Pending(backend->_reduce_scatter_base(out, in, o),
+                 described(what, "reduce_scatter_tensor", input), *this);
+}
+
+void Dist::barrier(const std::string& what) const {
+  wait_for(backend->barrier(), or_else(what, "barrier"), *this);
+}
+
+Pending Dist::isend(const at::Tensor& tensor, int dst, int tag, const std::string& what) const {
+  check_peer(*this, dst, "send");
+  std::vector<at::Tensor> t{tensor};
+  return Pending(backend->send(t, dst, tag), or_else(what, "send to rank " + std::to_string(dst)),
+                 *this);
+}
+
+Pending Dist::irecv(at::Tensor& tensor, int src, int tag, const std::string& what) const {
+  check_peer(*this, src, "recv");
+  std::vector<at::Tensor> t{tensor};
+  return Pending(backend->recv(t, src, tag),
+                 or_else(what, "receive from rank " + std::to_string(src)), *this);
+}
+
+void Dist::send(const at::Tensor& tensor, int dst, int tag, const std::string& what) const {
+  isend(tensor, dst, tag, what).wait();
+}
+
+void Dist::recv(at::Tensor& tensor, int src, int tag, const std::string& what) const {
+  irecv(tensor, src, tag, what).wait();
+}
+
+int64_t Dist::store_add(const std::string& key, int64_t by) const { return store->add(key, by); }
+
+void Dist::store_set(const std::string& key, const std::string& value) const {
+  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string Dist::store_get(const std::string& key) const {
+  const auto v = store->get(key);
+  return std::string(v.begin(), v.end());
+}
+
+bool Dist::store_check(const std::string& key) const { return store->check({key}); }
 
 }  // namespace scaletrain

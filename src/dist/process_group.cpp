@@ -214,15 +214,19 @@ void require_joined(const Dist& dist, const std::string& who) {
   }
 }
 
-void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& d) {
+namespace {
+
+// wait_for's work, for a group of `size` whose collectives time out after `timeout`.
+void wait_in(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, int rank, int size,
+             milliseconds timeout) {
   try {
     work->wait();
   } catch (const std::exception& e) {
     std::string what = e.what();
     bool timed_out =
         what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
-    throw Error("rank " + std::to_string(d.rank()) + " of " + std::to_string(d.size()) + ": " + op +
-                (timed_out ? " timed out after " + seconds(d.timeout) +
+    throw Error("rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " + op +
+                (timed_out ? " timed out after " + seconds(timeout) +
                                  " (collective timeout): some rank never joined it. Look "
                                  "for a rank that failed, stalled or took another code path; "
                                  "raise the timeout if the work is just slow (`scaletrain train "
@@ -230,6 +234,39 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                            : " failed: " + what) +
                 (timed_out ? "\n  backend said: " + what : ""));
   }
+}
+
+}  // namespace
+
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& d) {
+  wait_in(work, op, d.rank(), d.size(), d.timeout);
+}
+
+Pending::Pending(c10::intrusive_ptr<c10d::Work> work, std::string what, const Dist& dist)
+    : work_(std::move(work)),
+      what_(std::move(what)),
+      rank_(dist.rank()),
+      size_(dist.size()),
+      timeout_(dist.timeout) {}
+
+void Pending::wait() { wait(what_); }
+
+void Pending::wait(const std::string& what) {
+  if (!work_) return;
+  auto work = std::move(work_);
+  work_.reset();
+  wait_in(work, what, rank_, size_, timeout_);
+}
+
+bool Pending::done() const { return !work_ || work_->isCompleted(); }
+
+void Pending::abort() noexcept {
+  if (!work_) return;
+  try {
+    work_->abort();
+  } catch (const std::exception&) {  // withdrawn either way
+  }
+  work_.reset();
 }
 
 namespace {
@@ -272,6 +309,12 @@ c10::intrusive_ptr<c10d::Backend> new_backend(const Dist& dist, const std::strin
                                               const std::string& prefix, milliseconds timeout) {
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, dist.store);
   return make_backend(store, dist.world, dist.world.rank, dist.world.world_size, backend, timeout);
+}
+
+Dist clone_group(const Dist& dist, const std::string& prefix) {
+  Dist g = dist;
+  g.backend = new_backend(dist, dist.backend_name, prefix, dist.timeout);
+  return g;
 }
 
 std::optional<Dist> new_group(const Dist& dist, const std::vector<int>& ranks,

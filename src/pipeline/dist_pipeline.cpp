@@ -134,12 +134,7 @@ class DistPipeline::Transfers {
   Transfers(const Dist& dist, at::Device device) : dist_(dist), dev_(device) {}
   // After a failure mid-step, receives posted ahead are still pending: withdrawn here.
   ~Transfers() {
-    for (auto& p : posted_) {
-      try {
-        p.work->abort();
-      } catch (const std::exception&) {  // a destructor reports nothing
-      }
-    }
+    for (auto& p : posted_) p.work.abort();
   }
   Transfers(const Transfers&) = delete;
   Transfers& operator=(const Transfers&) = delete;
@@ -147,18 +142,17 @@ class DistPipeline::Transfers {
   void send(const at::Tensor& t, int to, int tag) {
     // Sends that completed let go of their tensors (1F1B's memory holds across ranks too).
     size_t done = 0;
-    while (done < sends_.size() && sends_[done]->isCompleted()) {
-      wait_for(sends_[done], "a pipeline send", dist_);  // at once; throws its error, if any
+    while (done < sends_.size() && sends_[done].done()) {
+      sends_[done].wait();  // at once; throws its error, if any
       ++done;
     }
     sends_.erase(sends_.begin(), sends_.begin() + static_cast<std::ptrdiff_t>(done));
     in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
-    in_flight_.push_back({t.contiguous()});
-    sends_.push_back(dist_.backend->send(in_flight_.back(), to, tag));
+    in_flight_.push_back(t.contiguous());
+    sends_.push_back(dist_.isend(in_flight_.back(), to, tag, "a pipeline send"));
   }
   void recv(at::Tensor t, int from, int tag, const std::string& what) {
-    std::vector<at::Tensor> v{t};
-    wait_for(dist_.backend->recv(v, from, tag), what + " from rank " + std::to_string(from), dist_);
+    dist_.recv(t, from, tag, what + " from rank " + std::to_string(from));
   }
   // An activation: its dtype and sizes first (NCCL moves device tensors only: the shape travels
   // on the stage's device there), then the data. `known`: the shape this id had at the last
@@ -231,7 +225,7 @@ class DistPipeline::Transfers {
                   std::to_string(p.tag) + " next, its task reads " + std::to_string(tag));
     }
     posted_.pop_front();
-    wait_for(p.work, what + " from rank " + std::to_string(p.from), dist_);
+    p.work.wait(what + " from rank " + std::to_string(p.from));
     top_up();
     return p.buffer;
   }
@@ -247,7 +241,7 @@ class DistPipeline::Transfers {
   }
 
   void wait() {
-    for (auto& w : sends_) wait_for(w, "a pipeline send", dist_);
+    for (auto& w : sends_) w.wait();
     sends_.clear();
     in_flight_.clear();
   }
@@ -265,19 +259,18 @@ class DistPipeline::Transfers {
       p.buffer = at::empty(
           std::vector<int64_t>(e.shape.begin() + 1, e.shape.end()),
           at::TensorOptions().dtype(static_cast<at::ScalarType>(e.shape[0])).device(dev_));
-      std::vector<at::Tensor> v{p.buffer};
-      p.work = dist_.backend->recv(v, e.from, e.tag);
+      p.work = dist_.irecv(p.buffer, e.from, e.tag);
       posted_.push_back(std::move(p));
     }
   }
   struct Posted {
     int from = 0, tag = 0;
     at::Tensor buffer;
-    c10::intrusive_ptr<c10d::Work> work;
+    Pending work;
   };
 
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
-  std::vector<std::vector<at::Tensor>> in_flight_;  // tensors of pending sends
+  std::vector<Pending> sends_;
+  std::vector<at::Tensor> in_flight_;  // tensors of pending sends
   std::vector<Expected> expected_;
   size_t next_expected_ = 0;
   std::deque<Posted> posted_;
@@ -354,9 +347,7 @@ DistPipeline::Agreed DistPipeline::relay_microbatches(const at::Tensor& input) {
     for (int64_t d = 0; input.defined() && d < input.dim(); ++d) msg[4 + d] = input.size(d);
   } else {
     at::Tensor in = at::empty({kLen}, on);
-    std::vector<at::Tensor> v{in};
-    wait_for(dist_.backend->recv(v, prev, kCountTag),
-             "micro-batch count from rank " + std::to_string(prev), dist_);
+    dist_.recv(in, prev, kCountTag, "micro-batch count from rank " + std::to_string(prev));
     msg = in.cpu();
   }
   const auto key = std::vector<int64_t>(msg.data_ptr<int64_t>() + 2,
@@ -364,17 +355,13 @@ DistPipeline::Agreed DistPipeline::relay_microbatches(const at::Tensor& input) {
   const bool mine = shapes_valid_ && key == shaped_key_ && msg[0].item<int64_t>() == shaped_count_;
   msg[1] = (stage_ == 0 || msg[1].item<int64_t>() == 1) && mine ? 1 : 0;
   if (next >= 0) {
-    std::vector<at::Tensor> v{msg.to(on)};
-    wait_for(dist_.backend->send(v, next, kCountTag), "micro-batch count", dist_);
+    dist_.send(msg.to(on), next, kCountTag, "micro-batch count");
     at::Tensor verdict = at::empty({1}, on);
-    v = {verdict};
-    wait_for(dist_.backend->recv(v, next, kCountTag + 1),
-             "shape verdict from rank " + std::to_string(next), dist_);
+    dist_.recv(verdict, next, kCountTag + 1, "shape verdict from rank " + std::to_string(next));
     msg[1] = verdict.cpu()[0];
   }
   if (prev >= 0) {
-    std::vector<at::Tensor> v{msg.narrow(0, 1, 1).to(on).contiguous()};
-    wait_for(dist_.backend->send(v, prev, kCountTag + 1), "shape verdict", dist_);
+    dist_.send(msg.narrow(0, 1, 1).to(on).contiguous(), prev, kCountTag + 1, "shape verdict");
   }
   return {static_cast<int>(msg[0].item<int64_t>()), msg[1].item<int64_t>() == 1, key};
 }
@@ -413,92 +400,135 @@ std::vector<PipeTask> DistPipeline::my_tasks(int m) const {
   return order;
 }
 
-at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& target,
-                                    const LossFn& loss_fn) {
-  const bool first = stage_ == 0, last = stage_ == num_stages() - 1;
-  const std::vector<at::Tensor> xs = first ? split(input, "input") : std::vector<at::Tensor>{};
-  const Agreed agreed = agree_microbatches(input);
-  const int count = agreed.count;
-  const auto m = static_cast<size_t>(count);
-  // Note [Shapes once]: the same batch shape as the last step's sends no shapes, and receives
-  // are posted ahead (Gloo matches them by tag; NCCL's, in issue order on one stream, would
-  // wait for a receive posted before the send it depends on).
-  const bool reuse = agreed.reuse;
-  const bool post_ahead = reuse && dist_.backend_name != "nccl";
-  shapes_valid_ = false;
-  const std::vector<at::Tensor> ys = last ? split(target, "target") : std::vector<at::Tensor>{};
-  if (last && ys.size() != m) {
-    throw UsageError("rank " + std::to_string(dist_.rank()) +
-                     " (last stage): the batch's target has " + std::to_string(target.size(0)) +
-                     " samples, the input " + std::to_string(m) +
-                     " micro-batches' worth: give both stages the same batch");
+// One training step on this stage: the micro-batches, their tensors per (micro-batch, chunk) at
+// index i·v + c, and the transfers; run() does one task of the stage's column of the schedule.
+class DistPipeline::Step {
+ public:
+  Step(DistPipeline& pipe, const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn)
+      : p_(pipe), loss_fn_(loss_fn), io_(pipe.dist_, pipe.options_.device) {
+    first_ = p_.stage_ == 0;
+    last_ = p_.stage_ == p_.num_stages() - 1;
+    xs_ = first_ ? p_.split(input, "input") : std::vector<at::Tensor>{};
+    agreed_ = p_.agree_microbatches(input);
+    const auto m = static_cast<size_t>(agreed_.count);
+    // Note [Shapes once]: the same batch shape as the last step's sends no shapes, and receives
+    // are posted ahead (Gloo matches them by tag; NCCL's, in issue order on one stream, would
+    // wait for a receive posted before the send it depends on).
+    const bool post_ahead = agreed_.reuse && p_.dist_.backend_name != "nccl";
+    p_.shapes_valid_ = false;
+    ys_ = last_ ? p_.split(target, "target") : std::vector<at::Tensor>{};
+    if (last_ && ys_.size() != m) {
+      throw UsageError("rank " + std::to_string(p_.dist_.rank()) +
+                       " (last stage): the batch's target has " + std::to_string(target.size(0)) +
+                       " samples, the input " + std::to_string(m) +
+                       " micro-batches' worth: give both stages the same batch");
+    }
+    total_ = last_ ? static_cast<double>(target.size(0)) : 0;
+    order_ = p_.my_tasks(agreed_.count);
+    for (const auto& t : order_) {
+      if (!t.forward()) last_backward_ = t.microbatch;
+    }
+    v_ = static_cast<size_t>(p_.num_chunks());
+    inputs_.resize(m * v_);
+    outputs_.resize(m * v_);
+    losses_.resize(m);
+    // Zero bubble H1 (one chunk): the backward split into I and W (Note [Split backward]).
+    split_ = p_.options_.schedule == PipelineSchedule::kZeroBubbleH1;
+    if (split_) halves_.emplace(p_.stage_module_);
+    graphs_.resize(m);
+    if (post_ahead) io_.expect(p_.expected_receives(order_));
   }
-  const double total = last ? static_cast<double>(target.size(0)) : 0;
-  const auto order = my_tasks(count);
-  int last_backward = -1;  // the micro-batch whose backward averages gradients (grids)
-  for (const auto& t : order) {
-    if (!t.forward()) last_backward = t.microbatch;
-  }
-  // Per (micro-batch, chunk): index i·v + c.
-  const auto v = static_cast<size_t>(num_chunks());
-  std::vector<at::Tensor> inputs(m * v), outputs(m * v), losses(m);
-  // Zero bubble H1 (one chunk): the backward split into I and W (Note [Split backward]).
-  const bool split = options_.schedule == PipelineSchedule::kZeroBubbleH1;
-  std::optional<SplitStage> halves;
-  if (split) halves.emplace(stage_module_);
-  std::vector<SplitStage::Graphs> graphs(m);
-  Transfers io(dist_, options_.device);
-  if (post_ahead) io.expect(expected_receives(order));
-  // The gradient of output k (micro-batch i, chunk c), from the next stage.
-  auto receive_gradient = [&](int i, int c, const at::Tensor& output) {
-    const int tag = gradient_tag(output_id(i, c));
-    if (auto g = io.posted(tag, "gradient of " + which(i, c))) return *g;
-    at::Tensor grad = gradient_buffer(output);
-    io.recv(grad, next_rank(), tag, "gradient of " + which(i, c));
-    return grad;
-  };
-  for (const auto& t : order) {
+
+  const std::vector<PipeTask>& order() const { return order_; }
+
+  void run(const PipeTask& t) {
     const int i = t.microbatch, c = t.chunk;
     const auto ui = static_cast<size_t>(i);
-    const size_t k = ui * v + static_cast<size_t>(c);
+    const size_t k = ui * v_ + static_cast<size_t>(c);
     if (t.forward()) {
-      inputs[k] = first_of_model(c) ? xs[ui].to(options_.device)
-                                    : io.recv_activation(previous_rank(), input_id(i, c),
-                                                         which(i, c), &received_shapes_, reuse)
-                                          .requires_grad_(true);
-      outputs[k] = split ? halves->forward(inputs[k], graphs[ui])
-                         : chunks_[static_cast<size_t>(c)]->forward(inputs[k]);
-      if (last_of_model(c)) {
-        const double share = static_cast<double>(ys[ui].size(0)) / total;
-        losses[ui] = loss_fn(outputs[k], ys[ui].to(options_.device)) * share;
-        if (split) graphs[ui].back().out = losses[ui];
-      } else {
-        io.send_activation(outputs[k], next_rank(), output_id(i, c), &sent_shapes_, reuse);
-      }
+      forward(i, c, k);
     } else if (t.pass == Pass::kInputGrad) {
       at::Tensor grad =
-          last_of_model(c) ? at::ones_like(losses[ui]) : receive_gradient(i, c, outputs[k]);
-      at::Tensor input_grad = halves->input_gradient(graphs[ui], grad);
-      if (!first_of_model(c)) io.send(input_grad, previous_rank(), gradient_tag(input_id(i, c)));
-      outputs[k] = inputs[k] = at::Tensor();
+          p_.last_of_model(c) ? at::ones_like(losses_[ui]) : receive_gradient(i, c, outputs_[k]);
+      at::Tensor input_grad = halves_->input_gradient(graphs_[ui], grad);
+      if (!p_.first_of_model(c)) {
+        io_.send(input_grad, p_.previous_rank(), gradient_tag(p_.input_id(i, c)));
+      }
+      outputs_[k] = inputs_[k] = at::Tensor();
     } else if (t.pass == Pass::kWeightGrad) {
-      halves->weight_gradient(graphs[ui]);
+      halves_->weight_gradient(graphs_[ui]);
     } else {
-      backward(io, i, c, i == last_backward, inputs[k], outputs[k], losses[ui],
-               last_of_model(c) ? at::Tensor() : receive_gradient(i, c, outputs[k]));
-      outputs[k] = inputs[k] = at::Tensor();
+      p_.backward(io_, i, c, i == last_backward_, inputs_[k], outputs_[k], losses_[ui],
+                  p_.last_of_model(c) ? at::Tensor() : receive_gradient(i, c, outputs_[k]));
+      outputs_[k] = inputs_[k] = at::Tensor();
     }
   }
-  io.wait();
-  io.check_all_received();
-  shape_messages_ += io.shapes_sent;
-  shaped_count_ = count;
-  shaped_key_ = agreed.key;
-  shapes_valid_ = true;
-  if (!last) return {};
-  at::Tensor sum = losses[0].detach().cpu();
-  for (size_t i = 1; i < losses.size(); ++i) sum = sum + losses[i].detach().cpu();
-  return sum;
+
+  // After the last task: the sends are done, the shapes recorded; the loss on the last stage.
+  at::Tensor finish() {
+    io_.wait();
+    io_.check_all_received();
+    p_.shape_messages_ += io_.shapes_sent;
+    p_.shaped_count_ = agreed_.count;
+    p_.shaped_key_ = agreed_.key;
+    p_.shapes_valid_ = true;
+    if (!last_) return {};
+    at::Tensor sum = losses_[0].detach().cpu();
+    for (size_t i = 1; i < losses_.size(); ++i) sum = sum + losses_[i].detach().cpu();
+    return sum;
+  }
+
+ private:
+  void forward(int i, int c, size_t k) {
+    const auto ui = static_cast<size_t>(i);
+    const auto& device = p_.options_.device;
+    inputs_[k] = p_.first_of_model(c)
+                     ? xs_[ui].to(device)
+                     : io_.recv_activation(p_.previous_rank(), p_.input_id(i, c), p_.which(i, c),
+                                           &p_.received_shapes_, agreed_.reuse)
+                           .requires_grad_(true);
+    outputs_[k] = split_ ? halves_->forward(inputs_[k], graphs_[ui])
+                         : p_.chunks_[static_cast<size_t>(c)]->forward(inputs_[k]);
+    if (p_.last_of_model(c)) {
+      const double share = static_cast<double>(ys_[ui].size(0)) / total_;
+      losses_[ui] = loss_fn_(outputs_[k], ys_[ui].to(device)) * share;
+      if (split_) graphs_[ui].back().out = losses_[ui];
+    } else {
+      io_.send_activation(outputs_[k], p_.next_rank(), p_.output_id(i, c), &p_.sent_shapes_,
+                          agreed_.reuse);
+    }
+  }
+
+  // The gradient of output k (micro-batch i, chunk c), from the next stage.
+  at::Tensor receive_gradient(int i, int c, const at::Tensor& output) {
+    const int tag = gradient_tag(p_.output_id(i, c));
+    if (auto g = io_.posted(tag, "gradient of " + p_.which(i, c))) return *g;
+    at::Tensor grad = gradient_buffer(output);
+    io_.recv(grad, p_.next_rank(), tag, "gradient of " + p_.which(i, c));
+    return grad;
+  }
+
+  DistPipeline& p_;
+  const LossFn& loss_fn_;
+  Transfers io_;
+  bool first_ = false, last_ = false;
+  std::vector<at::Tensor> xs_, ys_;
+  Agreed agreed_;
+  double total_ = 0;
+  std::vector<PipeTask> order_;
+  int last_backward_ = -1;  // the micro-batch whose backward averages gradients (grids)
+  size_t v_ = 1;
+  std::vector<at::Tensor> inputs_, outputs_, losses_;
+  bool split_ = false;
+  std::optional<SplitStage> halves_;
+  std::vector<SplitStage::Graphs> graphs_;
+};
+
+at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& target,
+                                    const LossFn& loss_fn) {
+  Step step(*this, input, target, loss_fn);
+  for (const auto& t : step.order()) step.run(t);
+  return step.finish();
 }
 
 void DistPipeline::backward(Transfers& io, int microbatch, int chunk, bool averages,

@@ -172,7 +172,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                   std::to_string(ignore_index) + ")");
     }
     at::Tensor m = std::get<0>(z.detach().max(-1)).contiguous();
-    if (g.size() > 1) g.all_reduce(m, c10d::ReduceOp::MAX);
+    if (g.size() > 1) g.all_reduce(m, ReduceOp::MAX);
     auto shifted = z - m.unsqueeze(1);
     auto e = shifted.exp();
     at::Tensor sum = e.sum(-1).contiguous();

@@ -110,7 +110,7 @@ class GridStrategy : public TrainStrategy {
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
     auto ok = at::full({1}, TrainStrategy::gradients_finite() ? 1.0f : 0.0f).to(dev_);
-    dist_.all_reduce(ok, c10d::ReduceOp::MIN);
+    dist_.all_reduce(ok, ReduceOp::MIN);
     return ok.item<float>() == 1.0f;
   }
 
@@ -140,28 +140,21 @@ class GridStrategy : public TrainStrategy {
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
     if (replica_ != 0) return nullptr;
-    std::vector<at::Tensor> v;
     if (stage_ == 0) {
       state.tensors[optimizer_key(0)] = bytes_of(opt);
       for (int s = 1; s < stages_; ++s) {
         auto size = at::empty({1}, at::kLong);
-        v = {size};
-        wait_for(dist_.backend->recv(v, s, kOptimizerTag),
-                 "optimizer size of stage " + std::to_string(s), dist_);
+        dist_.recv(size, s, kOptimizerTag, "optimizer size of stage " + std::to_string(s));
         auto bytes = at::empty({size.item<int64_t>()}, at::kByte);
-        v = {bytes};
-        wait_for(dist_.backend->recv(v, s, kOptimizerTag + 1),
-                 "optimizer of stage " + std::to_string(s), dist_);
+        dist_.recv(bytes, s, kOptimizerTag + 1, "optimizer of stage " + std::to_string(s));
         state.tensors[optimizer_key(s)] = bytes;
       }
       state.values["grid/stages"] = layout();
     } else {
       auto bytes = bytes_of(opt);
       auto size = at::full({1}, bytes.numel(), at::kLong);
-      v = {size};
-      wait_for(dist_.backend->send(v, 0, kOptimizerTag), "optimizer size to rank 0", dist_);
-      v = {bytes};
-      wait_for(dist_.backend->send(v, 0, kOptimizerTag + 1), "optimizer to rank 0", dist_);
+      dist_.send(size, 0, kOptimizerTag, "optimizer size to rank 0");
+      dist_.send(bytes, 0, kOptimizerTag + 1, "optimizer to rank 0");
     }
     return nullptr;  // the stages' states travel in `state`
   }

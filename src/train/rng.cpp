@@ -67,14 +67,14 @@ uint64_t rank_seed(uint64_t seed, int rank) {
 }
 
 std::map<std::string, at::Tensor> gather_rng_states(const Dist& dist, at::Device via) {
-  if (!dist.backend) {
+  if (!dist.joined()) {
     throw UsageError("gather_rng_states: the Dist is not joined; call init_process_group()");
   }
   const at::Tensor mine = pack(rng_state()).to(via);
   // Ranks may see different numbers of GPUs: agree on a length first, pad to it.
   auto length = at::zeros({1}, at::TensorOptions(at::kDouble).device(via));
   length.fill_(static_cast<double>(mine.numel()));
-  dist.all_reduce(length, c10d::ReduceOp::MAX);
+  dist.all_reduce(length, ReduceOp::MAX);
   auto padded = at::zeros({static_cast<int64_t>(length.item<double>())}, mine.options());
   padded.slice(0, 0, mine.numel()).copy_(mine);
   std::map<std::string, at::Tensor> out;

@@ -84,52 +84,72 @@ void validate_devices(const TrainerOptions& o) {
 
 }  // namespace
 
-void validate_strategy(const TrainerOptions& o, int world) {
-  const std::string name = to_string(o.strategy);
-  const bool ddp = o.strategy == Strategy::kDDP, dp = o.strategy == Strategy::kDataParallel,
-             pipeline = o.strategy == Strategy::kPipeline, grid = o.strategy == Strategy::kGrid;
-  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
-                    o.strategy == Strategy::kFsdp;
-  if ((dp || pipeline) && world != 1) {
-    refuse("--strategy " + name + " runs in one process (its devices are threads of it), and " +
+namespace {
+
+// Which family a strategy is of: what its options may hold.
+struct Family {
+  explicit Family(Strategy s)
+      : name(to_string(s)),
+        ddp(s == Strategy::kDDP),
+        dp(s == Strategy::kDataParallel),
+        pipeline(s == Strategy::kPipeline),
+        grid(s == Strategy::kGrid),
+        zero(s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp) {}
+  std::string name;
+  bool ddp, dp, pipeline, grid, zero;
+};
+
+// The processes and devices the strategy runs on.
+void validate_placement(const TrainerOptions& o, const Family& f, int world) {
+  if ((f.dp || f.pipeline) && world != 1) {
+    refuse("--strategy " + f.name + " runs in one process (its devices are threads of it), and " +
            std::to_string(world) +
            " processes were started: start one (--nproc-per-node 1), or train with ddp or grid "
            "across processes");
   }
-  if ((ddp || grid || zero) && !o.devices.empty()) {
-    refuse("--devices is for dp and pipeline; --strategy " + name +
+  if ((f.ddp || f.grid || f.zero) && !o.devices.empty()) {
+    refuse("--devices is for dp and pipeline; --strategy " + f.name +
            " runs one device per process (--device)");
   }
   validate_devices(o);
-  if (pipeline && !o.devices.empty() && o.devices.size() < 2) {
+  if (f.pipeline && !o.devices.empty() && o.devices.size() < 2) {
     refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
   }
-  if ((ddp || dp || zero) &&
+}
+
+// Options that belong to some strategies only: pipeline options, --amp, --uneven-inputs, the
+// sharded checkpoint format.
+void validate_strategy_options(const TrainerOptions& o, const Family& f) {
+  if ((f.ddp || f.dp || f.zero) &&
       (o.chunks > 0 || o.split_size > 0 || o.balance != "auto" ||
        o.schedule != PipelineSchedule::kGPipe || o.checkpointing != PipelineCheckpoint::kNever)) {
     refuse(
         "--chunks, --split-size, --balance, --schedule and --checkpoint-activations are for "
         "the pipeline strategies (pipeline, grid), not --strategy " +
-        name);
+        f.name);
   }
-  if (zero && o.amp == "fp16") {
+  if (f.zero && o.amp == "fp16") {
     refuse(
         "--amp fp16 needs loss scaling, which the sharded strategies do not do; use --amp bf16 "
         "(bf16 parameters over fp32 master shards) with --strategy " +
-        name);
-  } else if (!ddp && !zero && o.amp != "none") {
+        f.name);
+  } else if (!f.ddp && !f.zero && o.amp != "none") {
     refuse("--amp " + o.amp +
            " runs with --strategy ddp (autocast) and zero1, zero2, fsdp (bf16 parameters), not " +
-           name +
-           (grid ? std::string(" (a grid's pipeline does not run under autocast yet)")
-                 : std::string(" (dp's replicas and a pipeline's stages run on threads of their "
-                               "own, which autocast does not reach yet)")));
+           f.name +
+           (f.grid ? std::string(" (a grid's pipeline does not run under autocast yet)")
+                   : std::string(" (dp's replicas and a pipeline's stages run on threads of "
+                                 "their own, which autocast does not reach yet)")));
   }
-  if (!ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
-  if (!zero && o.checkpoint_format == CheckpointFormat::kSharded) {
+  if (!f.ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
+  if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {
     refuse("--checkpoint-format sharded is for the sharded strategies (zero1, zero2, fsdp), not " +
-           name + "; its checkpoints are one file (--checkpoint-format full)");
+           f.name + "; its checkpoints are one file (--checkpoint-format full)");
   }
+}
+
+// --stages-per-device and the interleaved schedule, which go together.
+void validate_interleaving(const TrainerOptions& o, const Family& f) {
   if (o.stages_per_device < 1) {
     refuse("--stages-per-device " + std::to_string(o.stages_per_device) + " must be at least 1");
   }
@@ -139,63 +159,78 @@ void validate_strategy(const TrainerOptions& o, int world) {
         "needs at least 2 stages per device, and more than one stage per device is "
         "interleaving");
   }
-  if (o.schedule == PipelineSchedule::kInterleaved1F1B) {
-    if (!pipeline && !grid) {
-      refuse("--schedule interleaved runs in the pipeline strategies (pipeline, grid), not " +
-             name);
-    }
-    if (o.split_size > 0) {
-      refuse(
-          "--schedule interleaved takes --chunks (a multiple of the devices), not "
-          "--split-size");
-    }
-    const auto devices = grid ? o.pipeline_stages : static_cast<int>(o.devices.size());
-    if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
-      refuse("--schedule interleaved runs micro-batches in rounds of one per device: --chunks " +
-             std::to_string(o.chunks) + " on " + std::to_string(devices) +
-             " devices; use a multiple of " + std::to_string(devices));
-    }
+  if (o.schedule != PipelineSchedule::kInterleaved1F1B) return;
+  if (!f.pipeline && !f.grid) {
+    refuse("--schedule interleaved runs in the pipeline strategies (pipeline, grid), not " +
+           f.name);
   }
-  if (grid) {
-    if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
-      refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +
-             std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
-             " stages; e.g. 4 processes = 2 replicas x 2 stages");
-    }
-    if (world > o.pipeline_stages && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
-                                      o.schedule == PipelineSchedule::kInterleaved1F1B)) {
-      refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
-                                                                       : "--schedule interleaved") +
-             " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
-             std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
-             "): the replicas of a grid average their stages with DDP, which takes gpipe or "
-             "1f1b");
-    }
-    if (o.split_size > 0 || o.checkpointing != PipelineCheckpoint::kNever) {
-      refuse(
-          "--split-size and --checkpoint-activations are for --strategy pipeline; a grid's "
-          "stages take --chunks");
-    }
-  } else if (o.pipeline_stages != 2) {
-    refuse("--pipeline-stages is for --strategy grid");
+  if (o.split_size > 0) {
+    refuse(
+        "--schedule interleaved takes --chunks (a multiple of the devices), not "
+        "--split-size");
   }
-  if (pipeline || grid) {
-    const auto stages = (grid ? static_cast<size_t>(o.pipeline_stages)
+  const auto devices = f.grid ? o.pipeline_stages : static_cast<int>(o.devices.size());
+  if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
+    refuse("--schedule interleaved runs micro-batches in rounds of one per device: --chunks " +
+           std::to_string(o.chunks) + " on " + std::to_string(devices) +
+           " devices; use a multiple of " + std::to_string(devices));
+  }
+}
+
+// A grid's stages over the world; --pipeline-stages is the grid's alone.
+void validate_grid(const TrainerOptions& o, const Family& f, int world) {
+  if (!f.grid) {
+    if (o.pipeline_stages != 2) refuse("--pipeline-stages is for --strategy grid");
+    return;
+  }
+  if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
+    refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +
+           std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
+           " stages; e.g. 4 processes = 2 replicas x 2 stages");
+  }
+  if (world > o.pipeline_stages && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
+                                    o.schedule == PipelineSchedule::kInterleaved1F1B)) {
+    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
+                                                                     : "--schedule interleaved") +
+           " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
+           std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
+           "): the replicas of a grid average their stages with DDP, which takes gpipe or "
+           "1f1b");
+  }
+  if (o.split_size > 0 || o.checkpointing != PipelineCheckpoint::kNever) {
+    refuse(
+        "--split-size and --checkpoint-activations are for --strategy pipeline; a grid's "
+        "stages take --chunks");
+  }
+}
+
+// A --balance list gives one number per stage.
+void validate_balance(const TrainerOptions& o, const Family& f) {
+  if (!f.pipeline && !f.grid) return;
+  const auto stages = (f.grid ? static_cast<size_t>(o.pipeline_stages)
                               : (o.devices.empty() ? size_t{2} : o.devices.size())) *
-                        static_cast<size_t>(std::max(o.stages_per_device, 1));
-    if (o.balance != "auto" && o.balance != "time" && o.balance != "size") {
-      const auto parts =
-          static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;
-      if (parts != stages) {
-        refuse("--balance '" + o.balance + "' gives " + std::to_string(parts) + " stages; the " +
-               "pipeline has " + std::to_string(stages) + " (give auto, time, size or N,M,...)");
-      }
-    }
+                      static_cast<size_t>(std::max(o.stages_per_device, 1));
+  if (o.balance == "auto" || o.balance == "time" || o.balance == "size") return;
+  const auto parts = static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;
+  if (parts != stages) {
+    refuse("--balance '" + o.balance + "' gives " + std::to_string(parts) + " stages; the " +
+           "pipeline has " + std::to_string(stages) + " (give auto, time, size or N,M,...)");
   }
+}
+
+}  // namespace
+
+void validate_strategy(const TrainerOptions& o, int world) {
+  const Family f(o.strategy);
+  validate_placement(o, f, world);
+  validate_strategy_options(o, f);
+  validate_interleaving(o, f);
+  validate_grid(o, f, world);
+  validate_balance(o, f);
   const int n = replicas(o, world);
   if (o.batch_size < n || o.batch_size % n != 0) {
     refuse("--batch-size " + std::to_string(o.batch_size) + " does not split evenly over the " +
-           std::to_string(n) + " data-parallel replica(s) of --strategy " + name +
+           std::to_string(n) + " data-parallel replica(s) of --strategy " + f.name +
            "; use a multiple of " + std::to_string(n));
   }
 }

@@ -53,7 +53,7 @@ class ZeroStrategy : public TrainStrategy {
   bool gradients_finite() override {
     auto finite = at::full({1}, TrainStrategy::gradients_finite() ? 1.0 : 0.0,
                            at::TensorOptions().device(dev_));
-    dist_.all_reduce(finite, c10d::ReduceOp::MIN);
+    dist_.all_reduce(finite, ReduceOp::MIN);
     return finite.item<double>() > 0.5;
   }
   // Each rank holds its shards' gradients (zero padding adds nothing): their sum over the world.
@@ -95,7 +95,7 @@ class ZeroStrategy : public TrainStrategy {
   bool weights_finite() override {
     auto finite = at::full({1}, all_finite(zero_->parameters()) ? 1.0 : 0.0,
                            at::TensorOptions().device(dev_));
-    dist_.all_reduce(finite, c10d::ReduceOp::MIN);
+    dist_.all_reduce(finite, ReduceOp::MIN);
     return finite.item<double>() > 0.5;
   }
   std::vector<DeviceReport> devices() const override {

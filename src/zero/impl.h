@@ -5,6 +5,7 @@
 #include <torch/nn/modules/container/any.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,9 +27,9 @@ struct ShardedDataParallel::Impl {
     bool carry = false;    // stage 1: the buffer holds a reduction's result (Note [Stage 1
                            // accumulation]) that the next backward must carry on from
     bool gathered = true;
-    c10::intrusive_ptr<c10d::Work> gather_work;  // a gather in flight (stage 3 prefetch)
+    Pending gather_work;  // a gather in flight (stage 3 prefetch)
     at::Tensor gather_input;
-    c10::intrusive_ptr<c10d::Work> reduce_work;
+    Pending reduce_work;
     at::Tensor reduce_input, reduce_output;
     int64_t shard_version = 0;  // the shard's version counter when last gathered (stages 1, 2)
     at::Tensor master_full;     // mixed precision: the master values, gathered for the module
@@ -48,6 +49,8 @@ struct ShardedDataParallel::Impl {
   void remove_hooks();
   void before_gradient(size_t param);
   std::string who() const;  // "rank r: ShardedDataParallel: ", for errors
+  /// Each parameter's name, master dtype and sizes, one line each (checkpoints compare them).
+  std::vector<std::string> described_params() const;
 
   // Gathering (stage 3: into freshly allocated storage; stages 1, 2: into the flat buffer).
   void start_gather(size_t u);
@@ -86,10 +89,10 @@ struct ShardedDataParallel::Impl {
   std::vector<int64_t> offset_of;  // parameter -> its first element in its unit
   std::vector<bool> arrived;       // parameter got its gradient in this backward
   std::vector<Unit> units;
-  std::vector<torch::nn::AnyModule> blocks;  // stage 3 (and any chain): the chain's blocks
-  size_t next_reduce = 0;                    // units are reduced last to first, in order
-  std::vector<size_t> in_flight;             // launched, not finished
-  c10::intrusive_ptr<c10d::Backend> gather_pg, reduce_pg;  // null for a world of one
+  std::vector<torch::nn::AnyModule> blocks;        // stage 3 (and any chain): the chain's blocks
+  size_t next_reduce = 0;                          // units are reduced last to first, in order
+  std::vector<size_t> in_flight;                   // launched, not finished
+  std::optional<Dist> gather_group, reduce_group;  // none for a world of one
   // The same-machine path for float32 CPU units (null where any rank cannot map the segment).
   std::unique_ptr<Collectives> gather_shm, reduce_shm;
   bool shm(const std::unique_ptr<Collectives>& c, const at::Tensor& t) const {

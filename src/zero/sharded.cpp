@@ -171,7 +171,7 @@ void ShardedDataParallel::Impl::check_and_synchronise() {
                      " (buffers in another dtype than their layer's weights break batch norm)");
   }
   instance =
-      static_cast<int>(dist.store->add("scaletrain/zero/instances/" + std::to_string(rank), 1));
+      static_cast<int>(dist.store_add("scaletrain/zero/instances/" + std::to_string(rank), 1));
   verify_same_model(dist, described, "zero", instance);
   broadcast_coalesced(dist, params, "the parameters");
   auto buffers = owner.module_->buffers();
@@ -279,15 +279,12 @@ void ShardedDataParallel::Impl::make_buffers() {
 void ShardedDataParallel::Impl::open_groups() {
   if (world == 1) return;
   const auto prefix = "scaletrain/zero/" + std::to_string(instance) + "/";
-  gather_pg = new_backend(dist, dist.backend_name, prefix + "gather", dist.timeout);
-  reduce_pg = new_backend(dist, dist.backend_name, prefix + "reduce", dist.timeout);
+  gather_group = clone_group(dist, prefix + "gather");
+  reduce_group = clone_group(dist, prefix + "reduce");
   if (!opts.shared_memory) return;
   // Each segment falls back on its own group, so the two never interleave.
-  Dist g = dist, r = dist;
-  g.backend = gather_pg;
-  r.backend = reduce_pg;
-  gather_shm = make_collectives(g, {}, prefix + "gather-shm");
-  reduce_shm = make_collectives(r, {}, prefix + "reduce-shm");
+  gather_shm = make_collectives(*gather_group, {}, prefix + "gather-shm");
+  reduce_shm = make_collectives(*reduce_group, {}, prefix + "reduce-shm");
   if (!gather_shm->shared_memory() || !reduce_shm->shared_memory()) {
     gather_shm.reset();
     reduce_shm.reset();
@@ -361,8 +358,8 @@ ShardedDataParallel::Impl::~Impl() {
   remove_hooks();
   for (auto& u : units) {
     try {
-      if (u.gather_work) u.gather_work->wait();
-      if (u.reduce_work) u.reduce_work->wait();
+      u.gather_work.wait();
+      u.reduce_work.wait();
     } catch (const std::exception&) {  // a destructor reports nothing; the next collective will
     }
   }
@@ -389,13 +386,16 @@ void ShardedDataParallel::Impl::start_gather(size_t u) {
   if (unit.gathered || unit.gather_work) return;
   allocate(u);
   const auto& shard = owner.shards_[u];
-  if (!gather_pg || shm(gather_shm, shard)) {
+  if (!gather_group || shm(gather_shm, shard)) {
     gather_sync(u, unit.full);
     unit.gathered = true;
     return;
   }
   unit.gather_input = compute_copy(shard);
-  unit.gather_work = gather_pg->_allgather_base(unit.full, unit.gather_input);
+  unit.gather_work = gather_group->all_gather_into_tensor_async(
+      unit.full, unit.gather_input,
+      "all-gather of unit " + std::to_string(u) + "'s parameters (" +
+          mb(unit.padded * unit.full.element_size()) + ")");
 }
 
 // Every rank's current shard of unit u into `out` ([padded]; the compute copies or the master
@@ -404,7 +404,7 @@ void ShardedDataParallel::Impl::gather_sync(size_t u, at::Tensor out) {
   auto& unit = units[u];
   at::NoGradGuard no_grad;
   const auto shard = owner.shards_[u].detach();
-  if (!gather_pg) {  // a world of one: the shard is the whole unit
+  if (!gather_group) {  // a world of one: the shard is the whole unit
     out.copy_(shard);
     return;
   }
@@ -418,24 +418,20 @@ void ShardedDataParallel::Impl::gather_sync(size_t u, at::Tensor out) {
     const auto mine = shard.storage().is_alias_of(sum.storage()) ? shard.clone() : shard;
     sum.zero_();
     sum.narrow(0, rank * unit.shard_numel, unit.shard_numel).copy_(mine);
-    if (auto work = gather_shm->all_reduce_sum(sum, what)) wait_for(work, what, dist);
+    gather_shm->all_reduce_sum(sum, what).wait();
     if (!direct) out.copy_(sum);
     return;
   }
   auto input = shard.to(out.scalar_type());
   if (input.storage().is_alias_of(out.storage())) input = input.clone();
-  wait_for(gather_pg->_allgather_base(out, input), what, dist);
+  gather_group->all_gather_into_tensor_async(out, input, what).wait();
 }
 
 void ShardedDataParallel::Impl::ensure_gathered(size_t u) {
   start_gather(u);
   auto& unit = units[u];
   if (unit.gather_work) {
-    wait_for(unit.gather_work,
-             "all-gather of unit " + std::to_string(u) + "'s parameters (" +
-                 mb(unit.padded * unit.full.element_size()) + ")",
-             dist);
-    unit.gather_work.reset();
+    unit.gather_work.wait();
     unit.gather_input.reset();
   }
   unit.gathered = true;
@@ -454,7 +450,7 @@ void ShardedDataParallel::Impl::free_unit(size_t u) {
 void ShardedDataParallel::Impl::gather_all() {
   use_compute_copies();
   for (size_t u = 0; u < units.size(); ++u) {
-    if (gather_pg || mixed) gather_sync(u, units[u].full);
+    if (gather_group || mixed) gather_sync(u, units[u].full);
     units[u].shard_version = owner.shards_[u]._version();
   }
   if (opts.stage == 1) {
@@ -566,16 +562,16 @@ void ShardedDataParallel::Impl::launch_ready() {
 void ShardedDataParallel::Impl::launch_reduce(size_t u) {
   auto& unit = units[u];
   unit.reduce_input = opts.reduce_dtype ? unit.grad_full.to(*opts.reduce_dtype) : unit.grad_full;
-  if (reduce_pg && shm(reduce_shm, unit.reduce_input)) {
+  if (reduce_group && shm(reduce_shm, unit.reduce_input)) {
     // In place, also stage 1's buffer (Note [Stage 1 accumulation]).
     const auto what = "reduce of unit " + std::to_string(u) + "'s gradients";
-    if (auto work = reduce_shm->all_reduce_sum(unit.reduce_input, what)) wait_for(work, what, dist);
+    reduce_shm->all_reduce_sum(unit.reduce_input, what).wait();
     unit.reduce_output = unit.reduce_input.narrow(0, rank * unit.shard_numel, unit.shard_numel);
-  } else if (reduce_pg) {
+  } else if (reduce_group) {
     unit.reduce_output = at::empty({unit.shard_numel}, unit.reduce_input.options());
-    c10d::ReduceScatterOptions ro;
-    ro.reduceOp = c10d::ReduceOp::SUM;
-    unit.reduce_work = reduce_pg->_reduce_scatter_base(unit.reduce_output, unit.reduce_input, ro);
+    unit.reduce_work = reduce_group->reduce_scatter_tensor_async(
+        unit.reduce_output, unit.reduce_input, ReduceOp::SUM,
+        "reduce-scatter of unit " + std::to_string(u) + "'s gradients");
   } else {
     unit.reduce_output = unit.reduce_input;
   }
@@ -588,11 +584,7 @@ void ShardedDataParallel::Impl::launch_reduce(size_t u) {
 
 void ShardedDataParallel::Impl::finish_reduce(size_t u) {
   auto& unit = units[u];
-  if (unit.reduce_work) {
-    wait_for(unit.reduce_work, "reduce-scatter of unit " + std::to_string(u) + "'s gradients",
-             dist);
-    unit.reduce_work.reset();
-  }
+  unit.reduce_work.wait();
   at::NoGradGuard no_grad;
   auto g = unit.reduce_output.to(master_dtype);
   if (world > 1) g.div_(world);

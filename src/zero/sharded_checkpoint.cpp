@@ -172,12 +172,8 @@ std::string ShardedDataParallel::save(const std::string& dir, const TrainingStat
   s.model_name = kShardModel;
   s.values["zero/world"] = std::to_string(dist_.size());
   s.values["zero/optimizer"] = kind;
-  std::vector<std::string> described, units;
-  for (size_t i = 0; i < impl_->params.size(); ++i) {
-    described.push_back(  // the masters' dtype, whatever the module computes in
-        describe_param(impl_->names[i], impl_->master_dtype, impl_->params[i].sizes()));
-  }
-  s.values["zero/params"] = join(described);
+  std::vector<std::string> units;
+  s.values["zero/params"] = join(impl_->described_params());
   for (size_t u = 0; u < plan_.size(); ++u) {
     units.push_back(std::to_string(plan_[u].numel));
     const auto& shard = shards_[u];
@@ -195,23 +191,136 @@ std::string ShardedDataParallel::save(const std::string& dir, const TrainingStat
   return path;
 }
 
-TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_step,
-                                        torch::optim::Optimizer& opt, bool reshard) {
-  const std::string who = "rank " + std::to_string(dist_.rank()) + ": ";
+namespace {
+
+// Every state kind ("param", "exp_avg"...) of every unit of this rank, and the optimizer's step.
+struct Pieces {
+  std::map<std::string, std::vector<at::Tensor>> of;  // kind -> per unit of this rank
+  int64_t step = 0;
+};
+
+// The world whose files load(): this world's own layout if it saved the step, else the largest
+// world that did (which needs `reshard`).
+int world_to_load(const std::string& dir, int64_t global_step, int world, bool reshard,
+                  const std::string& who) {
   auto worlds = complete_worlds(dir, global_step);
   if (worlds.empty()) {
     throw Error(who + "no complete sharded checkpoint of step " + std::to_string(global_step) +
                 " in '" + dir + "' (every rank's " + dir + "/world-N/rank-R/ckpt-" +
                 std::to_string(global_step) + ".st, sound and of one run)");
   }
-  // Prefer this world's own layout; else the largest world that saved it.
   int saved = *std::max_element(worlds.begin(), worlds.end());
-  if (std::find(worlds.begin(), worlds.end(), dist_.size()) != worlds.end()) saved = dist_.size();
-  if (saved != dist_.size() && !reshard) {
+  if (std::find(worlds.begin(), worlds.end(), world) != worlds.end()) saved = world;
+  if (saved != world && !reshard) {
     throw UsageError(who + "the checkpoint of step " + std::to_string(global_step) + " in '" + dir +
                      "' was saved by " + std::to_string(saved) + " ranks, this world has " +
-                     std::to_string(dist_.size()) + "; load it with reshard = true");
+                     std::to_string(world) + "; load it with reshard = true");
   }
+  return saved;
+}
+
+// The saved file is of the same model (`described`, parameter by parameter) and optimizer.
+void check_same_model(const TrainingState& file, const std::string& path,
+                      const std::vector<std::string>& described, const std::string& optimizer,
+                      const std::string& who) {
+  const auto theirs = lines_of(value_of(file, "zero/params", path));
+  for (size_t i = 0; i < std::max(theirs.size(), described.size()); ++i) {
+    const auto a = i < theirs.size() ? theirs[i] : "(none)";
+    const auto b = i < described.size() ? described[i] : "(none)";
+    if (a == b) continue;
+    throw UsageError(who + "sharded checkpoint '" + path + "' is of another model: parameter #" +
+                     std::to_string(i) + " is '" + a + "' there and '" + b + "' here");
+  }
+  const auto kind = value_of(file, "zero/optimizer", path);
+  if (kind != optimizer) {
+    throw UsageError(who + "sharded checkpoint '" + path + "' holds the state of a '" + kind +
+                     "' optimizer, not of a '" + optimizer + "' one");
+  }
+}
+
+// Same world, same layout: this rank's own file holds its units as they are.
+Pieces own_pieces(const TrainingState& file, size_t units) {
+  Pieces p;
+  for (size_t u = 0; u < units; ++u) {
+    const auto prefix = "zero/unit" + std::to_string(u) + "/";
+    for (auto& [key, t] : file.tensors) {
+      if (key.rfind(prefix, 0) == 0) p.of[key.substr(prefix.size())].push_back(t);
+    }
+    auto it = file.values.find(prefix + "step");
+    if (it != file.values.end()) p.step = std::stoll(it->second);
+  }
+  return p;
+}
+
+// Resharding: every saved rank's `files`, their units' slices without padding back to back (the
+// model's values flat in parameter order), cut into this rank's units.
+Pieces resharded_pieces(const std::vector<TrainingState>& files,
+                        const std::vector<std::string>& paths, const std::vector<UnitRange>& plan,
+                        int rank, int world, const std::string& who) {
+  std::vector<int64_t> saved_units;
+  for (auto& l : lines_of(value_of(files[0], "zero/units", paths[0]))) {
+    saved_units.push_back(std::stoll(l));
+  }
+  for (size_t f = 1; f < files.size(); ++f) {
+    if (value_of(files[f], "zero/units", paths[f]) != value_of(files[0], "zero/units", paths[0]) ||
+        files[f].run_id != files[0].run_id) {
+      throw Error(who + "shard '" + paths[f] + "' does not belong with '" + paths[0] +
+                  "' (another run or another layout)");
+    }
+  }
+  Pieces p;
+  std::set<std::string> kinds;
+  for (auto& [key, t] : files[0].tensors) {
+    if (key.rfind("zero/unit0/", 0) == 0) kinds.insert(key.substr(11));
+  }
+  auto it = files[0].values.find("zero/unit0/step");
+  if (it != files[0].values.end()) p.step = std::stoll(it->second);
+  for (const auto& k : kinds) {
+    std::vector<at::Tensor> flat;  // the model's values of kind k, in parameter order
+    for (size_t v = 0; v < saved_units.size(); ++v) {
+      std::vector<at::Tensor> slices;
+      for (size_t f = 0; f < files.size(); ++f) {
+        const auto key = "zero/unit" + std::to_string(v) + "/" + k;
+        auto t = files[f].tensors.find(key);
+        if (t == files[f].tensors.end()) {
+          throw Error(who + "shard '" + paths[f] + "': no '" + key + "' in it");
+        }
+        slices.push_back(t->second);
+      }
+      flat.push_back(at::cat(slices).narrow(0, 0, saved_units[v]));
+    }
+    p.of[k] = cut(at::cat(flat), plan, rank, world);
+  }
+  return p;
+}
+
+// What load() returns: the file's state without the shard's own keys.
+TrainingState caller_state(TrainingState out, const std::string& path) {
+  out.model_name = value_of(out, "zero/model_name", path);
+  for (auto it = out.values.begin(); it != out.values.end();) {
+    it = it->first.rfind("zero/", 0) == 0 ? out.values.erase(it) : std::next(it);
+  }
+  for (auto it = out.tensors.begin(); it != out.tensors.end();) {
+    it = it->first.rfind("zero/", 0) == 0 ? out.tensors.erase(it) : std::next(it);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> ShardedDataParallel::Impl::described_params() const {
+  std::vector<std::string> described;
+  for (size_t i = 0; i < params.size(); ++i) {
+    described.push_back(  // the masters' dtype, whatever the module computes in
+        describe_param(names[i], master_dtype, params[i].sizes()));
+  }
+  return described;
+}
+
+TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_step,
+                                        torch::optim::Optimizer& opt, bool reshard) {
+  const std::string who = "rank " + std::to_string(dist_.rank()) + ": ";
+  const int saved = world_to_load(dir, global_step, dist_.size(), reshard, who);
   // The files this rank needs: its own when the layout is the same, else every one.
   std::vector<std::string> own_units;
   for (auto& u : plan_) own_units.push_back(std::to_string(u.numel));
@@ -225,87 +334,24 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   read(saved == dist_.size() ? dist_.rank() : 0);
   const bool same_layout =
       saved == dist_.size() && value_of(files[0], "zero/units", paths[0]) == join(own_units);
-
-  // The same model, the same optimizer.
-  std::vector<std::string> described;
-  for (size_t i = 0; i < impl_->params.size(); ++i) {
-    described.push_back(  // the masters' dtype, whatever the module computes in
-        describe_param(impl_->names[i], impl_->master_dtype, impl_->params[i].sizes()));
-  }
-  const auto theirs = lines_of(value_of(files[0], "zero/params", paths[0]));
-  for (size_t i = 0; i < std::max(theirs.size(), described.size()); ++i) {
-    const auto a = i < theirs.size() ? theirs[i] : "(none)";
-    const auto b = i < described.size() ? described[i] : "(none)";
-    if (a == b) continue;
-    throw UsageError(who + "sharded checkpoint '" + paths[0] +
-                     "' is of another model: parameter #" + std::to_string(i) + " is '" + a +
-                     "' there and '" + b + "' here");
-  }
-  const auto kind = value_of(files[0], "zero/optimizer", paths[0]);
-  if (kind != optimizer_kind(opt)) {
-    throw UsageError(who + "sharded checkpoint '" + paths[0] + "' holds the state of a '" + kind +
-                     "' optimizer, not of a '" + optimizer_kind(opt) + "' one");
-  }
-
-  // Every state kind ("param", "exp_avg"...) of every unit of this rank.
-  std::map<std::string, std::vector<at::Tensor>> pieces;  // kind -> per unit of this rank
-  int64_t step = 0;
+  check_same_model(files[0], paths[0], impl_->described_params(), optimizer_kind(opt), who);
+  Pieces pieces;
   if (same_layout) {
-    for (size_t u = 0; u < plan_.size(); ++u) {
-      const auto prefix = "zero/unit" + std::to_string(u) + "/";
-      for (auto& [key, t] : files[0].tensors) {
-        if (key.rfind(prefix, 0) == 0) pieces[key.substr(prefix.size())].push_back(t);
-      }
-      auto it = files[0].values.find(prefix + "step");
-      if (it != files[0].values.end()) step = std::stoll(it->second);
-    }
+    pieces = own_pieces(files[0], plan_.size());
   } else {
     files.clear();
     paths.clear();
     for (int r = 0; r < saved; ++r) read(r);
-    std::vector<int64_t> saved_units;
-    for (auto& l : lines_of(value_of(files[0], "zero/units", paths[0]))) {
-      saved_units.push_back(std::stoll(l));
-    }
-    for (size_t f = 1; f < files.size(); ++f) {
-      if (value_of(files[f], "zero/units", paths[f]) !=
-              value_of(files[0], "zero/units", paths[0]) ||
-          files[f].run_id != files[0].run_id) {
-        throw Error(who + "shard '" + paths[f] + "' does not belong with '" + paths[0] +
-                    "' (another run or another layout)");
-      }
-    }
-    std::set<std::string> kinds;
-    for (auto& [key, t] : files[0].tensors) {
-      if (key.rfind("zero/unit0/", 0) == 0) kinds.insert(key.substr(11));
-    }
-    auto it = files[0].values.find("zero/unit0/step");
-    if (it != files[0].values.end()) step = std::stoll(it->second);
-    for (const auto& k : kinds) {
-      std::vector<at::Tensor> flat;  // the model's values of kind k, in parameter order
-      for (size_t v = 0; v < saved_units.size(); ++v) {
-        std::vector<at::Tensor> slices;
-        for (size_t f = 0; f < files.size(); ++f) {
-          const auto key = "zero/unit" + std::to_string(v) + "/" + k;
-          auto t = files[f].tensors.find(key);
-          if (t == files[f].tensors.end()) {
-            throw Error(who + "shard '" + paths[f] + "': no '" + key + "' in it");
-          }
-          slices.push_back(t->second);
-        }
-        flat.push_back(at::cat(slices).narrow(0, 0, saved_units[v]));
-      }
-      pieces[k] = cut(at::cat(flat), plan_, dist_.rank(), dist_.size());
-    }
+    pieces = resharded_pieces(files, paths, plan_, dist_.rank(), dist_.size(), who);
   }
 
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < plan_.size(); ++u) {
     auto& shard = shards_[u];
-    shard.detach().copy_(pieces.at("param")[u]);
+    shard.detach().copy_(pieces.of.at("param")[u]);
     ParamState st;
-    st.step = step;
-    for (auto& [k, v] : pieces) {
+    st.step = pieces.step;
+    for (auto& [k, v] : pieces.of) {
       if (k != "param") st.tensors[k] = v[u].to(shard.device()).clone();
     }
     if (!st.tensors.empty()) set_param_state(opt, shard, st);
@@ -315,15 +361,8 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   } else {
     this->reshard();
   }
-  TrainingState out = files[0];
-  out.model_name = value_of(out, "zero/model_name", paths[0]);
-  for (auto it = out.values.begin(); it != out.values.end();) {
-    it = it->first.rfind("zero/", 0) == 0 ? out.values.erase(it) : std::next(it);
-  }
-  for (auto it = out.tensors.begin(); it != out.tensors.end();) {
-    it = it->first.rfind("zero/", 0) == 0 ? out.tensors.erase(it) : std::next(it);
-  }
-  out.optimizer_restored = pieces.size() > 1;
+  TrainingState out = caller_state(files[0], paths[0]);
+  out.optimizer_restored = pieces.of.size() > 1;
   return out;
 }
 

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Structural checks on the sources (STYLE.md: functions fit on a screen; one door into
+communication).
+
+  check-structure.py functions [--max-lines N] [PATH...]
+      Every function defined in PATH (files or folders; default: src/ and cli/) spans at most N
+      lines (80), from its first line to its closing brace. Function extents come from
+      universal-ctags (`--output-format=json`, the `end` field).
+
+  check-structure.py c10d [PATH...]
+      No c10d outside src/dist/ and include/scaletrain/dist.h: no `c10d::` name and no call on a
+      Dist's backend or store (`.backend->`, `.store->`) in PATH (default: src/, cli/,
+      include/ and benchmarks/; the tests may reach behind Dist to test it). Comments and string literals do not count. Callers use Dist's methods.
+
+Prints one line per offence (path:line: what, and the fix) and exits 1 if there is any, 0 if
+none, 2 when it cannot check (no universal-ctags: install it, scripts/setup.sh does).
+"""
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_SUFFIXES = {".cpp", ".cc", ".h", ".hpp"}
+# Where c10d may be named: the implementation of Dist and its header.
+C10D_HOME = ("src/dist/", "include/scaletrain/dist.h")
+C10D_USE = re.compile(r"\bc10d::|(?:\.|->)\s*(?:backend|store)\s*->")
+
+
+def source_files(paths):
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            yield from sorted(f for f in p.rglob("*") if f.suffix in SOURCE_SUFFIXES)
+        elif p.exists():
+            yield p
+        else:
+            raise SystemExit(f"check-structure: no such file or folder: {p}")
+
+
+def shown(path):
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def find_ctags():
+    for name in ("ctags-universal", "universal-ctags", "ctags"):
+        exe = shutil.which(name)
+        if not exe:
+            continue
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+        if "Universal Ctags" in out:
+            return exe
+    print("check-structure: universal-ctags is not installed (apt-get install universal-ctags, "
+          "or scripts/setup.sh)", file=sys.stderr)
+    sys.exit(2)
+
+
+def function_extents(files):
+    """(path, first line, last line, qualified name) of every function defined in `files`."""
+    if not files:
+        return []
+    cmd = [find_ctags(), "--output-format=json", "--fields=+neS", "--kinds-C++=f",
+           "--language-force=C++", "-f", "-"] + [str(f) for f in files]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"check-structure: ctags failed: {run.stderr.strip()}", file=sys.stderr)
+        sys.exit(2)
+    out = []
+    for line in run.stdout.splitlines():
+        tag = json.loads(line)
+        if tag.get("_type") != "tag" or "end" not in tag:
+            continue
+        scope = tag.get("scope", "")
+        name = (scope + "::" if scope else "") + tag["name"]
+        out.append((tag["path"], int(tag["line"]), int(tag["end"]), name))
+    return out
+
+
+def check_functions(paths, max_lines):
+    files = list(source_files(paths))
+    bad = 0
+    for path, first, last, name in sorted(function_extents(files)):
+        lines = last - first + 1
+        if lines > max_lines:
+            print(f"{shown(path)}:{first}: {name} is {lines} lines, more than {max_lines}: split "
+                  "it into helpers named for what they do")
+            bad += 1
+    print(f"check-structure: {len(files)} files, {bad} function(s) over {max_lines} lines",
+          file=sys.stderr)
+    return bad
+
+
+def code_only(line, in_comment):
+    """`line` without comments and string literals; whether a /* comment runs on past it."""
+    out, i = [], 0
+    while i < len(line):
+        if in_comment:
+            end = line.find("*/", i)
+            if end < 0:
+                return "".join(out), True
+            i, in_comment = end + 2, False
+        elif line.startswith("//", i):
+            break
+        elif line.startswith("/*", i):
+            in_comment, i = True, i + 2
+        elif line[i] in "\"'":
+            quote, i = line[i], i + 1
+            while i < len(line) and line[i] != quote:
+                i += 2 if line[i] == "\\" else 1
+            i += 1
+            out.append(quote + quote)
+        else:
+            out.append(line[i])
+            i += 1
+    return "".join(out), in_comment
+
+
+def check_c10d(paths):
+    bad = 0
+    files = list(source_files(paths))
+    for f in files:
+        if any(home in shown(f) for home in C10D_HOME):
+            continue
+        in_comment = False
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            code, in_comment = code_only(line, in_comment)
+            if code.lstrip().startswith("#include"):
+                continue  # headers (the precompiled one) may name c10d's files
+            if C10D_USE.search(code):
+                print(f"{shown(f)}:{n}: c10d outside src/dist: {line.strip()}\n"
+                      "    use Dist's methods (include/scaletrain/dist.h): collectives, "
+                      "isend/irecv, the _async forms returning a Pending, store_*")
+                bad += 1
+    print(f"check-structure: {len(files)} files, {bad} use(s) of c10d outside src/dist",
+          file=sys.stderr)
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="check", required=True)
+    fn = sub.add_parser("functions", help="functions over --max-lines lines")
+    fn.add_argument("--max-lines", type=int, default=80)
+    fn.add_argument("paths", nargs="*")
+    cd = sub.add_parser("c10d", help="c10d used outside src/dist")
+    cd.add_argument("paths", nargs="*")
+    args = ap.parse_args()
+    if args.check == "functions":
+        bad = check_functions(args.paths or [ROOT / "src", ROOT / "cli"], args.max_lines)
+    else:
+        bad = check_c10d(
+            args.paths or [ROOT / d for d in ("src", "cli", "include", "benchmarks")])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
+#include "scaletrain/models.h"
 #include "support/subprocess.h"
 
 namespace scaletrain {
@@ -312,6 +314,40 @@ TEST(Tokens, TrainCommandTrainsTheGptOnText) {
   EXPECT_EQ(no_files.exit_code, 2) << no_files.output;
   EXPECT_NE(no_files.output.find((dir.path / "train.bin").string()), std::string::npos)
       << no_files.output;
+}
+
+// The command line's tensor parallelism on text: 2 processes split the GPT (with sequence
+// parallelism and clipping), learn, and write a model.pt of the whole model; bad degrees exit 2
+// naming the flag. (Transparency against one rank: tests/tensor_parallel_trainer_test.cpp.)
+TEST(Tokens, TrainCommandSplitsTheGptOverTensorParallelRanks) {
+  TempDir dir("train_tp");
+  write_file(dir.path / "in.txt", sample_text(40000));
+  const std::string data = (dir.path / "data").string(), out = (dir.path / "run").string();
+  auto prepared = run_command(cli_path() + " data text --input " + (dir.path / "in.txt").string() +
+                              " --out " + data);
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const std::string common = " train --device cpu --model gpt-tiny --dataset text --data-dir " +
+                             data + " --no-progress --out " + out +
+                             " --epochs 2 --limit-train 512 --limit-test 32 --batch-size 32"
+                             " --optimizer adam --lr 3e-3 --weight-decay 0";
+  auto run = run_command(cli_path() + common +
+                         " --nproc-per-node 2 --tp 2 --sequence-parallel --max-grad-norm 1");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto epochs = epochs_of(out);
+  ASSERT_EQ(epochs.size(), 2u) << run.output;
+  EXPECT_LT(epochs[1]["loss"].get<double>(), epochs[0]["loss"].get<double>());
+  EXPECT_LT(epochs[1]["loss"].get<double>(), 3.5);
+  EXPECT_GT(epochs[1]["test_accuracy"].get<double>(), 0.2);
+  Model whole = make_model("gpt-tiny", ModelOptions{});
+  EXPECT_NO_THROW(load_weights(out + "/model.pt", *whole.module)) << "model.pt is the whole GPT";
+
+  auto three = run_command(cli_path() + common + " --overwrite --nproc-per-node 2 --tp 3");
+  EXPECT_EQ(three.exit_code, 2) << three.output;
+  EXPECT_NE(three.output.find("--tp 3 does not divide the world of 2"), std::string::npos)
+      << three.output;
+  auto lone = run_command(cli_path() + common + " --overwrite --sequence-parallel");
+  EXPECT_EQ(lone.exit_code, 2) << lone.output;
+  EXPECT_NE(lone.output.find("--sequence-parallel"), std::string::npos) << lone.output;
 }
 
 }  // namespace

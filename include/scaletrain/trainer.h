@@ -101,13 +101,26 @@ Model model_of(std::shared_ptr<M> module, std::string name = "model",
 /// A metric of the test data: a value per sample (1 for right, 0 for wrong...), which the trainer
 /// averages over the test set exactly (every sample once, over every rank).
 struct Metric {
+  using PerSample = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
   std::string name;
-  std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> per_sample;
+  PerSample per_sample;
+  /// Optional: each sample's weight in the mean (a sequence's positions whose target is not the
+  /// ignore index, so that the mean is one over tokens). Unset: every sample weighs 1.
+  PerSample weight = nullptr;
+  /// Optional: applied to the mean (perplexity: exp of the mean cross entropy).
+  std::function<double(double)> finish = nullptr;
 };
 /// "test_accuracy": the output's argmax over its last dimension (the classes) is the target;
 /// for a sequence ([batch, positions, classes] against [batch, positions]), the fraction of its
-/// positions that are right. Throws UsageError for other shapes (check_class_shapes()).
-Metric accuracy();
+/// positions that are right, weighted by its positions, those whose target is `ignore_index`
+/// left out (PyTorch's cross_entropy default, -100). Throws UsageError for other shapes
+/// (check_class_shapes()).
+Metric accuracy(int64_t ignore_index = -100);
+/// "test_loss": the cross entropy over the classes (the last dimension) per target, mean over
+/// every target of the test set that is not `ignore_index` (per token for a sequence).
+Metric token_loss(int64_t ignore_index = -100);
+/// "test_perplexity": exp of token_loss()'s mean.
+Metric perplexity(int64_t ignore_index = -100);
 /// Outputs [..., classes] against integer targets [...] (the same leading sizes), as the
 /// default loss and accuracy() take them; otherwise UsageError naming both shapes and `who`.
 /// (A sequence model whose length equals its vocabulary no longer passes for classes.)

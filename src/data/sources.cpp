@@ -3,6 +3,8 @@
 
 #include <torch/nn/functional/loss.h>
 
+#include <cmath>
+
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/image_folder.h"
@@ -39,14 +41,57 @@ DataSource image_folder(std::shared_ptr<const ImageFolder> folder, int64_t limit
   return s;
 }
 
-Metric accuracy() {
-  return {"test_accuracy", [](const at::Tensor& out, const at::Tensor& y) {
-            check_class_shapes(out, y, "accuracy()");
-            // The classes are the output's last dimension; a sequence's sample scores the
-            // mean over its positions.
-            auto right = out.argmax(-1).eq(y.to(out.device())).to(at::kDouble);
-            return right.dim() > 1 ? right.flatten(1).mean(1) : right;
-          }};
+namespace {
+
+// Each sample's targets that count: 1 where the target is not `ignore`, per position.
+at::Tensor counted(const at::Tensor& y, int64_t ignore) {
+  auto keep = y.ne(ignore).to(at::kDouble);
+  return keep.dim() > 1 ? keep.flatten(1) : keep.unsqueeze(1);
+}
+
+// A per-position value [batch, positions...] (or [batch]) as each sample's mean over the
+// positions that count (0 where none does).
+at::Tensor sample_mean(const at::Tensor& value, const at::Tensor& y, int64_t ignore) {
+  auto keep = counted(y, ignore);
+  auto v = value.to(at::kDouble).reshape({value.size(0), -1}) * keep;
+  return v.sum(1) / keep.sum(1).clamp_min(1);
+}
+
+Metric::PerSample positions_counted(int64_t ignore) {
+  return [ignore](const at::Tensor&, const at::Tensor& y) { return counted(y, ignore).sum(1); };
+}
+
+}  // namespace
+
+Metric accuracy(int64_t ignore_index) {
+  Metric m{"test_accuracy", [ignore_index](const at::Tensor& out, const at::Tensor& y) {
+             check_class_shapes(out, y, "accuracy()");
+             // The classes are the output's last dimension; a sequence's sample scores the
+             // mean over its positions.
+             auto yy = y.to(out.device());
+             return sample_mean(out.argmax(-1).eq(yy), yy, ignore_index);
+           }};
+  m.weight = positions_counted(ignore_index);
+  return m;
+}
+
+Metric token_loss(int64_t ignore_index) {
+  Metric m{"test_loss", [ignore_index](const at::Tensor& out, const at::Tensor& y) {
+             check_class_shapes(out, y, "token_loss()");
+             auto yy = y.to(out.device());
+             auto ce = at::cross_entropy_loss(out.reshape({-1, out.size(-1)}), yy.reshape({-1}),
+                                              {}, at::Reduction::None, ignore_index);
+             return sample_mean(ce.reshape(yy.sizes()), yy, ignore_index);
+           }};
+  m.weight = positions_counted(ignore_index);
+  return m;
+}
+
+Metric perplexity(int64_t ignore_index) {
+  Metric m = token_loss(ignore_index);
+  m.name = "test_perplexity";
+  m.finish = [](double mean_loss) { return std::exp(mean_loss); };
+  return m;
 }
 
 void check_class_shapes(const at::Tensor& out, const at::Tensor& y, const std::string& who) {

@@ -445,8 +445,8 @@ std::map<std::string, double> Run::evaluate() {
       {task_.test_data.size, strategy_->data_replicas(), strategy_->data_rank(), false, 0, false});
   const int64_t batch = std::max<int64_t>(2 * per_replica_, 256);
   Loader loader(task_.test_data.batch, s.indices(), loader_options(batch, 0, 0));
-  const auto k = task_.metrics.size();
-  auto sums = at::zeros({static_cast<int64_t>(k) + 1}, at::kDouble);  // the metrics, the count
+  const auto k = static_cast<int64_t>(task_.metrics.size());
+  auto sums = at::zeros({2 * k}, at::kDouble);  // each metric's weighted sum, and its weight
   int64_t position = 0;
   const at::Device dev = strategy_->device();
   while (auto b = loader.next()) {
@@ -457,11 +457,13 @@ std::map<std::string, double> Run::evaluate() {
     if (outputs.defined()) {
       auto keep = at::empty({rows}, at::kDouble);  // padded duplicates count once
       for (int64_t i = 0; i < rows; ++i) keep[i] = s.is_padding(position + i) ? 0.0 : 1.0;
-      for (size_t m = 0; m < k; ++m) {
-        auto v = task_.metrics[m].per_sample(outputs, b->labels.to(outputs.device()));
-        sums[static_cast<int64_t>(m)] += (v.to(at::kCPU, at::kDouble) * keep).sum();
+      const auto y = b->labels.to(outputs.device());
+      for (int64_t m = 0; m < k; ++m) {
+        const auto& metric = task_.metrics[static_cast<size_t>(m)];
+        auto w = metric.weight ? metric.weight(outputs, y).to(at::kCPU, at::kDouble) * keep : keep;
+        sums[2 * m] += (metric.per_sample(outputs, y).to(at::kCPU, at::kDouble) * w).sum();
+        sums[2 * m + 1] += w.sum();
       }
-      sums[static_cast<int64_t>(k)] += keep.sum();
     }
     position += rows;
   }
@@ -469,9 +471,10 @@ std::map<std::string, double> Run::evaluate() {
   auto summed = sums.to(collective_device());
   d_.all_reduce(summed);
   summed = summed.cpu();
-  const double counted = summed[static_cast<int64_t>(k)].item<double>();
-  for (size_t m = 0; m < k; ++m) {
-    out[task_.metrics[m].name] = summed[static_cast<int64_t>(m)].item<double>() / counted;
+  for (int64_t m = 0; m < k; ++m) {
+    const auto& metric = task_.metrics[static_cast<size_t>(m)];
+    const double mean = summed[2 * m].item<double>() / summed[2 * m + 1].item<double>();
+    out[metric.name] = metric.finish ? metric.finish(mean) : mean;
   }
   return out;
 }

@@ -235,6 +235,8 @@ TrainTask zoo_task(const TrainOptions& o) {
       return std::make_unique<CosineLR>(opt, o.epochs);
     };
   }
+  // Text: next-token accuracy, the per-token loss and its perplexity on val.bin.
+  if (o.dataset == "text") t.metrics = {accuracy(), token_loss(), perplexity()};
   t.on_step = kill_at_step_hook();
   return t;
 }

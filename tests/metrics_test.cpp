@@ -1,0 +1,129 @@
+// Token-level metrics (trainer.h: accuracy(), token_loss(), perplexity()): a sequence's targets
+// equal to the ignore index are left out, and the trainer's mean is one over tokens, not over
+// sequences (a sample of 2 counted tokens weighs a quarter of one with 8), exact over ranks and
+// the sampler's padded duplicates.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "scaletrain/data.h"
+#include "scaletrain/trainer.h"
+#include "support/ranks.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kVocab = 5, kPositions = 8;
+
+// Targets with a different number of ignored positions per sample (0 to 6 of 8).
+at::Tensor targets_with_holes(int64_t samples, at::Generator& g) {
+  auto y = at::randint(kVocab, {samples, kPositions}, g, at::kLong);
+  for (int64_t i = 0; i < samples; ++i) {
+    for (int64_t p = 0; p < (i * 3) % 7; ++p) y[i][p] = -100;
+  }
+  return y;
+}
+
+// The exact token means, by hand (float64): every counted target once. The float32 log-softmax
+// behind token_loss() rounds each of its terms: an absolute error of at most (vocabulary + 4)
+// units of float32 times the largest |logit| + log(vocabulary) + 1 per token, and so for their
+// mean.
+double loss_bound(const at::Tensor& logits) {
+  return (kVocab + 4) * std::ldexp(1.0, -24) *
+         (logits.abs().max().item<double>() + std::log(double(kVocab)) + 1);
+}
+
+struct Expected {
+  double loss = 0, accuracy = 0;
+};
+Expected by_hand(const at::Tensor& logits, const at::Tensor& y) {
+  auto logp = at::log_softmax(logits.to(at::kDouble), -1);
+  double loss = 0, right = 0, n = 0;
+  for (int64_t i = 0; i < y.size(0); ++i) {
+    for (int64_t p = 0; p < y.size(1); ++p) {
+      const int64_t t = y[i][p].item<int64_t>();
+      if (t == -100) continue;
+      loss -= logp[i][p][t].item<double>();
+      right += logits[i][p].argmax().item<int64_t>() == t ? 1 : 0;
+      n += 1;
+    }
+  }
+  return {loss / n, right / n};
+}
+
+TEST(TokenMetrics, MeansAreOverTokensWithIgnoredTargetsLeftOut) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto logits = at::randn({6, kPositions, kVocab}, g);
+  auto y = targets_with_holes(6, g);
+  const Expected want = by_hand(logits, y);
+  // The trainer's weighted mean, here on one batch.
+  auto mean = [&](const Metric& m) {
+    auto w = m.weight(logits, y);
+    double v = (m.per_sample(logits, y) * w).sum().item<double>() / w.sum().item<double>();
+    return m.finish ? m.finish(v) : v;
+  };
+  const double bound = loss_bound(logits);
+  EXPECT_NEAR(mean(token_loss()), want.loss, bound);
+  EXPECT_NEAR(mean(perplexity()), std::exp(want.loss), 2 * bound * std::exp(want.loss));
+  EXPECT_NEAR(mean(accuracy()), want.accuracy, 1e-12);
+  // The unweighted mean of the samples' own means is another number here: the test can fail.
+  EXPECT_GT(std::abs(token_loss().per_sample(logits, y).mean().item<double>() - want.loss), 1e-3);
+}
+
+// A model whose logits are a lookup of the input token, trained with lr 0: the trainer's
+// test_loss, test_perplexity and test_accuracy on 2 ranks (7 test samples: one padded
+// duplicate) equal the token means by hand.
+TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(9);
+  Dataset train_set{at::randint(kVocab, {8, kPositions}, g, at::kLong),
+                    at::randint(kVocab, {8, kPositions}, g, at::kLong), kVocab};
+  Dataset test_set{at::randint(kVocab, {7, kPositions}, g, at::kLong), targets_with_holes(7, g),
+                   kVocab};
+  auto table = at::randn({kVocab, kVocab}, g);
+  const auto logits = at::embedding(table, test_set.images);
+  const Expected want = by_hand(logits, test_set.labels);
+  const double bound = loss_bound(logits);
+  const fs::path out =
+      fs::temp_directory_path() / ("scaletrain_token_metrics_" + std::to_string(getpid()));
+  fs::remove_all(out);
+  std::map<std::string, double> got;
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    TrainTask task;
+    task.train_data = in_memory(train_set);
+    task.test_data = in_memory(test_set);
+    task.model = [&table] {
+      auto e = torch::nn::Embedding(kVocab, kVocab);
+      torch::NoGradGuard no_grad;
+      e->weight.copy_(table);
+      return model_of(e.ptr(), "lookup");
+    };
+    task.optimizer = [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.0));
+    };
+    task.metrics = {accuracy(), token_loss(), perplexity()};
+    TrainerOptions o;
+    o.epochs = 1;
+    o.batch_size = 4;
+    o.progress = o.tensorboard = o.channels_last = false;
+    o.device = "cpu";
+    o.out_dir = out.string();
+    auto r = train(task, o, d);
+    if (d.rank() == 0) got = r.metrics;
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(2));
+  EXPECT_NEAR(got.at("test_loss"), want.loss, bound);
+  EXPECT_NEAR(got.at("test_perplexity"), std::exp(want.loss), 2 * bound * std::exp(want.loss));
+  EXPECT_NEAR(got.at("test_accuracy"), want.accuracy, 1e-12);
+  fs::remove_all(out);
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iomanip>
@@ -52,8 +53,11 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
             << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
             << std::setprecision(1) << "  time per epoch  " << per_epoch.str() << "\n"
-            << "  throughput      " << std::setprecision(0) << r.samples_per_second
-            << " samples/s\n"
+            << "  throughput      " << std::setprecision(0) << r.samples_per_second << " samples/s"
+            << (r.tokens_per_second > 0
+                    ? ", " + std::to_string(std::llround(r.tokens_per_second)) + " tokens/s"
+                    : std::string())
+            << "\n"
             << devices.str() << "  checkpoint      "
             << (!r.last_checkpoint.empty() && std::filesystem::exists(r.last_checkpoint)
                     ? r.last_checkpoint

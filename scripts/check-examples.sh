@@ -3,12 +3,12 @@
 # a CMake project of its own configured against it (find_package(scaletrain)), built and run,
 # and its result checked. CTest runs it (tests/CMakeLists.txt: Examples.*).
 #   scripts/check-examples.sh BUILD install          install into BUILD/examples/prefix
-#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer
+#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer|tensor_parallel
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 build=$(realpath "${1:-build}")
-what=${2:?install, ddp, pipeline, data_parallel or trainer}
+what=${2:?install, ddp, pipeline, data_parallel, trainer or tensor_parallel}
 prefix=$build/examples/prefix
 say() { printf '[examples] %s\n' "$*"; }
 
@@ -50,7 +50,9 @@ start=$(date +%s)
 cmake -S "$root/examples/$what" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" "${launcher[@]}" > "$dir.configure.log" 2>&1 ||
   { cat "$dir.configure.log"; exit 1; }
-cmake --build "$dir" > "$dir.build.log" 2>&1 || { cat "$dir.build.log"; exit 1; }
+# --clean-first: an install keeps the headers' own times, so an example built before against
+# older headers would not be recompiled (and would run against a library of another layout).
+cmake --build "$dir" --clean-first > "$dir.build.log" 2>&1 || { cat "$dir.build.log"; exit 1; }
 say "$what: configured and built against $prefix in $(( $(date +%s) - start )) s"
 bin=$dir/${what}_example
 work=$(mktemp -d)
@@ -95,6 +97,13 @@ case $what in
     "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/ddp" ddp
     "$bin" "$work/pipeline" pipeline
     misuse "$bin" "$work/misused" tp
+    ;;
+  tensor_parallel)
+    # Split over 2 ranks, and the same program unsplit on one; a degree the world cannot take.
+    "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/tp2" 2
+    "$bin" "$work/tp1" 1
+    misuse "$bin" "$work/misused" 2
+    misuse "$bin" "$work/misused" two
     ;;
   pipeline) "$bin" cpu,cpu 8 && misuse "$bin" cpu,cpu,cpu 8 ;;
   data_parallel) "$bin" cpu,cpu && misuse "$bin" "" ;;

@@ -105,7 +105,8 @@ TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
       e->weight.copy_(table);
       return model_of(e.ptr(), "lookup");
     };
-    task.optimizer = [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+    task.optimizer =
+        [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
       return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.0));
     };
     task.metrics = {accuracy(), token_loss(), perplexity()};

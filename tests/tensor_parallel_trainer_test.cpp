@@ -134,7 +134,8 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
   EXPECT_NEAR(r2.test_accuracy, r1.test_accuracy, 1e-12);
   EXPECT_NEAR(r4.test_accuracy, r1.test_accuracy, 1e-12);
   // Each rank holds half of the split layers.
-  EXPECT_LT(r2.devices.at(0).parameters, parameter_count(*make_model("gpt-tiny", gpt_options()).module));
+  EXPECT_LT(r2.devices.at(0).parameters,
+            parameter_count(*make_model("gpt-tiny", gpt_options()).module));
 }
 
 // Stopped after step 5 (mid-epoch, after its checkpoint), resumed: at the same mesh the final
@@ -154,7 +155,8 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
     train(t, o, d);
   });
   for (const auto& e : stopped) ASSERT_EQ(e, "stopped at step 5");
-  fs::copy(cut.path, other.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  fs::copy(cut.path, other.path,
+           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = options(cut.path, 2);
   o.resume = "auto";
   auto resumed = run(2, data.task(), o);
@@ -185,7 +187,8 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   expect_close(ends.at(4), ends.at(1), "resumed at tp 4 against tp 1");
   // ... and not the uninterrupted run's (whose momentum carried over): the comparison can fail.
   double apart = 0;
-  for (const auto& [name, v] : a) apart = std::max(apart, (v - ends.at(1).at(name)).abs().max().item<double>());
+  for (const auto& [name, v] : a)
+    apart = std::max(apart, (v - ends.at(1).at(name)).abs().max().item<double>());
   EXPECT_GT(apart, 1e-6);
 }
 
@@ -220,6 +223,19 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
   }
   expect_close(ends.at(2), ends.at(1), "clipped, tp 2");
   expect_close(ends.at(4), ends.at(1), "clipped, tp 4 with sequence parallelism");
+}
+
+// Regression (TensorParallelDegreeAboveTheWorldDividedByZero): train() itself, not only
+// validate(), refuses a degree the world cannot take; it divided the batch by zero replicas
+// (SIGFPE) when a program gave tensor_parallel = 2 to one process.
+TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
+  const TokenTask data;
+  TempDir dir("alone");
+  auto errors =
+      testing::run_ranks(1, [&](Dist& d) { train(data.task(), options(dir.path, 2), d); });
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].find("--tp 2 does not divide the world of 1"), std::string::npos)
+      << errors[0];
 }
 
 TEST(TrainTensorParallel, BadCombinationsAreNamed) {

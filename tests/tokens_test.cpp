@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -304,6 +305,12 @@ TEST(Tokens, TrainCommandTrainsTheGptOnText) {
   EXPECT_LT(second, first);
   EXPECT_LT(second, 3.5) << "the text's bytes are far from uniform (ln 256 = 5.55)";
   EXPECT_GT(epochs[1]["test_accuracy"].get<double>(), 0.2);
+  // Per-token metrics on val.bin, and the throughput in tokens.
+  EXPECT_NEAR(epochs[1]["test_perplexity"].get<double>(),
+              std::exp(epochs[1]["test_loss"].get<double>()),
+              1e-9 * epochs[1]["test_perplexity"].get<double>());
+  EXPECT_LT(epochs[1]["test_perplexity"].get<double>(), 256) << "better than no guess at all";
+  EXPECT_NE(run.output.find(" tokens/s"), std::string::npos) << run.output;
 
   auto images = run_command(cli_path() + common + " --model lenet");
   EXPECT_EQ(images.exit_code, 2) << images.output;

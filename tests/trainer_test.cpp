@@ -16,6 +16,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
+#include "scaletrain/tokens.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 
@@ -88,9 +89,23 @@ void PrintTo(const Resume& r, std::ostream* os) { *os << r.name; }
 
 class ExactResume : public ::testing::TestWithParam<Resume> {};
 
+// Token files of a text Debian ships, for the GPT's cases ({text} in their flags): written once.
+struct TextData {
+  fs::path dir = fs::temp_directory_path() / ("scaletrain_resume_text_" + std::to_string(getpid()));
+  TextData() { write_byte_tokens("/usr/share/common-licenses/GPL-3", dir.string(), 0.1); }
+  ~TextData() { fs::remove_all(dir); }
+};
+
+std::string with_text_data(std::string flags) {
+  const auto at = flags.find("{text}");
+  if (at == std::string::npos) return flags;
+  static const TextData data;
+  return flags.replace(at, 6, data.dir.string());
+}
+
 TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   const std::string n = std::to_string(GetParam().processes);
-  const std::string flags = " " + GetParam().strategy;
+  const std::string flags = " " + with_text_data(GetParam().strategy);
   TempDir straight("straight_" + GetParam().name), killed("killed_" + GetParam().name);
   auto a = run_command(cli_path() + " run --nproc-per-node " + n + " --master-port 0 --" + " " +
                        cli_path() + train_cmd(straight.path) + flags);
@@ -145,7 +160,16 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero2_dropout", 2, "--strategy zero2 --model mlp --dropout 0.3", "mlp"},
         // --checkpoint-format sharded: a file per rank, nothing gathered, the same resume.
         Resume{"zero1_sharded", 2, "--strategy zero1 --checkpoint-format sharded"},
-        Resume{"fsdp_sharded", 2, "--strategy fsdp --checkpoint-format sharded --optimizer adam"}),
+        Resume{"fsdp_sharded", 2, "--strategy fsdp --checkpoint-format sharded --optimizer adam"},
+        // Tensor parallelism: every rank's optimizer state in the checkpoint, the whole model's
+        // weights under the GPT's names.
+        Resume{"tp2_sequence_parallel", 2,
+               "--strategy ddp --tp 2 --sequence-parallel --model gpt-tiny --dataset text "
+               "--data-dir {text} --optimizer adam --max-grad-norm 1",
+               "gpt-tiny"},
+        Resume{"dp2_tp2", 4,
+               "--strategy ddp --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
+               "gpt-tiny"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {

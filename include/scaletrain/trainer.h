@@ -256,6 +256,7 @@ struct TrainResult {
   double final_loss = 0;
   std::vector<double> epoch_seconds;
   double samples_per_second = 0;  // training samples over all ranks
+  double tokens_per_second = 0;   // sequences: samples_per_second × the targets per sample
   int64_t global_step = 0;
   std::string last_checkpoint;
   std::string metrics_path;

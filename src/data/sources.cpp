@@ -79,8 +79,8 @@ Metric token_loss(int64_t ignore_index) {
   Metric m{"test_loss", [ignore_index](const at::Tensor& out, const at::Tensor& y) {
              check_class_shapes(out, y, "token_loss()");
              auto yy = y.to(out.device());
-             auto ce = at::cross_entropy_loss(out.reshape({-1, out.size(-1)}), yy.reshape({-1}),
-                                              {}, at::Reduction::None, ignore_index);
+             auto ce = at::cross_entropy_loss(out.reshape({-1, out.size(-1)}), yy.reshape({-1}), {},
+                                              at::Reduction::None, ignore_index);
              return sample_mean(ce.reshape(yy.sizes()), yy, ignore_index);
            }};
   m.weight = positions_counted(ignore_index);

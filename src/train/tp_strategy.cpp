@@ -30,7 +30,9 @@ namespace scaletrain {
 namespace {
 
 const char* kMeshKey = "tensor_parallel/mesh";
-std::string optimizer_key(int rank) { return "tensor_parallel/optimizer/rank" + std::to_string(rank); }
+std::string optimizer_key(int rank) {
+  return "tensor_parallel/optimizer/rank" + std::to_string(rank);
+}
 
 at::Tensor bytes_of(const torch::optim::Optimizer& opt) {
   torch::serialize::OutputArchive ar;
@@ -146,7 +148,9 @@ class TensorParallelStrategy : public TrainStrategy {
     torch::NoGradGuard no_grad;
     for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
   }
-  void weights_loaded() override { load_full_state(*split_.module, tp(), whole_state(*whole_.module)); }
+  void weights_loaded() override {
+    load_full_state(*split_.module, tp(), whole_state(*whole_.module));
+  }
 
   bool saved_optimizer_is_standard() const override { return false; }
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
@@ -161,7 +165,10 @@ class TensorParallelStrategy : public TrainStrategy {
     auto all = dist_.all_gather(padded.to(collective()));
     for (int r = 0; r < dist_.size(); ++r) {
       state.tensors[optimizer_key(r)] =
-          all[static_cast<size_t>(r)].cpu().narrow(0, 0, sizes[static_cast<size_t>(r)].cpu().item<int64_t>()).clone();
+          all[static_cast<size_t>(r)]
+              .cpu()
+              .narrow(0, 0, sizes[static_cast<size_t>(r)].cpu().item<int64_t>())
+              .clone();
     }
     state.values[kMeshKey] = mesh_.describe();
     return nullptr;
@@ -190,7 +197,9 @@ class TensorParallelStrategy : public TrainStrategy {
 
  private:
   const Dist& tp() const { return groups_.at("tp"); }
-  at::Device collective() const { return dist_.backend_name == "nccl" ? dev_ : at::Device(at::kCPU); }
+  at::Device collective() const {
+    return dist_.backend_name == "nccl" ? dev_ : at::Device(at::kCPU);
+  }
 
   Model& whole_;
   Model split_;
@@ -215,8 +224,9 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
                      ": the tensor-parallel degree is at least 1 (1: no split)");
   }
   if (o.sequence_parallel && o.tensor_parallel == 1) {
-    throw UsageError("--sequence-parallel splits the sequence over a tensor-parallel group: give "
-                     "--tp 2 or more with it");
+    throw UsageError(
+        "--sequence-parallel splits the sequence over a tensor-parallel group: give "
+        "--tp 2 or more with it");
   }
   if (o.tensor_parallel == 1) return;
   if (o.strategy != Strategy::kDDP) {
@@ -224,8 +234,8 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
                      to_string(o.strategy) + " does not split layers yet)");
   }
   if (world % o.tensor_parallel != 0) {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " does not divide the world of " +
-                     std::to_string(world) +
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+                     " does not divide the world of " + std::to_string(world) +
                      " ranks into tensor-parallel groups; give --nproc-per-node a multiple of it");
   }
   if (o.amp != "none") {

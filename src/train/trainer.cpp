@@ -112,18 +112,17 @@ class Run {
   TrainResult r_;
   int64_t samples_ = 0;
   double train_seconds_ = 0;
-  bool default_loss_ = false;  // the task gave no loss: cross entropy over classes
-  uint64_t seed_ = 0;          // the data order's: the options', or the resumed run's
-  double grad_norm_ = 0;       // the last step's gradient norm before clipping (max_grad_norm)
-  double loss_sum_ = 0;        // this rank's losses of the epoch so far (a resumed epoch's too)
+  bool default_loss_ = false;       // the task gave no loss: cross entropy over classes
+  uint64_t seed_ = 0;               // the data order's: the options', or the resumed run's
+  int64_t targets_per_sample_ = 0;  // a sequence's positions (tokens/s), 0 for classes
+  double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
+  double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
   int64_t loss_n_ = 0;
 };
 
 void Run::setup() {
   require_joined(d_, "train()");
-  validate_trainer_numbers(o_);
-  validate_strategy(o_, d_.size());
-  validate_output(o_);
+  validate(o_, d_.size());
   // Rank 0 owns the folder for the run (Note [Folder owner] in run_folder.cpp); a second run
   // is refused here, naming this one.
   if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
@@ -140,6 +139,7 @@ void Run::setup() {
   for (int64_t i = 0; i < n; ++i) first[static_cast<size_t>(i)] = i;
   const Batch sample = task_.train_data.batch(first, 0);
   check_model_takes(sample);
+  targets_per_sample_ = sample.labels.dim() > 1 ? sample.labels[0].numel() : 0;
   if (o_.tensor_parallel > 1 && model_.output_split && !default_loss_) {
     throw UsageError("tensor parallelism: model '" + model_.name +
                      "' gives outputs split over the tensor-parallel group, which TrainTask::loss "
@@ -536,6 +536,7 @@ void Run::finish() {
   r_.peak_memory_bytes = r_.devices.empty() ? 0 : r_.devices[0].peak_memory_bytes;
   r_.global_step = state_.global_step;
   r_.samples_per_second = train_seconds_ > 0 ? static_cast<double>(samples_) / train_seconds_ : 0;
+  r_.tokens_per_second = r_.samples_per_second * static_cast<double>(targets_per_sample_);
   auto acc = r_.metrics.find("test_accuracy");
   r_.test_accuracy = acc == r_.metrics.end() ? 0 : acc->second;
 }

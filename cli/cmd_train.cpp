@@ -244,6 +244,9 @@ void add_run_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_option("--dropout", o.dropout, "mlp: the probability of its dropout")
       ->capture_default_str();
+  cmd->add_flag("--checkpoint-blocks", o.checkpoint_blocks,
+                "GPT, any strategy: recompute each transformer block in backward instead of "
+                "keeping its activations");
   cmd->add_option("--out", o.out_dir, "Folder for checkpoints and metrics")->capture_default_str();
   cmd->add_option("--checkpoint-every", o.checkpoint_every,
                   "Steps between checkpoints (0: epochs)");

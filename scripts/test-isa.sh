@@ -22,7 +22,7 @@ has avx512f && has avx512bw && has avx512vl && has avx512dq && levels+=(avx512)
 ((below_native)) && unset 'levels[-1]'
 
 # The suites whose tests compare floats (and not the trainer's tests of errors and signals).
-numeric='^(Models|Kernels|Devices/DataParallel|DataParallel|Sizes/DDPWorlds|DDP\.|Cases/Pipeline|Pipeline|Cases/DistPipeline|DistPipeline|Data\.|ImageFolder|Models/PythonInterop|GradScaler|Autocast|Train\.|Strategies/ExactResume|Strategies/StrategyTransparency|BatchNormSemantics|Blocks|Worlds/ZeroTransparency|Zero\.|ZeroCheckpoint|ZeroAccumulation|ZeroMixedPrecision|TensorParallel|Degrees/TensorParallelOps|Degrees/GptTransparency|Meshes/ThreeDimensions|Gpt\.|TrainTensorParallel|TokenMetrics)'
+numeric='^(Models|Kernels|Devices/DataParallel|DataParallel|Sizes/DDPWorlds|DDP\.|Cases/Pipeline|Pipeline|Cases/DistPipeline|DistPipeline|Data\.|ImageFolder|Models/PythonInterop|GradScaler|Autocast|Train\.|Strategies/ExactResume|Strategies/StrategyTransparency|BatchNormSemantics|Blocks|Worlds/ZeroTransparency|Zero\.|ZeroCheckpoint|ZeroAccumulation|ZeroMixedPrecision|TensorParallel|Degrees/TensorParallelOps|Degrees/GptTransparency|Meshes/ThreeDimensions|Gpt\.|TrainTensorParallel|TokenMetrics|ActivationCheckpoint)'
 
 not_numeric='(_CUDA$|^Train\.(Timeout|Interrupted|Uneven|Reused|Restart|NonFinite))'
 

@@ -338,7 +338,8 @@ TEST(Tokens, TrainCommandSplitsTheGptOverTensorParallelRanks) {
                              " --epochs 2 --limit-train 512 --limit-test 32 --batch-size 32"
                              " --optimizer adam --lr 3e-3 --weight-decay 0";
   auto run = run_command(cli_path() + common +
-                         " --nproc-per-node 2 --tp 2 --sequence-parallel --max-grad-norm 1");
+                         " --nproc-per-node 2 --tp 2 --sequence-parallel --max-grad-norm 1"
+                         " --checkpoint-blocks");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const auto epochs = epochs_of(out);
   ASSERT_EQ(epochs.size(), 2u) << run.output;
@@ -352,6 +353,12 @@ TEST(Tokens, TrainCommandSplitsTheGptOverTensorParallelRanks) {
   EXPECT_EQ(three.exit_code, 2) << three.output;
   EXPECT_NE(three.output.find("--tp 3 does not divide the world of 2"), std::string::npos)
       << three.output;
+  auto blocks = run_command(cli_path() + " train --model lenet --dataset synthetic --out " + out +
+                            " --overwrite --checkpoint-blocks");
+  EXPECT_EQ(blocks.exit_code, 2) << blocks.output;
+  EXPECT_NE(blocks.output.find("--checkpoint-blocks recomputes a GPT's transformer blocks"),
+            std::string::npos)
+      << blocks.output;
   auto lone = run_command(cli_path() + common + " --overwrite --sequence-parallel");
   EXPECT_EQ(lone.exit_code, 2) << lone.output;
   EXPECT_NE(lone.output.find("--sequence-parallel"), std::string::npos) << lone.output;

@@ -59,6 +59,8 @@ struct ModelOptions {
   double dropout = 0;         // MLP, GPT: the probability of its dropout
   int64_t vocab_size = 0;     // GPT: the vocabulary (0: the size's own)
   int64_t context = 0;        // GPT: the longest sequence (0: the size's own)
+  bool checkpoint_activations = false;  // GPT: each block recomputed in backward, its
+                                        // activations not kept (activation_checkpoint.h)
   /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read
   /// (Note [Unread border]), its fused relu + 2x2 average pool, and the stem convolutions'
   /// weight gradient as one batched product (Note [Stem conv]); each is the plain model's

@@ -302,6 +302,7 @@ struct TrainOptions : TrainerOptions {
   double gamma = 0.5;
   std::string init_weights;  // a state dict (Python's torch.save) to start from
   double dropout = 0;        // mlp: its dropout's probability
+  bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
 };
 
 /// The zoo's task for `options`: the model by name, the data set by name, the optimizer and

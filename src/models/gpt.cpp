@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
@@ -28,8 +29,8 @@ class AttentionImpl : public torch::nn::Module {
     const int64_t t = qkv.size(1);
     auto parts = qkv.chunk(3, -1);
     auto heads = [&](const at::Tensor& p) { return p.view({b, t, -1, head_dim_}).transpose(1, 2); };
-    auto y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]),
-                                              {}, is_training() ? dropout_ : 0.0,
+    auto y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]), {},
+                                              is_training() ? dropout_ : 0.0,
                                               /*is_causal=*/true);
     y = y.transpose(1, 2).contiguous().view({b, t, -1});
     return at::dropout(c_proj(y), dropout_, is_training());
@@ -105,8 +106,8 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
   ln_f_ = transformer_->register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
   if (!c.tied_head) {
-    lm_head_ = register_module("lm_head",
-                               ParallelLinear(ParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
+    lm_head_ = register_module(
+        "lm_head", ParallelLinear(ParallelLinearOptions(c.n_embd, c.vocab_size).bias(false)));
   }
   // GPT-2's initialisation: N(0, 0.02), zero biases, the projections into the residual scaled
   // by 1/sqrt(2·layers).
@@ -126,7 +127,12 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
 
 at::Tensor GPTImpl::forward(const at::Tensor& ids) {
   auto x = embed(ids);
-  for (const auto& block : *h_) x = block->as<TransformerBlock>()->forward(x);
+  for (const auto& block : *h_) {
+    auto* b = block->as<TransformerBlock>();
+    x = config_.checkpoint_blocks && is_training()
+            ? activation_checkpoint([b](const at::Tensor& in) { return b->forward(in); }, x)
+            : b->forward(x);
+  }
   return head(x);
 }
 
@@ -159,16 +165,19 @@ torch::nn::Sequential GPTImpl::blocks() {
   }
   torch::nn::Sequential seq;
   auto self = std::static_pointer_cast<GPTImpl>(shared_from_this());
-  seq->push_back("embed", scaletrain::Block(BlockParts{{"wte", wte_.ptr()}, {"wpe", wpe_.ptr()}},
-                                            [self](const at::Tensor& ids) { return self->embed(ids); }));
+  seq->push_back("embed",
+                 scaletrain::Block(BlockParts{{"wte", wte_.ptr()}, {"wpe", wpe_.ptr()}},
+                                   [self](const at::Tensor& ids) { return self->embed(ids); }));
   for (size_t i = 0; i < h_->size(); ++i) {
     auto b = h_[i];
     seq->push_back("h" + std::to_string(i),
-                   scaletrain::Block(BlockParts{{"block", b}},
-                                     [b](const at::Tensor& x) { return b->as<TransformerBlock>()->forward(x); }));
+                   scaletrain::Block(BlockParts{{"block", b}}, [b](const at::Tensor& x) {
+                     return b->as<TransformerBlock>()->forward(x);
+                   }));
   }
-  seq->push_back("head", scaletrain::Block(BlockParts{{"ln_f", ln_f_.ptr()}, {"lm_head", lm_head_.ptr()}},
-                                           [self](const at::Tensor& x) { return self->head(x); }));
+  seq->push_back("head",
+                 scaletrain::Block(BlockParts{{"ln_f", ln_f_.ptr()}, {"lm_head", lm_head_.ptr()}},
+                                   [self](const at::Tensor& x) { return self->head(x); }));
   return seq;
 }
 

@@ -308,6 +308,7 @@ Model make_model(const std::string& name, const ModelOptions& o) {
     if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
     if (o.context > 0) c.block_size = o.context;
     c.dropout = o.dropout;
+    c.checkpoint_blocks = o.checkpoint_activations;
     c.tied_head = false;
     auto m = std::make_shared<GPTImpl>(c);
     Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); },

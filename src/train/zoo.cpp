@@ -71,6 +71,10 @@ void validate_zoo_shapes(const TrainOptions& o) {
                          : "--dataset text is token ids, for a GPT: give --model gpt-tiny or "
                            "gpt2-small");
   }
+  if (o.checkpoint_blocks && !gpt) {
+    throw UsageError("--checkpoint-blocks recomputes a GPT's transformer blocks; --model " +
+                     o.model + " has none (give --model gpt-tiny or gpt2-small)");
+  }
   if (o.model == "toy") {
     throw UsageError(
         "--model toy takes 10 numbers per sample (seed 000's toy), and the zoo's data sets are "
@@ -212,6 +216,7 @@ TrainTask zoo_task(const TrainOptions& o) {
   t.train_data = data.train;
   t.test_data = data.test;
   data.model.dropout = o.dropout;
+  data.model.checkpoint_activations = o.checkpoint_blocks;
   t.model = [name = o.model, mo = data.model, init = o.init_weights] {
     Model m = make_model(name, mo);
     if (!init.empty()) load_weights(init, *m.module);

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adam.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -238,6 +239,40 @@ TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
       << errors[0];
 }
 
+// bf16 autocast at tp 2 with sequence parallelism (the split layers' products and what they
+// send in bfloat16, the loss in float32): a learnable sequence (each token the previous plus 3)
+// is learnt, as in float32, and the weights differ from float32's, so autocast was on.
+TEST(TrainTensorParallel, Bf16AutocastLearnsAtTp2) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto first = at::randint(0, 16, {128, 1}, g, at::kLong);
+  auto tokens = (first + 3 * at::arange(9, at::kLong).unsqueeze(0)) % 16;
+  Dataset set{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
+  std::map<std::string, TrainResult> r;
+  std::map<std::string, std::map<std::string, at::Tensor>> w;
+  for (const std::string amp : {"none", "bf16"}) {
+    TempDir dir("amp_" + amp);
+    auto o = options(dir.path, 2);
+    o.amp = amp;
+    o.sequence_parallel = true;
+    o.epochs = 4;
+    TrainTask t;
+    t.train_data = in_memory(set);
+    t.test_data = in_memory(set, 32);
+    t.model = [] { return make_model("gpt-tiny", gpt_options()); };
+    t.optimizer = [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+      return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(3e-3));
+    };
+    torch::manual_seed(3);
+    r[amp] = run(2, t, o);
+    Model m = make_model("gpt-tiny", gpt_options());
+    load_weights(r[amp].weights_path, *m.module);
+    for (const auto& p : m.module->named_parameters()) w[amp][p.key()] = p.value().detach().clone();
+  }
+  EXPECT_GT(r["none"].test_accuracy, 0.9);
+  EXPECT_GT(r["bf16"].test_accuracy, 0.9);
+  EXPECT_FALSE(at::equal(w["none"].at("lm_head.weight"), w["bf16"].at("lm_head.weight")));
+}
+
 TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   auto o = options("/tmp", 2);
   auto expect = [&](const TrainerOptions& bad, int world, const std::string& part) {
@@ -259,6 +294,9 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   b = o;
   b.tensor_parallel = 0;
   expect(b, 2, "at least 1");
+  b = o;
+  b.amp = "fp16";
+  expect(b, 2, "--tp 2 with --amp fp16 is not supported yet");
 }
 
 }  // namespace

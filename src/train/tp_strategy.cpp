@@ -18,8 +18,10 @@
 #include <torch/serialize/output-archive.h>
 
 #include <cstring>
+#include <optional>
 #include <sstream>
 
+#include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
@@ -65,7 +67,8 @@ class TensorParallelStrategy : public TrainStrategy {
         whole_(model),
         mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
-        dev_(rank_device(o.device, d)) {
+        dev_(rank_device(o.device, d)),
+        bf16_(o.amp == "bf16") {
     split_ = task.model();
     if (!split_.parallelize) {
       throw UsageError("tensor parallelism: model '" + split_.name +
@@ -104,8 +107,13 @@ class TensorParallelStrategy : public TrainStrategy {
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
     if (ddp_ && !sync) local.emplace(*ddp_);
-    at::Tensor out = ddp_ ? ddp_->forward([&] { return split_.forward(x); }) : split_.forward(x);
-    at::Tensor loss = loss_(out, y);
+    at::Tensor out;
+    {
+      std::optional<Autocast> autocast;  // bf16: the layers' products, and what they send
+      if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
+      out = ddp_ ? ddp_->forward([&] { return split_.forward(x); }) : split_.forward(x);
+    }
+    at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
     (weight != 1 ? loss * weight : loss).backward();
     if (split_.after_backward) split_.after_backward();
     return loss.detach();
@@ -206,6 +214,7 @@ class TensorParallelStrategy : public TrainStrategy {
   DeviceMesh mesh_;
   std::map<std::string, Dist> groups_;
   at::Device dev_;
+  bool bf16_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
 };
@@ -238,9 +247,10 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
                      " does not divide the world of " + std::to_string(world) +
                      " ranks into tensor-parallel groups; give --nproc-per-node a multiple of it");
   }
-  if (o.amp != "none") {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " with --amp " + o.amp +
-                     " is not supported yet; use --amp none");
+  if (o.amp == "fp16") {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+                     " with --amp fp16 is not supported yet (no loss scaling there); use --amp "
+                     "bf16 or none");
   }
   const int replicas = world / o.tensor_parallel;
   if (o.batch_size % replicas != 0) {

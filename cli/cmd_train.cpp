@@ -49,9 +49,15 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
             << (dev.device == "cpu" ? " (the process's)" : "") << "\n";
   }
   std::cout << std::fixed << std::setprecision(4) << "\nscaletrain train: " << o.model << " on "
-            << o.dataset << ", --strategy " << to_string(o.strategy) << ", " << d.size()
-            << " process(es) (" << d.backend_name << ")\n"
+            << o.dataset << ", --strategy " << to_string(o.strategy)
+            << (o.tensor_parallel > 1 ? " --tp " + std::to_string(o.tensor_parallel) +
+                                            (o.sequence_parallel ? " --sequence-parallel" : "")
+                                      : std::string())
+            << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
+            << (r.metrics.count("test_perplexity")
+                    ? "  test perplexity " + std::to_string(r.metrics.at("test_perplexity")) + "\n"
+                    : std::string())
             << std::setprecision(1) << "  time per epoch  " << per_epoch.str() << "\n"
             << "  throughput      " << std::setprecision(0) << r.samples_per_second << " samples/s"
             << (r.tokens_per_second > 0

@@ -139,6 +139,26 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
             parameter_count(*make_model("gpt-tiny", gpt_options()).module));
 }
 
+// Regression (SequenceParallelSumEveryMicroBatch): with gradient accumulation (two batches per
+// step, DDP's no_sync between them) at dp 2 x tp 2 with sequence parallelism, the replicated
+// parameters' gradients were summed over tp after every backward, so the first batch's share,
+// already summed, was summed again (counted tp times). They are summed once, after the step's
+// last backward.
+TEST(TrainTensorParallel, AccumulatesLikeTheSingleRank) {
+  const TokenTask data;
+  TempDir one("acc1"), four("acc4");
+  auto o1 = options(one.path, 1);
+  o1.accumulate = 2;
+  auto o4 = options(four.path, 2);
+  o4.accumulate = 2;
+  o4.sequence_parallel = true;
+  auto r1 = run(1, data.task(), o1);
+  auto r4 = run(4, data.task(), o4);
+  EXPECT_EQ(r4.global_step, r1.global_step);
+  expect_close(final_weights(r4.weights_path), final_weights(r1.weights_path),
+               "dp 2 x tp 2, accumulating");
+}
+
 // Stopped after step 5 (mid-epoch, after its checkpoint), resumed: at the same mesh the final
 // weights are the uninterrupted run's bit for bit (optimizer state included); at tp 1 and tp 4
 // the checkpoint's whole weights are cut again and training goes on to the end.

@@ -43,8 +43,9 @@ struct Model {
   /// the group holds the same weights before. Null: the model cannot be split.
   std::function<void(const Dist& tp, bool sequence_parallel)> parallelize = nullptr;
   /// Once split: the loss of forward's outputs (a vocabulary-parallel cross entropy where the
-  /// last dimension is split), what runs after each backward (sequence parallelism's
-  /// replicated gradients), and whether the outputs' last dimension is split over the group.
+  /// last dimension is split), what runs after the last backward of an optimizer step (sequence
+  /// parallelism's sum of the replicated gradients, over what the step accumulated), and
+  /// whether the outputs' last dimension is split over the group.
   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> parallel_loss =
       nullptr;
   std::function<void()> after_backward = nullptr;

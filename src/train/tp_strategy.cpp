@@ -115,7 +115,8 @@ class TensorParallelStrategy : public TrainStrategy {
     }
     at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
     (weight != 1 ? loss * weight : loss).backward();
-    if (split_.after_backward) split_.after_backward();
+    // Once per step, after its last backward: over what the step accumulated.
+    if (sync && split_.after_backward) split_.after_backward();
     return loss.detach();
   }
 

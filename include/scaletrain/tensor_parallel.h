@@ -186,9 +186,11 @@ using TensorParallelPlan = std::map<std::string, ParallelStyle>;
 /// style that does not fit it, or a size that does not divide by tp.size().
 void parallelize_module(torch::nn::Module& module, const Dist& tp, const TensorParallelPlan& plan);
 
-/// After backward: sums over `tp` the gradients of the parameters that every rank holds whole but
-/// that sequence-parallel regions use on a slice of the sequence (LayerNorm's): `params` are
-/// those (sequence_parallel_params() finds them for a planned module).
+/// After the last backward of an optimizer step (with gradient accumulation: once, over what the
+/// step accumulated, never after each batch — an earlier batch's share would be summed again):
+/// sums over `tp` the gradients of the parameters that every rank holds whole but that
+/// sequence-parallel regions use on a slice of the sequence (LayerNorm's): `params` are those
+/// (replicated_parameters() finds them for a planned module).
 void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const Dist& tp);
 
 /// The parameters of `module` that no plan entry split: with a sequence-parallel plan these are

@@ -139,7 +139,7 @@ def parse_args():
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch, sequences")
+    p.add_argument("--batch-size", type=int, default=4, help="global batch, sequences")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--expect-params", type=int, default=0)

@@ -38,7 +38,7 @@ namespace {
 // The model and the run's size, as the worker and the Python peer take them.
 struct RunSize {
   GPTConfig gpt;
-  int64_t batch = 8;  // global, sequences of gpt.block_size tokens
+  int64_t batch = 4;  // global, sequences of gpt.block_size tokens
   int steps = 20, warmup = 3;
 };
 
@@ -50,7 +50,7 @@ RunSize size_of(const std::map<std::string, std::string>& kv) {
   s.gpt.block_size = std::stoll(arg_or(kv, "--context", "128"));
   s.gpt.vocab_size = std::stoll(arg_or(kv, "--vocab", "512"));
   s.gpt.tied_head = false;  // every strategy can split an untied head (the zoo's choice)
-  s.batch = std::stoll(arg_or(kv, "--batch-size", "8"));
+  s.batch = std::stoll(arg_or(kv, "--batch-size", "4"));
   s.steps = std::stoi(arg_or(kv, "--steps", "20"));
   s.warmup = std::stoi(arg_or(kv, "--warmup", "3"));
   return s;
@@ -222,7 +222,7 @@ RunSize suite_size(bool quick) {
     s.gpt.vocab_size = 256, s.batch = 4, s.steps = 3, s.warmup = 1;
   } else {
     s.gpt.n_layer = 4, s.gpt.n_head = 8, s.gpt.n_embd = 256, s.gpt.block_size = 128;
-    s.gpt.vocab_size = 512, s.batch = 8, s.steps = 20, s.warmup = 3;
+    s.gpt.vocab_size = 512, s.batch = 4, s.steps = 20, s.warmup = 3;
   }
   s.gpt.tied_head = false;
   return s;

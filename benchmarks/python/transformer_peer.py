@@ -80,6 +80,16 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(width)))
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.seq_shard = None  # (rank, degree) under sequence parallelism
+        # GPT-2's initialisation, as the C++ model's: N(0, 0.02), zero biases, the projections
+        # into the residual N(0, 0.02 / sqrt(2 * layers)), LayerNorms ones and zeros.
+        for name, p in self.named_parameters():
+            if "ln_" in name:
+                continue
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
 
     def forward(self, ids):
         x = self.transformer.wte(ids)  # [B, T, C], or this rank's slice of the positions
@@ -226,3 +236,7 @@ def report(args, rank, world, times, params, loss):
 
 if __name__ == "__main__":
     main()
+    # torch 2.11 on CPU sometimes aborts in its exit-time destructors after DTensor's collectives
+    # ("terminate called without an active exception"), after every result is written and the
+    # group destroyed: leave without them.
+    os._exit(0)

@@ -209,8 +209,8 @@ std::string table(const Launches& runs) {
     const std::string cpp = "cpp/" + c.mode, py = "py/" + c.mode;
     t += "| " + c.label + " | " + fixed(mean(cpp), 0) + " | " + fixed(mean(py), 0) + " | " +
          fixed(mean(cpp) / mean(py), 2) + "x | " + rss_cell(runs.at(cpp)) + " | " +
-         rss_cell(runs.at(py)) + " | " + fixed(runs.at(cpp).back().loss, 3) + " / " +
-         fixed(runs.at(py).back().loss, 3) + " |\n";
+         rss_cell(runs.at(py)) + " | " + fixed(runs.at(cpp).back().loss, 4) + " / " +
+         fixed(runs.at(py).back().loss, 4) + " |\n";
   }
   return t;
 }
@@ -251,7 +251,9 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
       " parameters, checked equal on the Python side), global batch " + std::to_string(s.batch) +
       " sequences (" + std::to_string(s.batch * c.block_size) +
       " tokens per step), AdamW (lr "
-      "3e-4, weight decay 0.1), random tokens, " +
+      "3e-4, weight decay 0.1), GPT-2's initialisation, random tokens (one fixed batch, so the "
+      "last "
+      "loss, after every step of a launch, shows both sides training the same function), " +
       std::to_string(s.warmup) + " warm-up and " + std::to_string(s.steps) +
       " timed steps per launch, 2 processes with one intra-op thread "
       "each (OMP_NUM_THREADS=1, set_num_threads(1)), the Gloo process group, the same torch. "

@@ -99,6 +99,11 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   GPT m(s.gpt);
   const int64_t params = parameter_count(*m);
   const bool ddp_mode = mode == "ddp";
+  if (ddp_mode && s.batch % d.size() != 0) {
+    throw UsageError("transformer worker: a global batch of " + std::to_string(s.batch) +
+                     " sequences does not split over " + std::to_string(d.size()) +
+                     " ranks; use a multiple of the ranks");
+  }
   std::unique_ptr<DistributedDataParallel> ddp;
   if (ddp_mode) {
     ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);

@@ -169,6 +169,9 @@ def main():
         raise SystemExit(f"the Python GPT has {params} parameters, the C++ one "
                          f"{args.expect_params}: the architectures differ")
     ddp = args.mode == "ddp"
+    if ddp and args.batch_size % world:
+        raise SystemExit(f"a global batch of {args.batch_size} sequences does not split over "
+                         f"{world} ranks; use a multiple of the ranks")
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     else:

@@ -98,6 +98,7 @@ void add_bench_worker_command(CLI::App& app, Action& action) {
     action = [suite, extras] {
       if (*suite == "ddp") return bench::run_ddp_worker(extras);
       if (*suite == "zero") return bench::run_zero_worker(extras);
+      if (*suite == "transformer") return bench::run_transformer_worker(extras);
       if (*suite == "pipeline-ranks") return bench::run_pipeline_ranks_worker(extras);
       if (*suite == "allreduce") return run_allreduce_worker(extras);
       throw UsageError("no worker for suite '" + *suite + "'");

@@ -1,5 +1,6 @@
-// `scaletrain bench` end to end on two fast suites: raw CSV, JSON statistics, a valid PNG and
-// a report section naming the machine and the command.
+// `scaletrain bench` end to end on its fast suites (transformer: both sides, C++ and its Python
+// peer, at a tiny size): raw CSV, JSON statistics, a valid PNG and a report section naming the
+// machine and the command.
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -49,7 +50,8 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
-                         ::testing::Values("pipeline-memory", "loader", "pipeline-ranks"));
+                         ::testing::Values("pipeline-memory", "loader", "pipeline-ranks",
+                                           "transformer"));
 
 }  // namespace
 }  // namespace scaletrain

@@ -48,13 +48,6 @@ std::vector<double> run_ranks(const SuiteOptions& o, int n, std::vector<std::str
   return read_values(csv);
 }
 
-// The project's Python and peer script, found from the binary's place (build/scaletrain) or
-// SCALETRAIN_PYTHON / SCALETRAIN_SOURCE_DIR.
-std::string source_dir(const SuiteOptions& o) {
-  if (const char* s = std::getenv("SCALETRAIN_SOURCE_DIR")) return s;
-  return fs::path(o.self_exe).parent_path().parent_path().string();
-}
-
 }  // namespace
 
 // Where a step's time goes, in seconds summed over the timed steps.
@@ -184,15 +177,9 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
   SuiteResult r = new_result(
       "ddp-vs-python", title, "samples/s",
       {Plot::Kind::kBars, title, "", "samples per second (global batch 256)", false, false}, o);
-  const std::string src = source_dir(o);
-  const char* py_env = std::getenv("SCALETRAIN_PYTHON");
-  const std::string python = py_env ? py_env : src + "/.venv/bin/python";
-  const std::string script = src + "/benchmarks/python/ddp_peer.py";
-  if (!fs::exists(python) || !fs::exists(script)) {
-    throw Error("the Python peer needs " + python + " and " + script +
-                " (run from a build folder inside the source tree, or set SCALETRAIN_PYTHON and "
-                "SCALETRAIN_SOURCE_DIR)");
-  }
+  const PythonPeer peer = python_peer(o, "ddp_peer.py");
+  const std::string& python = peer.python;
+  const std::string& script = peer.script;
   struct ModelRun {
     std::string name;
     int steps;

@@ -1,4 +1,5 @@
 #include <cstdlib>
+#include <filesystem>
 
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
@@ -30,6 +31,22 @@ void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> comm
   if (launch(lo) != 0) {
     throw Error("benchmark run '" + what + "' failed; its logs are in " + lo.log_dir);
   }
+}
+
+PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name) {
+  namespace fs = std::filesystem;
+  const char* src_env = std::getenv("SCALETRAIN_SOURCE_DIR");
+  const std::string src =
+      src_env ? src_env : fs::path(o.self_exe).parent_path().parent_path().string();
+  const char* py_env = std::getenv("SCALETRAIN_PYTHON");
+  PythonPeer peer{py_env ? py_env : src + "/.venv/bin/python",
+                  src + "/benchmarks/python/" + script_name};
+  if (!fs::exists(peer.python) || !fs::exists(peer.script)) {
+    throw Error("the Python peer needs " + peer.python + " and " + peer.script +
+                " (run from a build folder inside the source tree, or set SCALETRAIN_PYTHON and "
+                "SCALETRAIN_SOURCE_DIR)");
+  }
+  return peer;
 }
 
 std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args) {
@@ -90,6 +107,11 @@ const std::vector<Suite>& suites() {
        "ResNet-18 with Adam: model-state memory per rank and samples/s, DDP vs ZeRO stages 1, "
        "2, 3 on 1, 2, 4 ranks, against the ZeRO paper's formulas",
        run_zero},
+      {"transformer",
+       "GPT (4 layers, 256 wide) on 2 CPU processes: tokens/s and peak RSS per rank, scaletrain "
+       "vs PyTorch's Python path side by side: DDP, tensor parallel 2, tensor + sequence "
+       "parallel 2",
+       run_transformer},
   };
   return all;
 }

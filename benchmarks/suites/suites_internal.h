@@ -29,6 +29,14 @@ SuiteResult new_result(const std::string& suite, const std::string& title, const
 void run_local_ranks(const SuiteOptions& o, int n, std::vector<std::string> command,
                      const std::string& what);
 
+/// The project's Python (.venv/bin/python) and a peer script of benchmarks/python/, found from
+/// the binary's place (build/scaletrain-tool) or SCALETRAIN_PYTHON / SCALETRAIN_SOURCE_DIR.
+/// Throws Error naming both when either is missing.
+struct PythonPeer {
+  std::string python, script;
+};
+PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name);
+
 /// `--key value` pairs of a worker's arguments.
 std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args);
 /// kv[key], or `fallback` when the worker was not given it.
@@ -48,5 +56,6 @@ SuiteResult run_split_sweep(const SuiteOptions& o);
 SuiteResult run_dp_scaling(const SuiteOptions& o);
 SuiteResult run_pipeline_memory(const SuiteOptions& o);
 SuiteResult run_stem_conv(const SuiteOptions& o);
+SuiteResult run_transformer(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

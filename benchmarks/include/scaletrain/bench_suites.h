@@ -47,4 +47,11 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args);
 /// milliseconds per step by phase to P (`--plain 1`: the model without model_optimizations).
 int run_ddp_worker(const std::vector<std::string>& args);
 
+/// Worker of the transformer suite: `--csv F --mode ddp|tp|tp-sp [--layers L] [--heads H]
+/// [--width C] [--context T] [--vocab V] [--batch-size B] [--steps N] [--warmup W]`: the zoo's
+/// GPT with AdamW, B sequences over the world (ddp) or on every rank (tp: the world is the
+/// tensor-parallel group); rank 0 writes `step,seconds` per timed step, `rss,rank,bytes`,
+/// `params,n` and `loss,x` to F.
+int run_transformer_worker(const std::vector<std::string>& args);
+
 }  // namespace scaletrain::bench

@@ -1,0 +1,245 @@
+"""PyTorch's own Python path for a GPT on CPU ranks: the peer of `scaletrain bench transformer`.
+
+The model is scaletrain's zoo GPT written in plain PyTorch with nanoGPT's layout and names
+(transformer.wte, transformer.wpe, transformer.h.<i>.{ln_1, attn.c_attn, attn.c_proj, ln_2,
+mlp.c_fc, mlp.c_proj}, transformer.ln_f, an untied lm_head): token and position embeddings,
+pre-LayerNorm blocks of causal scaled_dot_product_attention and a GELU MLP four times as wide.
+Its parameter count is checked against the C++ model's (--expect-params).
+
+Modes, one process per rank started with torchrun's environment, gloo:
+  ddp    torch.nn.parallel.DistributedDataParallel, each rank half of the global batch;
+  tp     torch.distributed.tensor.parallel.parallelize_module over all ranks with Megatron's
+         plan (the same as scaletrain's GPT::parallelize): c_attn and c_fc ColwiseParallel,
+         the two c_proj RowwiseParallel, wte RowwiseParallel (vocabulary split), lm_head
+         ColwiseParallel with its logits left split and the loss under loss_parallel();
+  tp-sp  the same with sequence parallelism: the LayerNorms SequenceParallel, wte's output and
+         the row-parallel outputs reduce-scattered along the sequence, the column-parallel
+         inputs gathered along it.
+
+    torchrun --nproc-per-node 2 benchmarks/python/transformer_peer.py --mode tp --csv out.csv
+
+Rank 0 writes `step,<seconds>` per timed step, `rss,<rank>,<bytes>` per rank (peak resident
+memory), `params,<count>` and `loss,<last loss>` to --csv.
+"""
+import argparse
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.head_dim = width // heads
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # [B, T, 3C], or this rank's heads of q, k and v: [B, T, 3C/tp]
+        b, t = qkv.shape[0], qkv.shape[1]
+        q, k, v = (p.view(b, t, -1, self.head_dim).transpose(1, 2) for p in qkv.chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.c_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = Mlp(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, context, layers, heads, width):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, width),
+            wpe=nn.Embedding(context, width),
+            h=nn.ModuleList(Block(width, heads) for _ in range(layers)),
+            ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.seq_shard = None  # (rank, degree) under sequence parallelism
+        # GPT-2's initialisation, as the C++ model's: N(0, 0.02), zero biases, the projections
+        # into the residual N(0, 0.02 / sqrt(2 * layers)), LayerNorms ones and zeros.
+        for name, p in self.named_parameters():
+            if "ln_" in name:
+                continue
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / (2 * layers) ** 0.5 if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, ids):
+        x = self.transformer.wte(ids)  # [B, T, C], or this rank's slice of the positions
+        first = self.seq_shard[0] * x.shape[1] if self.seq_shard else 0
+        x = x + self.transformer.wpe(torch.arange(first, first + x.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def interleave_qkv(model, tp):
+    """Orders each c_attn's rows as [q_0 k_0 v_0 q_1 k_1 v_1 ...] (r: rank r's heads), so that
+    ColwiseParallel's contiguous row shards give every rank its own heads of q, k and v, as
+    scaletrain's colwise(3) cuts them. One permutation of the parameters before the split."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
+                parts = [c.chunk(tp, 0) for c in p.chunk(3, 0)]
+                p.copy_(torch.cat([parts[i][r] for r in range(tp) for i in range(3)], 0))
+
+
+def parallelize(model, tp, sp):
+    """Megatron's plan through DTensor, as PyTorch's tensor-parallel tutorial lays it out."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    mesh = init_device_mesh("cpu", (tp,))
+    seq = Shard(1) if sp else Replicate()
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    if sp:
+        plan["transformer.ln_f"] = SequenceParallel()
+    for i in range(len(model.transformer.h)):
+        b = f"transformer.h.{i}."
+        plan[b + "attn.c_attn"] = ColwiseParallel(input_layouts=seq)
+        plan[b + "attn.c_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[b + "mlp.c_fc"] = ColwiseParallel(input_layouts=seq)
+        plan[b + "mlp.c_proj"] = RowwiseParallel(output_layouts=seq)
+        if sp:
+            plan[b + "ln_1"] = SequenceParallel()
+            plan[b + "ln_2"] = SequenceParallel()
+    interleave_qkv(model, tp)
+    parallelize_module(model, mesh, plan)
+    if sp:
+        model.seq_shard = (dist.get_rank(), tp)
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ddp", "tp", "tp-sp"], default="ddp")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=4, help="global batch, sequences")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--expect-params", type=int, default=0)
+    p.add_argument("--csv", required=True)
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.context, args.layers, args.heads, args.width)
+    params = sum(p.numel() for p in model.parameters())
+    if args.expect_params and params != args.expect_params:
+        raise SystemExit(f"the Python GPT has {params} parameters, the C++ one "
+                         f"{args.expect_params}: the architectures differ")
+    ddp = args.mode == "ddp"
+    if ddp and args.batch_size % world:
+        raise SystemExit(f"a global batch of {args.batch_size} sequences does not split over "
+                         f"{world} ranks; use a multiple of the ranks")
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        parallelize(model, world, args.mode == "tp-sp")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    # Random tokens: each rank its own half of the batch under DDP, the same batch on every rank
+    # of a tensor-parallel group.
+    gen = torch.Generator().manual_seed(1 + (rank if ddp else 0))
+    per_rank = args.batch_size // world if ddp else args.batch_size
+    data = torch.randint(args.vocab, (per_rank, args.context + 1), generator=gen)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    step = make_step(model, opt, x, y, args.mode)
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    report(args, rank, world, times, params, loss)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_step(model, opt, x, y, mode):
+    if mode == "ddp":
+        def step():
+            opt.zero_grad()
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+        return step
+    from torch.distributed.tensor.parallel import loss_parallel
+    wpe = model.transformer.wpe.weight
+
+    def step():
+        opt.zero_grad()
+        logits = model(x)  # a DTensor, its vocabulary split over the ranks
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+        if mode == "tp-sp":  # each rank used its own positions: their gradients are summed
+            dist.all_reduce(wpe.grad)
+        opt.step()
+        return float(loss.detach().full_tensor())
+    return step
+
+
+def report(args, rank, world, times, params, loss):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    all_rss = [None] * world
+    dist.all_gather_object(all_rss, rss)
+    if rank == 0:
+        with open(args.csv, "w") as f:
+            for t in times:
+                f.write(f"step,{t}\n")
+            for r, v in enumerate(all_rss):
+                f.write(f"rss,{r},{v}\n")
+            f.write(f"params,{params}\n")
+            f.write(f"loss,{loss}\n")
+
+
+if __name__ == "__main__":
+    main()
+    # torch 2.11 on CPU sometimes aborts in its exit-time destructors after DTensor's collectives
+    # ("terminate called without an active exception"), after every result is written and the
+    # group destroyed: leave without them.
+    os._exit(0)

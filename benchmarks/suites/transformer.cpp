@@ -1,0 +1,309 @@
+// Suite `transformer`: the zoo's GPT (src/models/gpt.h, nanoGPT's layout, an untied head) trained
+// with AdamW on 2 local CPU processes, one intra-op thread each, in three configurations, each
+// beside PyTorch's own Python path on the same architecture (benchmarks/python/transformer_peer.py,
+// the same torch from the project's .venv, launched the same way in the same run):
+//
+//   ddp    scaletrain's DistributedDataParallel  | torch's DistributedDataParallel
+//   tp     GPT::parallelize (Megatron's plan),   | parallelize_module with ColwiseParallel and
+//          the vocabulary-parallel cross entropy |   RowwiseParallel, loss_parallel()
+//   tp-sp  the same with sequence parallelism    | the same with SequenceParallel on the
+//                                                |   LayerNorms
+//
+// The global batch, steps, data shape and optimizer are the same on both sides. Each launch
+// reports the median of its timed steps (after warm-up) as tokens/s and every rank's peak
+// resident memory. Rounds alternate which side goes first, so that the machine's drift hits
+// both alike.
+
+#include <ATen/ATen.h>
+#include <sys/resource.h>
+#include <torch/nn/modules/container/sequential.h>  // models/gpt.h uses it without including it
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "models/gpt.h"
+#include "scaletrain/ddp.h"
+#include "scaletrain/dist.h"
+#include "scaletrain/error.h"
+#include "scaletrain/models.h"
+#include "suites_internal.h"
+
+namespace scaletrain::bench {
+namespace {
+
+// The model and the run's size, as the worker and the Python peer take them.
+struct RunSize {
+  GPTConfig gpt;
+  int64_t batch = 4;  // global, sequences of gpt.block_size tokens
+  int steps = 20, warmup = 3;
+};
+
+RunSize size_of(const std::map<std::string, std::string>& kv) {
+  RunSize s;
+  s.gpt.n_layer = std::stoll(arg_or(kv, "--layers", "4"));
+  s.gpt.n_head = std::stoll(arg_or(kv, "--heads", "8"));
+  s.gpt.n_embd = std::stoll(arg_or(kv, "--width", "256"));
+  s.gpt.block_size = std::stoll(arg_or(kv, "--context", "128"));
+  s.gpt.vocab_size = std::stoll(arg_or(kv, "--vocab", "512"));
+  s.gpt.tied_head = false;  // every strategy can split an untied head (the zoo's choice)
+  s.batch = std::stoll(arg_or(kv, "--batch-size", "4"));
+  s.steps = std::stoi(arg_or(kv, "--steps", "20"));
+  s.warmup = std::stoi(arg_or(kv, "--warmup", "3"));
+  return s;
+}
+
+std::vector<std::string> size_args(const RunSize& s) {
+  const GPTConfig& c = s.gpt;
+  return {"--layers", std::to_string(c.n_layer),    "--heads",      std::to_string(c.n_head),
+          "--width",  std::to_string(c.n_embd),     "--context",    std::to_string(c.block_size),
+          "--vocab",  std::to_string(c.vocab_size), "--batch-size", std::to_string(s.batch),
+          "--steps",  std::to_string(s.steps),      "--warmup",     std::to_string(s.warmup)};
+}
+
+int64_t peak_rss() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+// Rank 0 writes what the Python peer writes: `step,s` per timed step, `rss,rank,bytes` per rank,
+// `params,n`, `loss,x`.
+void write_worker_csv(const Dist& d, const std::string& path, const std::vector<double>& times,
+                      int64_t params, double loss) {
+  auto rss = d.all_gather(at::full({1}, peak_rss(), at::kLong), "peak RSS");
+  if (d.rank() != 0) return;
+  std::ofstream csv(path);
+  for (double t : times) csv << "step," << t << "\n";
+  for (size_t r = 0; r < rss.size(); ++r)
+    csv << "rss," << r << "," << rss[r].item<int64_t>() << "\n";
+  csv << "params," << params << "\nloss," << loss << "\n";
+  if (!csv) throw Error("transformer worker: cannot write " + path);
+}
+
+}  // namespace
+
+int run_transformer_worker(const std::vector<std::string>& args) {
+  auto kv = parse_kv(args);
+  const std::string mode = arg_or(kv, "--mode", "ddp");
+  if (mode != "ddp" && mode != "tp" && mode != "tp-sp") {
+    throw UsageError("transformer worker: --mode " + mode + "; use ddp, tp or tp-sp");
+  }
+  const RunSize s = size_of(kv);
+  Dist d = init_process_group();
+  at::set_num_threads(1);
+  torch::manual_seed(0);
+  GPT m(s.gpt);
+  const int64_t params = parameter_count(*m);
+  const bool ddp_mode = mode == "ddp";
+  if (ddp_mode && s.batch % d.size() != 0) {
+    throw UsageError("transformer worker: a global batch of " + std::to_string(s.batch) +
+                     " sequences does not split over " + std::to_string(d.size()) +
+                     " ranks; use a multiple of the ranks");
+  }
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (ddp_mode) {
+    ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);
+  } else {
+    m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
+  }
+  torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
+  // Random tokens: each rank its own part of the batch under DDP, the same batch on every rank
+  // of the tensor-parallel group.
+  torch::manual_seed(1 + (ddp_mode ? d.rank() : 0));
+  const int64_t rows = ddp_mode ? s.batch / d.size() : s.batch;
+  auto data = at::randint(s.gpt.vocab_size, {rows, s.gpt.block_size + 1}, at::kLong);
+  auto x = data.narrow(1, 0, s.gpt.block_size).contiguous();
+  auto y = data.narrow(1, 1, s.gpt.block_size).contiguous();
+  auto step = [&] {
+    opt.zero_grad();
+    auto logits = ddp ? ddp->forward([&] { return m->forward(x); }) : m->forward(x);
+    auto loss = m->loss(logits, y);
+    loss.backward();
+    m->finish_gradients();  // sequence parallelism: the replicated parameters' gradients summed
+    opt.step();
+    return loss.item<double>();
+  };
+  for (int i = 0; i < s.warmup; ++i) step();
+  d.barrier("transformer warm-up");
+  std::vector<double> times;
+  double loss = 0;
+  for (int i = 0; i < s.steps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    loss = step();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  write_worker_csv(d, arg_or(kv, "--csv", "transformer.csv"), times, params, loss);
+  d.barrier("transformer end");
+  return 0;
+}
+
+namespace {
+
+// One launch's figures, read from rank 0's CSV.
+struct Launch {
+  double tokens_per_s = 0, loss = 0;
+  std::vector<double> rss_mib;  // per rank
+};
+
+Launch read_launch(const std::string& path, int64_t tokens_per_step) {
+  std::ifstream in(path);
+  if (!in) throw Error("transformer: no results in " + path + " (the run wrote none)");
+  std::vector<double> steps;
+  Launch l;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::vector<std::string> f;
+    for (size_t a = 0, b; a <= line.size(); a = b + 1) {
+      b = std::min(line.find(',', a), line.size());
+      f.push_back(line.substr(a, b - a));
+    }
+    if (f[0] == "step") steps.push_back(std::stod(f[1]));
+    if (f[0] == "rss") l.rss_mib.push_back(std::stod(f[2]) / (1024.0 * 1024.0));
+    if (f[0] == "loss") l.loss = std::stod(f[1]);
+  }
+  if (steps.empty()) throw Error("transformer: no timed steps in " + path);
+  std::sort(steps.begin(), steps.end());
+  const size_t n = steps.size();
+  const double median = n % 2 ? steps[n / 2] : (steps[n / 2 - 1] + steps[n / 2]) / 2;
+  l.tokens_per_s = static_cast<double>(tokens_per_step) / median;
+  return l;
+}
+
+struct Config {
+  std::string mode, label;
+};
+const std::vector<Config> kConfigs = {{"ddp", "DDP, tp 1"},
+                                      {"tp", "tensor parallel, tp 2"},
+                                      {"tp-sp", "tensor + sequence parallel, tp 2"}};
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::string rss_cell(const std::vector<Launch>& launches) {
+  std::string s;
+  const size_t ranks = launches.empty() ? 0 : launches.back().rss_mib.size();
+  for (size_t r = 0; r < ranks; ++r) {
+    double peak = 0;
+    for (const auto& l : launches) peak = std::max(peak, l.rss_mib[r]);
+    s += (r ? " / " : "") + fixed(peak, 0);
+  }
+  return s;
+}
+
+// Keys "<side>/<mode>": side "cpp" or "py".
+using Launches = std::map<std::string, std::vector<Launch>>;
+
+std::string table(const Launches& runs) {
+  auto mean = [&](const std::string& key) {
+    double sum = 0;
+    for (const auto& l : runs.at(key)) sum += l.tokens_per_s;
+    return sum / static_cast<double>(runs.at(key).size());
+  };
+  std::string t =
+      "| configuration | scaletrain tokens/s | Python tokens/s | scaletrain / Python | peak RSS "
+      "MiB per rank, scaletrain | peak RSS MiB per rank, Python | last loss, scaletrain / "
+      "Python |\n|---|---|---|---|---|---|---|\n";
+  for (const auto& c : kConfigs) {
+    const std::string cpp = "cpp/" + c.mode, py = "py/" + c.mode;
+    t += "| " + c.label + " | " + fixed(mean(cpp), 0) + " | " + fixed(mean(py), 0) + " | " +
+         fixed(mean(cpp) / mean(py), 2) + "x | " + rss_cell(runs.at(cpp)) + " | " +
+         rss_cell(runs.at(py)) + " | " + fixed(runs.at(cpp).back().loss, 4) + " / " +
+         fixed(runs.at(py).back().loss, 4) + " |\n";
+  }
+  return t;
+}
+
+RunSize suite_size(bool quick) {
+  RunSize s;
+  if (quick) {  // seconds: a check that every path runs, not a measurement
+    s.gpt.n_layer = 2, s.gpt.n_head = 4, s.gpt.n_embd = 64, s.gpt.block_size = 32;
+    s.gpt.vocab_size = 256, s.batch = 4, s.steps = 3, s.warmup = 1;
+  } else {
+    s.gpt.n_layer = 4, s.gpt.n_head = 8, s.gpt.n_embd = 256, s.gpt.block_size = 128;
+    s.gpt.vocab_size = 512, s.batch = 4, s.steps = 20, s.warmup = 3;
+  }
+  s.gpt.tied_head = false;
+  return s;
+}
+
+void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize& s,
+                             int64_t params) {
+  for (size_t i = 0; i < kConfigs.size(); ++i) {
+    for (const std::string side : {"cpp", "py"}) {
+      std::vector<double> v;
+      for (const auto& l : runs.at(side + "/" + kConfigs[i].mode)) v.push_back(l.tokens_per_s);
+      r.samples.push_back({side == "cpp" ? "scaletrain (C++)" : "PyTorch (Python)",
+                           kConfigs[i].label, static_cast<double>(i), v});
+    }
+  }
+  r.notes.push_back(
+      "**tokens/s (median step of each launch, mean over the rounds) and peak "
+      "resident memory per rank (rank 0 / rank 1, the largest over the rounds)**"
+      "\n\n" +
+      table(runs));
+  const GPTConfig& c = s.gpt;
+  r.notes.push_back(
+      "Both sides: a GPT of " + std::to_string(c.n_layer) + " layers, " + std::to_string(c.n_head) +
+      " heads, " + std::to_string(c.n_embd) + " wide, context " + std::to_string(c.block_size) +
+      ", vocabulary " + std::to_string(c.vocab_size) + ", untied head (" + std::to_string(params) +
+      " parameters, checked equal on the Python side), global batch " + std::to_string(s.batch) +
+      " sequences (" + std::to_string(s.batch * c.block_size) +
+      " tokens per step), AdamW (lr "
+      "3e-4, weight decay 0.1), GPT-2's initialisation, random tokens (one fixed batch, so the "
+      "last "
+      "loss, after every step of a launch, shows both sides training the same function), " +
+      std::to_string(s.warmup) + " warm-up and " + std::to_string(s.steps) +
+      " timed steps per launch, 2 processes with one intra-op thread "
+      "each (OMP_NUM_THREADS=1, set_num_threads(1)), the Gloo process group, the same torch. "
+      "scaletrain: DistributedDataParallel (same-machine gradients through shared memory, its "
+      "default), GPT::parallelize with the vocabulary-parallel cross entropy. Python "
+      "(benchmarks/python/transformer_peer.py): torch DDP; parallelize_module with "
+      "ColwiseParallel / RowwiseParallel on the same plan (c_attn's rows interleaved once so "
+      "that each rank holds its own heads of q, k and v), SequenceParallel on the LayerNorms for "
+      "tp-sp, the loss under loss_parallel() (no rank gathers the logits on either side).");
+}
+
+}  // namespace
+
+SuiteResult run_transformer(const SuiteOptions& o) {
+  const std::string title = "GPT on 2 CPU processes: scaletrain vs PyTorch's Python path";
+  SuiteResult r = new_result(
+      "transformer", title, "tokens/s",
+      {Plot::Kind::kBars, title, "", "tokens per second (median step)", false, false}, o);
+  const PythonPeer peer = python_peer(o, "transformer_peer.py");
+  const RunSize s = suite_size(o.quick);
+  const int64_t params = parameter_count(*GPT(s.gpt));
+  const int64_t tokens_per_step = s.batch * s.gpt.block_size;
+  Launches runs;
+  for (int round = 0; round < o.repeats; ++round) {
+    for (const auto& c : kConfigs) {
+      auto launch = [&](const std::string& side, std::vector<std::string> command) {
+        const std::string name = side + "_" + c.mode + "_" + std::to_string(round);
+        const std::string csv = o.work_dir + "/transformer_" + name + ".csv";
+        std::filesystem::remove(csv);
+        auto sizes = size_args(s);
+        command.insert(command.end(), sizes.begin(), sizes.end());
+        command.insert(command.end(), {"--mode", c.mode, "--csv", csv});
+        run_local_ranks(o, 2, command, "transformer_" + name);
+        runs[side + "/" + c.mode].push_back(read_launch(csv, tokens_per_step));
+      };
+      auto python = [&] {
+        launch("py", {peer.python, peer.script, "--expect-params", std::to_string(params)});
+      };
+      if (round % 2 == 1) python();
+      launch("cpp", {o.self_exe, "bench-worker", "transformer"});
+      if (round % 2 == 0) python();
+    }
+  }
+  add_transformer_results(r, runs, s, params);
+  return r;
+}
+
+}  // namespace scaletrain::bench

@@ -301,6 +301,28 @@ TEST(Train, ReusedOutputFolderNeverLosesOrMixesRuns) {
 
 // A launcher's restart of the same run that died before its first checkpoint is that run
 // starting over, not another run: it is not refused, and its metrics start again.
+// Regression (TimeBalanceChangedOnResume): a grid started with one split and resumed with
+// --balance auto (measured) keeps the checkpoint's split, so its stages keep their optimizer
+// state: the final weights are those of the run never stopped. ("3,1" puts LeNet's three
+// heaviest blocks on stage 0, a split the measurement does not choose.)
+TEST(Train, GridResumeKeepsTheCheckpointsBalance) {
+  TempDir straight("balance_straight"), stopped("balance_stopped");
+  const std::string grid = " --strategy grid --pipeline-stages 2 --chunks 2";
+  auto launch = [](const std::string& env, const fs::path& out, const std::string& flags) {
+    return run_command(env + cli_path() + " run --nproc-per-node 2 --master-port 0 -- " +
+                       cli_path() + train_cmd(out) + flags);
+  };
+  auto a = launch("", straight.path, grid + " --balance 3,1");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = launch("SCALETRAIN_KILL_AT_STEP=9 ", stopped.path, grid + " --balance 3,1");
+  ASSERT_NE(b.exit_code, 0) << b.output;
+  auto c = launch("", stopped.path, grid + " --balance auto");
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("resumed from"), std::string::npos) << c.output;
+  EXPECT_EQ(contents_of(stopped.path).at("model.pt"), contents_of(straight.path).at("model.pt"))
+      << c.output;
+}
+
 TEST(Train, RestartBeforeTheFirstCheckpointStartsOver) {
   TempDir dir("restart_early");
   auto r = run_command("SCALETRAIN_KILL_AT_STEP=2 " + cli_path() +

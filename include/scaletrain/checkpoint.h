@@ -84,6 +84,9 @@ std::optional<std::string> checkpoint_problem(const std::string& path);
 /// The run a checkpoint belongs to, from its header alone ("" for a format-1 file, which
 /// predates run ids); nullopt when the file is not a readable checkpoint.
 std::optional<std::string> checkpoint_run(const std::string& path);
+/// A value a program stored in the checkpoint (TrainingState::values[key]); nullopt when the file
+/// is unreadable or has no such value. Reads the whole file.
+std::optional<std::string> checkpoint_value(const std::string& path, const std::string& key);
 
 /// The model's weights (parameters and buffers) as a state dict for Python, with the Python
 /// model's keys ("conv1.weight", "bn1.running_mean", ...): a path ending in ".safetensors" gets

@@ -171,6 +171,17 @@ std::optional<std::string> checkpoint_run(const std::string& path) {
   return h->run;
 }
 
+std::optional<std::string> checkpoint_value(const std::string& path, const std::string& key) {
+  std::string body;
+  if (payload_of(path, &body)) return std::nullopt;
+  torch::serialize::InputArchive ar;
+  std::istringstream in(body);
+  ar.load_from(in);
+  c10::IValue v;
+  if (!ar.try_read("extra.value." + key, v) || !v.isString()) return std::nullopt;
+  return v.toStringRef();
+}
+
 std::optional<std::string> checkpoint_problem(const std::string& path) {
   return payload_of(path, nullptr);
 }

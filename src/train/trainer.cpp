@@ -78,6 +78,7 @@ class Run {
   TrainResult go();
 
  private:
+  void keep_checkpoint_balance();
   void setup();
   void resume();
   void epoch(int64_t e);
@@ -96,7 +97,7 @@ class Run {
   LoaderOptions loader_options(int64_t batch, uint64_t seed, int64_t first_batch) const;
 
   const TrainTask task_;
-  const TrainerOptions& o_;
+  TrainerOptions o_;  // a copy: a resume may keep its checkpoint's grid balance
   const Dist& d_;
   std::unique_ptr<FolderLock> folder_lock_;  // rank 0's, for the whole run
   std::unique_ptr<Reporter> reporter_;       // made once the run's folder is settled
@@ -120,6 +121,22 @@ class Run {
   int64_t loss_n_ = 0;
 };
 
+// Regression (TimeBalanceChangedOnResume): a grid with --balance auto or time measures its
+// split at the start; a resume that measured another split (under other load) gave its stages
+// other parameters, and their optimizer state was dropped. A resume keeps the checkpoint's
+// split when it is of the same pipeline; a list given on the command line still wins.
+void Run::keep_checkpoint_balance() {
+  if (!start_.resume_from || o_.strategy != Strategy::kGrid ||
+      (o_.balance != "auto" && o_.balance != "time")) {
+    return;
+  }
+  const auto layout = checkpoint_value(*start_.resume_from, "grid/stages");
+  const std::string same =
+      std::to_string(o_.pipeline_stages) +
+      (o_.stages_per_device == 1 ? "" : "x" + std::to_string(o_.stages_per_device)) + ":";
+  if (layout && layout->rfind(same, 0) == 0) o_.balance = layout->substr(same.size());
+}
+
 void Run::setup() {
   require_joined(d_, "train()");
   validate(o_, d_.size());
@@ -127,6 +144,7 @@ void Run::setup() {
   // is refused here, naming this one.
   if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
   start_ = plan_run_start(o_);
+  keep_checkpoint_balance();
   seed_ = o_.seed;
   torch::manual_seed(o_.seed);
   model_ = task_.model();

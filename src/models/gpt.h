@@ -9,6 +9,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <memory>

@@ -18,22 +18,14 @@
 #include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
+#include "support/temp_dir.h"
 
 namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() /
-             ("scaletrain_tp_" + name + "_" + std::to_string(getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 ModelOptions gpt_options() {
   ModelOptions o;
@@ -115,11 +107,11 @@ void expect_close(const std::map<std::string, at::Tensor>& got,
 
 TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
   const TokenTask data;
-  TempDir one("one"), two("two"), four("four");
+  TempDir one("tp_one"), two("tp_two"), four("tp_four");
   auto r1 = run(1, data.task(), options(one.path, 1));
   auto r2 = run(2, data.task(), options(two.path, 2));
   auto r4 = run(4, data.task(), options(four.path, 2));  // mesh {dp: 2, tp: 2}
-  TempDir sp("sp");
+  TempDir sp("tp_sp");
   auto o_sp = options(sp.path, 4);
   o_sp.sequence_parallel = true;
   auto r4sp = run(4, data.task(), o_sp);  // tp 4 with the sequence split too
@@ -146,7 +138,7 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
 // last backward.
 TEST(TrainTensorParallel, AccumulatesLikeTheSingleRank) {
   const TokenTask data;
-  TempDir one("acc1"), four("acc4");
+  TempDir one("tp_acc1"), four("tp_acc4");
   auto o1 = options(one.path, 1);
   o1.accumulate = 2;
   auto o4 = options(four.path, 2);
@@ -164,7 +156,7 @@ TEST(TrainTensorParallel, AccumulatesLikeTheSingleRank) {
 // the checkpoint's whole weights are cut again and training goes on to the end.
 TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   const TokenTask data;
-  TempDir full("full"), cut("cut"), other("other");
+  TempDir full("tp_full"), cut("tp_cut"), other("tp_other");
   auto whole = run(2, data.task(), options(full.path, 2));
   auto stopped = testing::run_ranks(2, [&](Dist& d) {
     TrainTask t = data.task();
@@ -196,7 +188,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   // every degree: tp 1 (dp 2) and tp 4 (dp 1) end on the same weights.
   std::map<int, std::map<std::string, at::Tensor>> ends;
   for (int tp : {1, 4}) {
-    TempDir again("again" + std::to_string(tp));
+    TempDir again("tp_again" + std::to_string(tp));
     fs::copy(other.path, again.path,
              fs::copy_options::recursive | fs::copy_options::overwrite_existing);
     auto o2 = options(again.path, tp);
@@ -221,7 +213,7 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
   std::map<int, std::map<std::string, at::Tensor>> ends;
   double first_norm = 0;
   for (int tp : {1, 2, 4}) {
-    TempDir dir("clip" + std::to_string(tp));
+    TempDir dir("tp_clip" + std::to_string(tp));
     auto o = options(dir.path, tp);
     o.max_grad_norm = 0.05;
     o.sequence_parallel = tp == 4;
@@ -251,7 +243,7 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
 // (SIGFPE) when a program gave tensor_parallel = 2 to one process.
 TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
   const TokenTask data;
-  TempDir dir("alone");
+  TempDir dir("tp_alone");
   auto errors =
       testing::run_ranks(1, [&](Dist& d) { train(data.task(), options(dir.path, 2), d); });
   ASSERT_EQ(errors.size(), 1u);
@@ -270,7 +262,7 @@ TEST(TrainTensorParallel, Bf16AutocastLearnsAtTp2) {
   std::map<std::string, TrainResult> r;
   std::map<std::string, std::map<std::string, at::Tensor>> w;
   for (const std::string amp : {"none", "bf16"}) {
-    TempDir dir("amp_" + amp);
+    TempDir dir("tp_amp_" + amp);
     auto o = options(dir.path, 2);
     o.amp = amp;
     o.sequence_parallel = true;

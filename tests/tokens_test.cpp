@@ -18,6 +18,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace scaletrain {
 namespace {
@@ -26,16 +27,7 @@ namespace fs = std::filesystem;
 using testing::cli_path;
 using testing::run_command;
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() /
-             ("scaletrain_tokens_" + name + "_" + std::to_string(getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 void write_file(const fs::path& p, const std::string& bytes) {
   fs::create_directories(p.parent_path());
@@ -67,7 +59,7 @@ void expect_usage_error(F f, const std::vector<std::string>& parts) {
 at::Tensor tokens_of(const TokenFile& f) { return f.window(0, f.size()); }
 
 TEST(Tokens, TextRoundTripsThroughTokenFiles) {
-  TempDir dir("roundtrip");
+  TempDir dir("tokens_roundtrip");
   const std::string text = sample_text(5000);
   write_file(dir.path / "in.txt", text);
   const auto r =
@@ -85,7 +77,7 @@ TEST(Tokens, TextRoundTripsThroughTokenFiles) {
 }
 
 TEST(Tokens, WindowsAreTheFileShiftedByOne) {
-  TempDir dir("shift");
+  TempDir dir("tokens_shift");
   write_file(dir.path / "in.txt", sample_text(3000));
   const auto r = write_byte_tokens((dir.path / "in.txt").string(), dir.path.string(), 0.5);
   TokenFile file(r.train_path);
@@ -111,7 +103,7 @@ TEST(Tokens, WindowsAreTheFileShiftedByOne) {
 }
 
 TEST(Tokens, RandomWindowsDependOnSeedAndIndexAlone) {
-  TempDir dir("random");
+  TempDir dir("tokens_random");
   // Token t is t: a window's first token is its start.
   std::vector<uint16_t> ids(4000);
   for (size_t t = 0; t < ids.size(); ++t) ids[t] = static_cast<uint16_t>(t);
@@ -145,7 +137,7 @@ TEST(Tokens, RandomWindowsDependOnSeedAndIndexAlone) {
 }
 
 TEST(Tokens, StridedWindowsCoverTheFile) {
-  TempDir dir("strided");
+  TempDir dir("tokens_strided");
   write_file(dir.path / "in.txt", sample_text(1001));
   const auto r = write_byte_tokens((dir.path / "in.txt").string(), dir.path.string(), 0.1);
   TokenFile file(r.train_path);  // 900 tokens
@@ -166,7 +158,7 @@ TEST(Tokens, StridedWindowsCoverTheFile) {
 }
 
 TEST(Tokens, BadFilesAreRefusedNamingThePath) {
-  TempDir dir("bad");
+  TempDir dir("tokens_bad");
   const std::string missing = (dir.path / "no_such.bin").string();
   expect_usage_error([&] { TokenFile f(missing); }, {missing, "scaletrain data text"});
   const std::string empty = (dir.path / "empty.bin").string();
@@ -192,7 +184,7 @@ TEST(Tokens, BadFilesAreRefusedNamingThePath) {
 
 // llm.c's shards: a header of 256 int32 (magic, version, count), then the uint16 ids.
 TEST(Tokens, ReadsLlmcShards) {
-  TempDir dir("llmc");
+  TempDir dir("tokens_llmc");
   std::vector<int32_t> header(256, 0);
   header[0] = 20240520;
   header[1] = 1;
@@ -212,7 +204,7 @@ TEST(Tokens, ReadsLlmcShards) {
 }
 
 TEST(Tokens, FolderIsReadInPathOrderWithoutTheOutputFolder) {
-  TempDir dir("folder");
+  TempDir dir("tokens_folder");
   write_file(dir.path / "text" / "b.txt", "BBBB");
   write_file(dir.path / "text" / "a.txt", "AAAA");
   write_file(dir.path / "text" / "sub" / "c.txt", "CCCC");
@@ -228,7 +220,7 @@ TEST(Tokens, FolderIsReadInPathOrderWithoutTheOutputFolder) {
 }
 
 TEST(Tokens, WriterRefusesBadInput) {
-  TempDir dir("writer");
+  TempDir dir("tokens_writer");
   const std::string missing = (dir.path / "missing.txt").string();
   expect_usage_error([&] { write_byte_tokens(missing, dir.path.string()); },
                      {missing, "no such file or folder"});
@@ -252,7 +244,7 @@ TEST(Tokens, DecodeRefusesIdsBeyondAByte) {
 }
 
 TEST(Tokens, DataTextCommandWritesTheFiles) {
-  TempDir dir("cli");
+  TempDir dir("tokens_cli");
   const std::string text = sample_text(2000);
   write_file(dir.path / "in.txt", text);
   const std::string out = (dir.path / "out").string();
@@ -284,20 +276,33 @@ std::vector<nlohmann::json> epochs_of(const fs::path& out) {
   return epochs;
 }
 
+// Token files that `scaletrain data text` writes into dir/data from generated text; "" (and a
+// failure) when the command fails.
+std::string text_files(const fs::path& dir) {
+  write_file(dir / "in.txt", sample_text(40000));
+  const std::string data = (dir / "data").string();
+  auto prepared = run_command(cli_path() + " data text --input " + (dir / "in.txt").string() +
+                              " --out " + data);
+  EXPECT_EQ(prepared.exit_code, 0) << prepared.output;
+  return prepared.exit_code == 0 ? data : "";
+}
+
+// `scaletrain train` of gpt-tiny on those files: 2 epochs of 512 windows, Adam.
+std::string gpt_train(const std::string& data, const std::string& out) {
+  return " train --device cpu --model gpt-tiny --dataset text --data-dir " + data +
+         " --no-progress --out " + out +
+         " --epochs 2 --limit-train 512 --limit-test 32 --batch-size 32 --optimizer adam"
+         " --lr 3e-3 --weight-decay 0";
+}
+
 // `scaletrain train --model gpt-tiny --dataset text`: the byte-level GPT learns the text under
 // DDP (2 processes), its loss the per-token cross entropy, from ln 256 = 5.55 at the start.
 TEST(Tokens, TrainCommandTrainsTheGptOnText) {
-  TempDir dir("train");
-  write_file(dir.path / "in.txt", sample_text(40000));
-  const std::string data = (dir.path / "data").string(), out = (dir.path / "run").string();
-  auto prepared = run_command(cli_path() + " data text --input " + (dir.path / "in.txt").string() +
-                              " --out " + data);
-  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-  const std::string common = " train --device cpu --model gpt-tiny --dataset text --data-dir " +
-                             data + " --no-progress --out " + out;
-  auto run = run_command(cli_path() + common +
-                         " --nproc-per-node 2 --epochs 2 --limit-train 512 --limit-test 32"
-                         " --batch-size 32 --optimizer adam --lr 3e-3 --weight-decay 0");
+  TempDir dir("tokens_train");
+  const std::string data = text_files(dir.path), out = (dir.path / "run").string();
+  ASSERT_FALSE(data.empty());
+  const std::string common = gpt_train(data, out);
+  auto run = run_command(cli_path() + common + " --nproc-per-node 2");
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const auto epochs = epochs_of(out);
   ASSERT_EQ(epochs.size(), 2u) << run.output;
@@ -327,16 +332,10 @@ TEST(Tokens, TrainCommandTrainsTheGptOnText) {
 // parallelism and clipping), learn, and write a model.pt of the whole model; bad degrees exit 2
 // naming the flag. (Transparency against one rank: tests/tensor_parallel_trainer_test.cpp.)
 TEST(Tokens, TrainCommandSplitsTheGptOverTensorParallelRanks) {
-  TempDir dir("train_tp");
-  write_file(dir.path / "in.txt", sample_text(40000));
-  const std::string data = (dir.path / "data").string(), out = (dir.path / "run").string();
-  auto prepared = run_command(cli_path() + " data text --input " + (dir.path / "in.txt").string() +
-                              " --out " + data);
-  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-  const std::string common = " train --device cpu --model gpt-tiny --dataset text --data-dir " +
-                             data + " --no-progress --out " + out +
-                             " --epochs 2 --limit-train 512 --limit-test 32 --batch-size 32"
-                             " --optimizer adam --lr 3e-3 --weight-decay 0";
+  TempDir dir("tokens_train_tp");
+  const std::string data = text_files(dir.path), out = (dir.path / "run").string();
+  ASSERT_FALSE(data.empty());
+  const std::string common = gpt_train(data, out);
   auto run = run_command(cli_path() + common +
                          " --nproc-per-node 2 --tp 2 --sequence-parallel --max-grad-norm 1"
                          " --checkpoint-blocks");

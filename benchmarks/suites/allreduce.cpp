@@ -73,9 +73,8 @@ int run_allreduce_worker(const std::string& csv_path, bool quick, int repeats,
       time("gloo", [&](const std::string& what) { d.all_reduce(t[0], ReduceOp::SUM, what); });
     }
     if ((comm->shared_memory() && wanted("shm")) || (hier && wanted("hier"))) {
-      time(hier ? "hier" : "shm", [&](const std::string& what) {
-        comm->all_reduce_sum(t[0], what).wait();
-      });
+      time(hier ? "hier" : "shm",
+           [&](const std::string& what) { comm->all_reduce_sum(t[0], what).wait(); });
     }
   }
   return 0;

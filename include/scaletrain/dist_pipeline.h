@@ -88,7 +88,7 @@ class DistPipeline {
 
  private:
   class Transfers;
-  class Step;  // one train_step's micro-batches and tasks
+  class Step;                       // one train_step's micro-batches and tasks
   int neighbour(int offset) const;  // the rank of stage + offset, or -1
   std::vector<at::Tensor> split(const at::Tensor& t, const char* what) const;
   struct Agreed {

@@ -54,12 +54,12 @@ struct Model {
 
 struct ModelOptions {
   int64_t num_classes = 10;
-  int64_t in_channels = 1;    // image models
-  int64_t in_features = 784;  // MLP
-  int64_t hidden = 256;       // MLP
-  double dropout = 0;         // MLP, GPT: the probability of its dropout
-  int64_t vocab_size = 0;     // GPT: the vocabulary (0: the size's own)
-  int64_t context = 0;        // GPT: the longest sequence (0: the size's own)
+  int64_t in_channels = 1;              // image models
+  int64_t in_features = 784;            // MLP
+  int64_t hidden = 256;                 // MLP
+  double dropout = 0;                   // MLP, GPT: the probability of its dropout
+  int64_t vocab_size = 0;               // GPT: the vocabulary (0: the size's own)
+  int64_t context = 0;                  // GPT: the longest sequence (0: the size's own)
   bool checkpoint_activations = false;  // GPT: each block recomputed in backward, its
                                         // activations not kept (activation_checkpoint.h)
   /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read
@@ -70,8 +70,8 @@ struct ModelOptions {
   bool model_optimizations = true;
 };
 
-/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small". Throws UsageError naming the known
-/// models for any other name.
+/// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small". Throws
+/// UsageError naming the known models for any other name.
 Model make_model(const std::string& name, const ModelOptions& options = {});
 
 /// The model as a torch::nn::Sequential of blocks whose chained forward equals the model's.

@@ -133,7 +133,8 @@ struct ParallelLinearOptions {
 /// this rank's slice and forward() communicates as the style says.
 class ParallelLinearImpl : public torch::nn::Cloneable<ParallelLinearImpl> {
  public:
-  ParallelLinearImpl(int64_t in, int64_t out) : ParallelLinearImpl(ParallelLinearOptions(in, out)) {}
+  ParallelLinearImpl(int64_t in, int64_t out)
+      : ParallelLinearImpl(ParallelLinearOptions(in, out)) {}
   explicit ParallelLinearImpl(const ParallelLinearOptions& options);
   void reset() override;
   at::Tensor forward(const at::Tensor& input);

@@ -300,8 +300,8 @@ struct TrainOptions : TrainerOptions {
   std::string lr_schedule = "none";  // "none", "step" (x gamma every step_size epochs), "cosine"
   int step_size = 2;
   double gamma = 0.5;
-  std::string init_weights;  // a state dict (Python's torch.save) to start from
-  double dropout = 0;        // mlp: its dropout's probability
+  std::string init_weights;        // a state dict (Python's torch.save) to start from
+  double dropout = 0;              // mlp: its dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
 };
 

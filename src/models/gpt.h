@@ -25,8 +25,8 @@ struct GPTConfig {
   int64_t n_layer = 2;
   int64_t n_head = 4;
   int64_t n_embd = 64;
-  double dropout = 0;     // attention and residual dropout
-  bool tied_head = true;  // the LM head is wte's weight (GPT-2); false: lm_head of its own
+  double dropout = 0;              // attention and residual dropout
+  bool tied_head = true;           // the LM head is wte's weight (GPT-2); false: lm_head of its own
   bool checkpoint_blocks = false;  // training: each block recomputed in backward
                                    // (activation_checkpoint.h), its activations not kept
 };

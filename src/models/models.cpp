@@ -314,7 +314,9 @@ Model make_model(const std::string& name, const ModelOptions& o) {
     Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); },
                 [m] { return m->blocks(); }};
     model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
-    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
+    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) {
+      return m->loss(out, y);
+    };
     model.after_backward = [m] { m->finish_gradients(); };
     model.output_split = true;
     return model;

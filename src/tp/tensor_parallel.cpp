@@ -27,7 +27,9 @@ struct GroupHolder : torch::CustomClassHolder {
   explicit GroupHolder(Dist d) : dist(std::move(d)) {}
   Dist dist;
 };
-c10::IValue hold(const Dist& d) { return c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(d)); }
+c10::IValue hold(const Dist& d) {
+  return c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(d));
+}
 const Dist& held(AutogradContext* ctx) {
   return static_cast<GroupHolder*>(ctx->saved_data.at("tp").toCapsule().get())->dist;
 }
@@ -144,8 +146,7 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
     return gathered(x, static_cast<GroupHolder*>(tp.toCapsule().get())->dist, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {slice_of(g[0], held(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
-            at::Tensor()};
+    return {slice_of(g[0], held(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -166,8 +167,8 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     auto bad = valid & ((t < 0) | (t >= vl * g.size()));
     if (bad.any().item<bool>()) {
       const int64_t at = bad.nonzero()[0][0].item<int64_t>();
-      throw Error("cross entropy: target " + std::to_string(t[at].item<int64_t>()) +
-                  " of token " + std::to_string(at) + " is outside the vocabulary [0, " +
+      throw Error("cross entropy: target " + std::to_string(t[at].item<int64_t>()) + " of token " +
+                  std::to_string(at) + " is outside the vocabulary [0, " +
                   std::to_string(vl * g.size()) + ") (ignore_index is " +
                   std::to_string(ignore_index) + ")");
     }
@@ -389,8 +390,7 @@ void ParallelEmbeddingImpl::parallelize(const Dist& tp, const ParallelStyle& sty
                                         const std::string& name) {
   const std::string who = name.empty() ? "a ParallelEmbedding" : "'" + name + "'";
   if (tp_) throw UsageError("tensor parallelism: " + who + " is split already");
-  if (style.kind != ParallelStyle::Kind::kVocab &&
-      style.kind != ParallelStyle::Kind::kReplicate) {
+  if (style.kind != ParallelStyle::Kind::kVocab && style.kind != ParallelStyle::Kind::kReplicate) {
     throw UsageError("tensor parallelism: " + who +
                      " is an Embedding: give it vocab_parallel() (colwise() and rowwise() are "
                      "for a ParallelLinear)");
@@ -496,8 +496,7 @@ void load_full_state(torch::nn::Module& module, const Dist& tp,
     }
     if (v.sizes() != p.value().sizes()) {
       throw UsageError("load_full_state: '" + p.key() + "' is " + c10::str(it->second.sizes()) +
-                       " in the state; this model's slice of it is " +
-                       c10::str(p.value().sizes()));
+                       " in the state; this model's slice of it is " + c10::str(p.value().sizes()));
     }
     p.value().copy_(v);
   }

@@ -11,13 +11,8 @@
 // stages' weights from replica 0 onto every rank (the file holds the whole model under PyTorch's
 // names) and each stage's optimizer state onto rank 0.
 
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
-
-#include <cstring>
 #include <optional>
 #include <set>
-#include <sstream>
 
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
@@ -140,22 +135,12 @@ class GridStrategy : public TrainStrategy {
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
     if (replica_ != 0) return nullptr;
-    if (stage_ == 0) {
-      state.tensors[optimizer_key(0)] = bytes_of(opt);
-      for (int s = 1; s < stages_; ++s) {
-        auto size = at::empty({1}, at::kLong);
-        dist_.recv(size, s, kOptimizerTag, "optimizer size of stage " + std::to_string(s));
-        auto bytes = at::empty({size.item<int64_t>()}, at::kByte);
-        dist_.recv(bytes, s, kOptimizerTag + 1, "optimizer of stage " + std::to_string(s));
-        state.tensors[optimizer_key(s)] = bytes;
-      }
-      state.values["grid/stages"] = layout();
-    } else {
-      auto bytes = bytes_of(opt);
-      auto size = at::full({1}, bytes.numel(), at::kLong);
-      dist_.send(size, 0, kOptimizerTag, "optimizer size to rank 0");
-      dist_.send(bytes, 0, kOptimizerTag + 1, "optimizer to rank 0");
+    // Replica 0's stages are ranks 0 … stages − 1.
+    auto all = bytes_to_rank_zero(dist_, optimizer_bytes(opt), stages_, kOptimizerTag, at::kCPU);
+    for (size_t s = 0; s < all.size(); ++s) {
+      state.tensors[optimizer_key(static_cast<int>(s))] = all[s];
     }
+    if (stage_ == 0) state.values["grid/stages"] = layout();
     return nullptr;  // the stages' states travel in `state`
   }
 
@@ -168,12 +153,7 @@ class GridStrategy : public TrainStrategy {
         bytes == state.tensors.end()) {
       return false;
     }
-    const auto t = bytes->second.contiguous();
-    std::istringstream in(
-        std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
-    torch::serialize::InputArchive ar;
-    ar.load_from(in);
-    opt.load(ar);
+    load_optimizer_bytes(opt, bytes->second);
     return true;
   }
 
@@ -207,17 +187,6 @@ class GridStrategy : public TrainStrategy {
       if (mine.count(p.unsafeGetTensorImpl())) out.push_back(p);
     }
     return out;
-  }
-
-  static at::Tensor bytes_of(const torch::optim::Optimizer& opt) {
-    torch::serialize::OutputArchive ar;
-    opt.save(ar);
-    std::ostringstream os;
-    ar.save_to(os);
-    const std::string s = os.str();
-    auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
-    std::memcpy(t.data_ptr(), s.data(), s.size());
-    return t;
   }
 
   Model& model_;

@@ -34,8 +34,11 @@
 #include <ATen/ops/stack.h>
 #include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -107,6 +110,46 @@ bool TrainStrategy::gradients_finite() {
   std::vector<at::Tensor> grads;
   for (auto& p : parameters()) grads.push_back(p.grad());
   return all_finite(grads);  // averaged gradients: the same bits on every rank
+}
+
+at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive ar;
+  opt.save(ar);
+  std::ostringstream out;
+  ar.save_to(out);
+  const std::string s = out.str();
+  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+void load_optimizer_bytes(torch::optim::Optimizer& opt, const at::Tensor& bytes) {
+  const auto t = bytes.contiguous();
+  std::istringstream in(
+      std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
+  torch::serialize::InputArchive ar;
+  ar.load_from(in);
+  opt.load(ar);
+}
+
+std::vector<at::Tensor> bytes_to_rank_zero(const Dist& dist, const at::Tensor& mine, int senders,
+                                           int tag, const at::Device& device) {
+  if (dist.rank() != 0) {
+    dist.send(at::full({1}, mine.numel(), at::kLong).to(device), 0, tag, "bytes' size to rank 0");
+    dist.send(mine.to(device), 0, tag + 1, "bytes to rank 0");
+    return {};
+  }
+  std::vector<at::Tensor> out = {mine};
+  for (int r = 1; r < senders; ++r) {
+    const std::string from = " from rank " + std::to_string(r);
+    auto size = at::empty({1}, at::TensorOptions(at::kLong).device(device));
+    dist.recv(size, r, tag, "bytes' size" + from);
+    auto bytes =
+        at::empty({size.cpu().item<int64_t>()}, at::TensorOptions(at::kByte).device(device));
+    dist.recv(bytes, r, tag + 1, "bytes" + from);
+    out.push_back(bytes.cpu());
+  }
+  return out;
 }
 
 double square_sum(const std::vector<at::Tensor>& tensors) {

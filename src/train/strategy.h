@@ -98,6 +98,15 @@ std::vector<at::Device> local_devices(const TrainerOptions& options);
 int64_t peak_memory(const at::Device& device);
 /// Whether every tensor is finite (undefined ones count as finite). One host sync.
 bool all_finite(const std::vector<at::Tensor>& tensors);
+/// An optimizer's state as bytes (its torch::serialize archive), for a checkpoint's tensors where
+/// each rank's or stage's optimizer has a place of its own; and back into `opt`.
+at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt);
+void load_optimizer_bytes(torch::optim::Optimizer& opt, const at::Tensor& bytes);
+/// Collective over ranks 0 … senders − 1: each one's `mine` (bytes, any length) gathered on rank
+/// 0, by rank, on the CPU; the other ranks send theirs (through `device`: NCCL carries device
+/// tensors only) and get nothing back. Point-to-point with tags `tag` and `tag` + 1.
+std::vector<at::Tensor> bytes_to_rank_zero(const Dist& dist, const at::Tensor& mine, int senders,
+                                           int tag, const at::Device& device);
 /// The sum of the squares of the defined tensors' elements, in float64 (one sync per device).
 double square_sum(const std::vector<at::Tensor>& tensors);
 

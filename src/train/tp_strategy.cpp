@@ -14,12 +14,7 @@
 // are counted once per rank, so each replica's are counted t times, numerators and denominators
 // alike: their ratios are the replicas' means.
 
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
-
-#include <cstring>
 #include <optional>
-#include <sstream>
 
 #include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
@@ -32,19 +27,9 @@ namespace scaletrain {
 namespace {
 
 const char* kMeshKey = "tensor_parallel/mesh";
+constexpr int kOptimizerTag = 1 << 20;  // point-to-point tags of the optimizer gather
 std::string optimizer_key(int rank) {
   return "tensor_parallel/optimizer/rank" + std::to_string(rank);
-}
-
-at::Tensor bytes_of(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive ar;
-  opt.save(ar);
-  std::ostringstream out;
-  ar.save_to(out);
-  const std::string s = out.str();
-  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
-  std::memcpy(t.data_ptr(), s.data(), s.size());
-  return t;
 }
 
 void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
@@ -164,20 +149,11 @@ class TensorParallelStrategy : public TrainStrategy {
   bool saved_optimizer_is_standard() const override { return false; }
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    // Every rank's bytes to every rank (the sizes first, then padded to the largest).
-    auto mine = bytes_of(opt);
-    auto sizes = dist_.all_gather(at::full({1}, mine.numel(), at::kLong).to(collective()));
-    int64_t longest = 0;
-    for (const auto& s : sizes) longest = std::max(longest, s.cpu().item<int64_t>());
-    auto padded = at::zeros({longest}, at::kByte);
-    padded.narrow(0, 0, mine.numel()).copy_(mine);
-    auto all = dist_.all_gather(padded.to(collective()));
-    for (int r = 0; r < dist_.size(); ++r) {
-      state.tensors[optimizer_key(r)] =
-          all[static_cast<size_t>(r)]
-              .cpu()
-              .narrow(0, 0, sizes[static_cast<size_t>(r)].cpu().item<int64_t>())
-              .clone();
+    // Every rank's bytes onto rank 0, which writes the checkpoint.
+    auto all =
+        bytes_to_rank_zero(dist_, optimizer_bytes(opt), dist_.size(), kOptimizerTag, collective());
+    for (size_t r = 0; r < all.size(); ++r) {
+      state.tensors[optimizer_key(static_cast<int>(r))] = all[r];
     }
     state.values[kMeshKey] = mesh_.describe();
     return nullptr;
@@ -189,12 +165,7 @@ class TensorParallelStrategy : public TrainStrategy {
         bytes == state.tensors.end()) {
       return false;
     }
-    const auto t = bytes->second.contiguous();
-    std::istringstream in(
-        std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
-    torch::serialize::InputArchive ar;
-    ar.load_from(in);
-    opt.load(ar);
+    load_optimizer_bytes(opt, bytes->second);
     return true;
   }
 

@@ -40,8 +40,9 @@ void validate_trainer_numbers(const TrainerOptions& o) {
   require(o.max_grad_norm >= 0 && std::isfinite(o.max_grad_norm), "--max-grad-norm",
           o.max_grad_norm, "0 (no clipping) or a positive norm");
   if (o.max_grad_norm > 0 && o.amp == "fp16") {
-    throw UsageError("--max-grad-norm with --amp fp16 is not supported yet (the loss scale is "
-                     "in the gradients); use --amp bf16 or none");
+    throw UsageError(
+        "--max-grad-norm with --amp fp16 is not supported yet (the loss scale is "
+        "in the gradients); use --amp bf16 or none");
   }
 }
 

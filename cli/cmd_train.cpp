@@ -30,6 +30,18 @@ bool inside_a_job() {
   return false;
 }
 
+// The last checkpoint, and what the steps waited for the checkpoints.
+std::string checkpoint_line(const TrainOptions& o, const TrainResult& r) {
+  if (r.last_checkpoint.empty() || !std::filesystem::exists(r.last_checkpoint)) {
+    return "(none written)";
+  }
+  std::ostringstream s;
+  s << r.last_checkpoint << " (" << r.checkpoints << " written"
+    << (o.async_checkpoint ? " in the background" : "") << "; the steps waited " << std::fixed
+    << std::setprecision(2) << r.checkpoint_seconds << " s for them)";
+  return s.str();
+}
+
 void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
   double mean = r.epoch_seconds.empty()
                     ? 0
@@ -64,11 +76,7 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
                     ? ", " + std::to_string(std::llround(r.tokens_per_second)) + " tokens/s"
                     : std::string())
             << "\n"
-            << devices.str() << "  checkpoint      "
-            << (!r.last_checkpoint.empty() && std::filesystem::exists(r.last_checkpoint)
-                    ? r.last_checkpoint
-                    : std::string("(none written)"))
-            << "\n"
+            << devices.str() << "  checkpoint      " << checkpoint_line(o, r) << "\n"
             << "  weights         " << r.weights_path << " (torch.load in Python)\n"
             << "  metrics         " << r.metrics_path
             << (o.tensorboard ? " (tensorboard --logdir " + o.out_dir + ")" : std::string())
@@ -261,6 +269,8 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "full (one file, gathered to rank 0) or sharded (zero1, zero2, fsdp: each rank "
                   "writes its shard; resumes at any world size)")
       ->capture_default_str();
+  cmd->add_flag("--async-checkpoint", o.async_checkpoint,
+                "Write checkpoints in the background: the steps wait only for a copy in memory");
   cmd->add_option("--resume", o.resume, "auto, none, or a checkpoint file")->capture_default_str();
   cmd->add_flag("--overwrite", o.overwrite,
                 "--out holds another run: delete its checkpoints, metrics, event files, model.pt "

@@ -51,7 +51,7 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
 
 INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
                          ::testing::Values("pipeline-memory", "loader", "pipeline-ranks",
-                                           "transformer"));
+                                           "transformer", "checkpoint"));
 
 }  // namespace
 }  // namespace scaletrain

@@ -169,8 +169,37 @@ INSTANTIATE_TEST_SUITE_P(
                "gpt-tiny"},
         Resume{"dp2_tp2", 4,
                "--strategy ddp --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
-               "gpt-tiny"}),
+               "gpt-tiny"},
+        // Checkpoints written in the background: the kill at step 9 may come while step 8's
+        // file is still being written (then the resume starts from step 6), and either way
+        // the run ends as the straight one.
+        Resume{"ddp2_async", 2, "--strategy ddp --async-checkpoint --optimizer adam"},
+        Resume{"grid_async", 2,
+               "--strategy grid --pipeline-stages 2 --chunks 2 --async-checkpoint"},
+        Resume{"fsdp_sharded_async", 2,
+               "--strategy fsdp --checkpoint-format sharded --async-checkpoint"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
+
+// The same run with checkpoints written in the background gives the same files: every
+// checkpoint holds the same weights, and model.pt is the same byte for byte.
+TEST(Checkpoint, AsyncCheckpointsEqualSynchronousOnes) {
+  TempDir sync("sync_ckpt"), async("async_ckpt");
+  auto a = run_command(cli_path() + train_cmd(sync.path) + " --optimizer adam --keep 10");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_command(cli_path() + train_cmd(async.path) +
+                       " --optimizer adam --keep 10 --async-checkpoint");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  // Steps 2, 4, ..., 12, and the ends of the two epochs (steps 6 and 12 again, past the epoch).
+  EXPECT_NE(b.output.find("8 written in the background"), std::string::npos) << b.output;
+  EXPECT_EQ(contents_of(async.path).at("model.pt"), contents_of(sync.path).at("model.pt"));
+  for (int step : {2, 4, 6, 8, 10, 12}) {
+    const auto name = "ckpt-" + std::to_string(step) + ".st";
+    ASSERT_TRUE(fs::exists(async.path / name)) << name;
+    auto x = params_of((sync.path / name).string()), y = params_of((async.path / name).string());
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << name << " " << i;
+  }
+}
 
 TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   TempDir dir("ckpt");

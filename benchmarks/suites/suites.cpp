@@ -112,6 +112,10 @@ const std::vector<Suite>& suites() {
        "vs PyTorch's Python path side by side: DDP, tensor parallel 2, tensor + sequence "
        "parallel 2",
        run_transformer},
+      {"checkpoint",
+       "a 123M-parameter model with Adam: what a checkpoint costs the step loop, "
+       "synchronous save vs background save (AsyncCheckpointer)",
+       run_checkpoint},
   };
   return all;
 }

@@ -6,7 +6,10 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <exception>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,6 +60,58 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& state,
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             const torch::nn::Module& model, const torch::optim::Optimizer* opt,
                             int keep);
+
+struct AsyncCheckpointOptions {
+  /// Called on the writer thread with the checkpoint's path before it serialises the snapshot:
+  /// for tests that change the model meanwhile.
+  std::function<void(const std::string& path)> before_serialize;
+  /// Called on the writer thread with the temporary file's path once it is written and synced,
+  /// just before it is renamed to the checkpoint's name: for tests of a crash at that moment.
+  std::function<void(const std::string& temporary)> before_rename;
+};
+
+/// Writes checkpoints in the background (PyTorch DCP's async_save): save() blocks only while it
+/// takes a snapshot in memory (copies of the model's parameters and buffers, of the optimizer's
+/// state and of TrainingState's tensors, on the CPU), and a thread of its own serialises it and
+/// writes the file as save_checkpoint() does (atomically, with its CRC, pruning the run's older
+/// files). The training may change the model and optimizer as soon as save() returns. One write
+/// at a time: save() first waits for the previous write. A crash during a write leaves the
+/// previous checkpoint as it was (and no file under the new one's name).
+///
+/// The optimizer's state is copied tensor by tensor for torch::optim::SGD, Adam and AdamW; any
+/// other optimizer's state is serialised within save() itself (correct, but the step loop then
+/// waits for that serialisation too). A write that fails is thrown (as the Error that
+/// save_checkpoint() would throw) from the next save() or wait(); the destructor waits for the
+/// write in progress and reports a failure on stderr.
+class AsyncCheckpointer {
+ public:
+  explicit AsyncCheckpointer(AsyncCheckpointOptions options = {});
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  /// As save_checkpoint(), in the background; returns the path the file will have.
+  std::string save(const std::string& dir, const TrainingState& state,
+                   const torch::nn::Module& model, const torch::optim::Optimizer* opt, int keep);
+  /// Waits for the write in progress, if any; throws its failure.
+  void wait();
+  /// Whether a write is in progress.
+  bool busy() const;
+  /// The newest checkpoint this writer has finished writing; "" before the first.
+  std::string last_written() const;
+
+  /// Where the last save() spent its time, in seconds: waiting for the write before it, and
+  /// taking the snapshot (together, what the step loop waited); and the write itself
+  /// (serialising and writing the file in the background; set when it ends).
+  struct Timing {
+    double waited = 0, snapshot = 0, write = 0;
+  };
+  Timing timing() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Reads a checkpoint into `model` and `opt` (tensors are copied onto the devices the model's
 /// own parameters are on, whatever device they were saved from), and returns the rest of the

@@ -205,6 +205,10 @@ struct TrainerOptions {
   int checkpoint_every = 0;  // steps; 0: only at the end of each epoch
   int keep = 3;              // checkpoints kept
   CheckpointFormat checkpoint_format = CheckpointFormat::kFull;
+  // Checkpoints written in the background (AsyncCheckpointer, checkpoint.h): the steps wait only
+  // for a copy in memory; the file is on disk before the next checkpoint and before train()
+  // returns. StepReport::checkpointed then means "taken, being written".
+  bool async_checkpoint = false;
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
   bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
                                 // (without it, such a folder is refused unless resumed)
@@ -259,6 +263,8 @@ struct TrainResult {
   double tokens_per_second = 0;   // sequences: samples_per_second × the targets per sample
   int64_t global_step = 0;
   std::string last_checkpoint;
+  int64_t checkpoints = 0;        // written by this run (on this rank, or gathered to rank 0)
+  double checkpoint_seconds = 0;  // what the training waited for them (gathers included)
   std::string metrics_path;
   std::string weights_path;           // model.pt (rank 0)
   std::string device;                 // this rank's (the first of dp's and pipeline's)

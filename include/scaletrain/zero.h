@@ -174,9 +174,13 @@ class ShardedDataParallel {
 
   /// Collective: writes this rank's shard of the parameters and of the optimizer's state (SGD,
   /// Adam, AdamW) with `state` to `dir/world-<N>/rank-<r>/ckpt-<step>.st` (N: the world size)
-  /// (atomic, CRC; keeps the newest `keep` of the run's). Returns this rank's path.
+  /// (atomic, CRC; keeps the newest `keep` of the run's). Returns this rank's path. Every rank's
+  /// file is on disk when it returns; with a `writer`, each rank's is written in the background
+  /// instead (AsyncCheckpointer: on disk when its wait() or next save() returns, and a step whose
+  /// files are not all there is not a complete checkpoint to load).
   std::string save(const std::string& dir, const TrainingState& state,
-                   const torch::optim::Optimizer& opt, int keep) const;
+                   const torch::optim::Optimizer& opt, int keep,
+                   AsyncCheckpointer* writer = nullptr) const;
   /// Collective: loads the sharded checkpoint of `global_step` in `dir`, saved at any world size
   /// (resharding: every rank reads every saved shard and takes its own slice), into the shards
   /// and `opt`. Throws Error naming the file for a missing or damaged shard, UsageError for

@@ -32,7 +32,8 @@ std::string temporary_path(const std::string& path) {
   return path + "." + std::to_string(::getpid()) + "-" + std::to_string(g_count++) + ".tmp";
 }
 
-void write_atomically(const std::string& path, std::string_view bytes, const std::string& what) {
+void write_atomically(const std::string& path, std::string_view bytes, const std::string& what,
+                      const std::function<void(const std::string&)>& before_rename) {
   const std::string tmp = temporary_path(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -42,6 +43,7 @@ void write_atomically(const std::string& path, std::string_view bytes, const std
   const bool written = write_all(fd, bytes) && ::fsync(fd) == 0;
   const int err = errno;
   ::close(fd);
+  if (written && before_rename) before_rename(tmp);
   if (!written || ::rename(tmp.c_str(), path.c_str()) != 0) {
     const int cause = written ? errno : err;
     ::unlink(tmp.c_str());

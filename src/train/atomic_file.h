@@ -5,6 +5,7 @@
 // path at once never collide (the last rename wins whole), and a failed write removes its
 // temporary before it throws: nothing but the target is ever left.
 
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -15,7 +16,9 @@ std::string temporary_path(const std::string& path);
 
 /// Writes `bytes` to `path` atomically and durably (file and folder synced). Throws Error naming
 /// `what` and `path` (and the fix: a writable folder, space on the disk) on any failure, with
-/// the temporary file removed.
-void write_atomically(const std::string& path, std::string_view bytes, const std::string& what);
+/// the temporary file removed. `before_rename`, when set, is called with the temporary's path once
+/// it is written and synced, just before the rename (a test of a crash at that moment).
+void write_atomically(const std::string& path, std::string_view bytes, const std::string& what,
+                      const std::function<void(const std::string&)>& before_rename = nullptr);
 
 }  // namespace scaletrain

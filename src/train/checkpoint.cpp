@@ -18,6 +18,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "train/atomic_file.h"
+#include "train/checkpoint_io.h"
 
 namespace scaletrain {
 namespace {
@@ -106,15 +107,15 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   return save_checkpoint(dir, s, model, &opt, keep);
 }
 
-std::string save_checkpoint(const std::string& dir, const TrainingState& s,
-                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
-                            int keep) {
-  if (!valid_run_id(s.run_id)) {
-    throw UsageError("checkpoint run id '" + s.run_id +
+void check_run_id(const std::string& run_id) {
+  if (!valid_run_id(run_id)) {
+    throw UsageError("checkpoint run id '" + run_id +
                      "' must be 1 to 128 letters, digits, '-' or '_'");
   }
-  std::error_code ec;
-  fs::create_directories(dir, ec);
+}
+
+std::string checkpoint_payload(const TrainingState& s, const NamedTensors& parameters,
+                               const NamedTensors& buffers, const torch::optim::Optimizer* opt) {
   torch::serialize::OutputArchive ar;
   ar.write("model_name", c10::IValue(s.model_name));
   ar.write("epoch", c10::IValue(s.epoch));
@@ -125,8 +126,8 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   // own count, is what files of scaletrain before it hold.
   ar.write("sampler_global_position", c10::IValue(s.sampler.position));
   ar.write("sampler_dataset_size", c10::IValue(s.sampler.dataset_size));
-  for (auto& p : model.named_parameters()) ar.write("model." + p.key(), p.value().detach().cpu());
-  for (auto& b : model.named_buffers()) ar.write("model." + b.key(), b.value().cpu(), true);
+  for (auto& [name, t] : parameters) ar.write("model." + name, t.detach().cpu());
+  for (auto& [name, t] : buffers) ar.write("model." + name, t.cpu(), true);
   for (auto& [name, t] : s.tensors) ar.write("extra.tensor." + name, t.detach().cpu(), true);
   for (auto& [name, v] : s.values) ar.write("extra.value." + name, c10::IValue(v));
   if (opt != nullptr) {
@@ -136,22 +137,29 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
   }
   std::ostringstream payload;
   ar.save_to(payload);
-  const std::string body = payload.str();
+  return payload.str();
+}
 
-  const std::string final_path = checkpoint_path(dir, s.global_step);
+std::string commit_checkpoint(const std::string& dir, int64_t global_step,
+                              const std::string& run_id, const std::string& body, int keep,
+                              const std::function<void(const std::string&)>& before_rename) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const std::string final_path = checkpoint_path(dir, global_step);
   char header[64];
   std::snprintf(header, sizeof(header), "crc32 %08x size %zu run ", crc_of(body), body.size());
-  std::string file = std::string(kMagic) + "\n" + header + s.run_id + "\n";
+  std::string file = std::string(kMagic) + "\n" + header + run_id + "\n";
   file += body;
   // Each writer its own temporary (every rank may call this; the last rename wins whole), and
   // a failed write leaves none behind.
-  write_atomically(final_path, file, "a checkpoint (choose another folder with --out?)");
+  write_atomically(final_path, file, "a checkpoint (choose another folder with --out?)",
+                   before_rename);
   // Prune this run's checkpoints only: a folder may hold another run's, which are not ours to
   // delete (docs/checkpoint.md).
   std::vector<fs::path> ours;
   for (auto& e : fs::directory_iterator(dir)) {
     if (e.path().extension() == ".st" && step_of(e.path()) >= 0 &&
-        checkpoint_run(e.path().string()) == s.run_id) {
+        checkpoint_run(e.path().string()) == run_id) {
       ours.push_back(e.path());
     }
   }
@@ -160,6 +168,27 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
     fs::remove(ours[i], ec);
   }
   return final_path;
+}
+
+NamedTensors named_parameters_of(const torch::nn::Module& model) {
+  NamedTensors out;
+  for (auto& p : model.named_parameters()) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
+NamedTensors named_buffers_of(const torch::nn::Module& model) {
+  NamedTensors out;
+  for (auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+std::string save_checkpoint(const std::string& dir, const TrainingState& s,
+                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                            int keep) {
+  check_run_id(s.run_id);
+  const std::string body =
+      checkpoint_payload(s, named_parameters_of(model), named_buffers_of(model), opt);
+  return commit_checkpoint(dir, s.global_step, s.run_id, body, keep, nullptr);
 }
 
 std::optional<std::string> checkpoint_run(const std::string& path) {

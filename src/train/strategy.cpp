@@ -188,7 +188,7 @@ const torch::optim::Optimizer* TrainStrategy::saved_optimizer(torch::optim::Opti
 }
 
 std::string TrainStrategy::save_sharded(const std::string&, const TrainingState&,
-                                        const torch::optim::Optimizer&, int) {
+                                        const torch::optim::Optimizer&, int, AsyncCheckpointer*) {
   throw UsageError(
       "sharded checkpoints are written by the sharded strategies (zero1, zero2, "
       "fsdp) only");

@@ -85,6 +85,7 @@ class Run {
   double step(const Batch& b, bool last_micro, int64_t epoch);
   std::map<std::string, double> evaluate();
   void save(int64_t epoch, int64_t step_in_epoch);
+  void save_now(int64_t epoch, int64_t step_in_epoch);
   void restore_rank_state();
   void check_model_takes(const Batch& sample);
   void report_differences(const TrainingState& saved);
@@ -119,6 +120,8 @@ class Run {
   double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
   double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
   int64_t loss_n_ = 0;
+  // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
+  std::unique_ptr<AsyncCheckpointer> writer_;
 };
 
 // Regression (TimeBalanceChangedOnResume): a grid with --balance auto or time measures its
@@ -143,6 +146,7 @@ void Run::setup() {
   // Rank 0 owns the folder for the run (Note [Folder owner] in run_folder.cpp); a second run
   // is refused here, naming this one.
   if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
+  if (o_.async_checkpoint) writer_ = std::make_unique<AsyncCheckpointer>();
   start_ = plan_run_start(o_);
   keep_checkpoint_balance();
   seed_ = o_.seed;
@@ -498,6 +502,13 @@ std::map<std::string, double> Run::evaluate() {
 }
 
 void Run::save(int64_t epoch, int64_t step_in_epoch) {
+  const auto t0 = Clock::now();
+  save_now(epoch, step_in_epoch);
+  r_.checkpoint_seconds += since(t0);
+  ++r_.checkpoints;
+}
+
+void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   const bool sharded = o_.checkpoint_format == CheckpointFormat::kSharded;
   if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
   if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
@@ -516,11 +527,15 @@ void Run::save(int64_t epoch, int64_t step_in_epoch) {
     for (const auto& [k, t] : scaler->state()) state_.tensors["scaler/" + k] = t;
   }
   if (sharded) {
-    r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep);
+    r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep, writer_.get());
     return;
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
-  if (d_.rank() == 0) save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
+  if (d_.rank() == 0 && writer_) {
+    writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
+  } else if (d_.rank() == 0) {
+    save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
+  }
   r_.last_checkpoint = checkpoint_path(o_.out_dir, state_.global_step);
 }
 
@@ -540,6 +555,7 @@ void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double 
 }
 
 void Run::finish() {
+  if (writer_) writer_->wait();  // the last checkpoint is on disk (or its failure thrown)
   strategy_->end_epoch();
   strategy_->gather_weights();
   if (!all_finite(model_.module->parameters())) {

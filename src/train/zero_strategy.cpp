@@ -84,8 +84,9 @@ class ZeroStrategy : public TrainStrategy {
     return true;
   }
   std::string save_sharded(const std::string& dir, const TrainingState& state,
-                           const torch::optim::Optimizer& opt, int keep) override {
-    return zero_->save(dir, state, opt, keep);
+                           const torch::optim::Optimizer& opt, int keep,
+                           AsyncCheckpointer* writer) override {
+    return zero_->save(dir, state, opt, keep, writer);
   }
   TrainingState load_sharded(const std::string& dir, int64_t step,
                              torch::optim::Optimizer& opt) override {

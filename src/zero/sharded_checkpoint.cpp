@@ -160,7 +160,8 @@ void ShardedDataParallel::load_full_optimizer_state(
 }
 
 std::string ShardedDataParallel::save(const std::string& dir, const TrainingState& state,
-                                      const torch::optim::Optimizer& opt, int keep) const {
+                                      const torch::optim::Optimizer& opt, int keep,
+                                      AsyncCheckpointer* writer) const {
   const auto kind = optimizer_kind(opt);
   if (kind.empty()) {
     throw UsageError("rank " + std::to_string(dist_.rank()) +
@@ -186,7 +187,9 @@ std::string ShardedDataParallel::save(const std::string& dir, const TrainingStat
   }
   s.values["zero/units"] = join(units);
   torch::nn::Module none;
-  auto path = save_checkpoint(shard_dir(dir, dist_.size(), dist_.rank()), s, none, nullptr, keep);
+  const auto own = shard_dir(dir, dist_.size(), dist_.rank());
+  if (writer != nullptr) return writer->save(own, s, none, nullptr, keep);
+  auto path = save_checkpoint(own, s, none, nullptr, keep);
   dist_.barrier();  // every shard is on disk when save() returns
   return path;
 }

@@ -112,5 +112,120 @@ TEST(FormatFlops, ThreeDigitsUnderThePrefix) {
   EXPECT_EQ(format_flops(0), "0 FLOP/s");
 }
 
+// ---- The trainer's MFU -------------------------------------------------------------------------
+
+ModelOptions gpt_options() {
+  ModelOptions o;
+  o.vocab_size = 16;
+  o.context = 8;
+  return o;
+}
+
+// 64 windows of 8 tokens and their next tokens, for gpt-tiny; or the same for a model that
+// states no FLOPs.
+TrainTask token_task(bool with_flops) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto tokens = at::randint(0, 16, {64, 9}, g, at::kLong);
+  Dataset data{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
+  TrainTask t;
+  t.train_data = in_memory(data);
+  t.test_data = in_memory(data, 16);
+  t.model = [with_flops] {
+    Model m = make_model("gpt-tiny", gpt_options());
+    if (!with_flops) m.flops_per_sample = 0;
+    return m;
+  };
+  return t;
+}
+
+TrainerOptions options(const std::filesystem::path& out) {
+  TrainerOptions o;
+  o.epochs = 1;
+  o.batch_size = 16;
+  o.progress = false;
+  o.tensorboard = false;
+  o.out_dir = out.string();
+  o.resume = "none";
+  o.device = "cpu";
+  return o;
+}
+
+std::vector<TrainResult> train_ranks(int n, const TrainTask& task, const TrainerOptions& o) {
+  std::vector<TrainResult> results(static_cast<size_t>(n));
+  auto errors = testing::run_ranks(
+      n, [&](Dist& d) { results[static_cast<size_t>(d.rank())] = train(task, o, d); });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(n)));
+  return results;
+}
+
+// The achieved FLOPs are the model's per sample times the samples/s, to rounding.
+void expect_achieved(const TrainResult& r) {
+  const double want = 8.0 * 619008 * r.samples_per_second;
+  EXPECT_GT(r.samples_per_second, 0);
+  EXPECT_NEAR(r.model_flops_per_second, want, 1e-12 * want);
+}
+
+TEST(TrainerMfu, GptOnTheCpuIsMeasuredAgainstTheMatmulPeak) {
+  TempDir dir("mfu_measured");
+  const auto r = train_ranks(1, token_task(true), options(dir.path))[0];
+  expect_achieved(r);
+  EXPECT_TRUE(r.peak_measured);
+  EXPECT_GT(r.peak_flops, 0);
+  EXPECT_TRUE(std::isfinite(r.peak_flops));
+  EXPECT_GT(r.mfu, 0);
+  EXPECT_NEAR(r.mfu, r.model_flops_per_second / r.peak_flops, 1e-12 * r.mfu);
+}
+
+// Two ranks: the achieved FLOPs are the world's, against two ranks' peaks.
+TEST(TrainerMfu, TheRanksTogetherAgainstEveryRanksPeak) {
+  TempDir dir("mfu_two_ranks");
+  for (const auto& r : train_ranks(2, token_task(true), options(dir.path))) {
+    expect_achieved(r);
+    EXPECT_TRUE(r.peak_measured);
+    EXPECT_GT(r.mfu, 0);
+    EXPECT_NEAR(r.mfu, r.model_flops_per_second / (2 * r.peak_flops), 1e-12 * r.mfu);
+  }
+}
+
+TEST(TrainerMfu, AGivenPeakIsUsedAsItIs) {
+  TempDir dir("mfu_given");
+  auto o = options(dir.path);
+  o.peak_flops = 5e9;
+  const auto r = train_ranks(1, token_task(true), o)[0];
+  expect_achieved(r);
+  EXPECT_FALSE(r.peak_measured);
+  EXPECT_EQ(r.peak_flops, 5e9);
+  EXPECT_NEAR(r.mfu, r.model_flops_per_second / 5e9, 1e-12 * r.mfu);
+}
+
+TEST(TrainerMfu, AModelWithoutFlopsReportsNone) {
+  TempDir dir("mfu_none");
+  const auto r = train_ranks(1, token_task(false), options(dir.path))[0];
+  EXPECT_GT(r.samples_per_second, 0);
+  EXPECT_EQ(r.model_flops_per_second, 0);
+  EXPECT_EQ(r.mfu, 0);
+  EXPECT_EQ(r.peak_flops, 0) << "nothing is measured for a model without FLOPs";
+  EXPECT_FALSE(r.peak_measured);
+}
+
+TEST(TrainerMfu, ABadPeakIsRefusedNamingTheFlag) {
+  TempDir dir("mfu_bad_peak");
+  for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    auto o = options(dir.path);
+    o.peak_flops = bad;
+    try {
+      validate(o, 1);
+      FAIL() << "peak_flops " << bad << " was taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("--peak-flops"), std::string::npos) << e.what();
+    }
+  }
+  auto cli = testing::run_command(testing::cli_path() +
+                                  " train --device cpu --dataset synthetic --peak-flops -1 --out " +
+                                  (dir.path / "run").string());
+  EXPECT_EQ(cli.exit_code, 2) << cli.output;
+  EXPECT_NE(cli.output.find("--peak-flops -1 must be"), std::string::npos) << cli.output;
+}
+
 }  // namespace
 }  // namespace scaletrain

@@ -16,6 +16,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
+#include "scaletrain/flops.h"
 #include "scaletrain/launch.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/version.h"
@@ -40,6 +41,23 @@ std::string checkpoint_line(const TrainOptions& o, const TrainResult& r) {
     << (o.async_checkpoint ? " in the background" : "") << "; the steps waited " << std::fixed
     << std::setprecision(2) << r.checkpoint_seconds << " s for them)";
   return s.str();
+}
+
+// The MFU line (flops.h): "" for a model that states no FLOPs.
+std::string mfu_line(const TrainResult& r) {
+  if (r.model_flops_per_second <= 0) return "";
+  std::ostringstream line;
+  line << "  MFU             ";
+  if (r.mfu <= 0) {
+    line << "unknown (model " << format_flops(r.model_flops_per_second)
+         << "; give --peak-flops, a device's peak FLOP/s)\n";
+    return line.str();
+  }
+  line << std::fixed << std::setprecision(1) << 100 * r.mfu << "% (model "
+       << format_flops(r.model_flops_per_second) << " of a "
+       << (r.peak_measured ? "measured " : "given ") << format_flops(r.peak_flops)
+       << (r.peak_measured ? " fp32 matmul peak per rank)\n" : " peak per device)\n");
+  return line.str();
 }
 
 void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
@@ -76,7 +94,7 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
                     ? ", " + std::to_string(std::llround(r.tokens_per_second)) + " tokens/s"
                     : std::string())
             << "\n"
-            << devices.str() << "  checkpoint      " << checkpoint_line(o, r) << "\n"
+            << mfu_line(r) << devices.str() << "  checkpoint      " << checkpoint_line(o, r) << "\n"
             << "  weights         " << r.weights_path << " (torch.load in Python)\n"
             << "  metrics         " << r.metrics_path
             << (o.tensorboard ? " (tensorboard --logdir " + o.out_dir + ")" : std::string())
@@ -175,6 +193,10 @@ void add_model_flags(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--image-size", o.image_size, "Crop size of --dataset folder images")
       ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--peak-flops", o.peak_flops,
+                  "One device's peak FLOP/s for the MFU in the summary, e.g. 989e12 (0: measured "
+                  "by a short fp32 matmul on the CPU; unknown on CUDA)")
+      ->capture_default_str();
   cmd->add_option("--amp", o.amp,
                   "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). zero1, zero2, fsdp: "
                   "bf16 parameters over fp32 master shards")

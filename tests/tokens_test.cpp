@@ -316,6 +316,9 @@ TEST(Tokens, TrainCommandTrainsTheGptOnText) {
               1e-9 * epochs[1]["test_perplexity"].get<double>());
   EXPECT_LT(epochs[1]["test_perplexity"].get<double>(), 256) << "better than no guess at all";
   EXPECT_NE(run.output.find(" tokens/s"), std::string::npos) << run.output;
+  // The model FLOPs utilisation, against the measured matmul peak of the CPU (flops.h).
+  EXPECT_NE(run.output.find("  MFU             "), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find(" fp32 matmul peak per rank)"), std::string::npos) << run.output;
 
   auto images = run_command(cli_path() + common + " --model lenet");
   EXPECT_EQ(images.exit_code, 2) << images.output;

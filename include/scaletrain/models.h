@@ -50,6 +50,11 @@ struct Model {
       nullptr;
   std::function<void()> after_backward = nullptr;
   bool output_split = false;
+  /// Training FLOPs (forward and backward) of one sample, for the trainer's model FLOPs
+  /// utilisation (TrainResult::mfu): the whole model's, however a strategy splits it, and
+  /// without what activation checkpointing recomputes. 0: unknown (no MFU is reported). The
+  /// zoo's GPTs set it (6·N + 12·L·H·Q·T per token, times the context; docs/training.md).
+  int64_t flops_per_sample = 0;
 };
 
 struct ModelOptions {

@@ -28,7 +28,8 @@
 // DistributedSampler slice of the data per epoch, loaded by background threads; the strategy's
 // step; the optimizer; the learning-rate scheduler once per epoch; the metrics on the test data,
 // exact (padding excluded, summed over the ranks); checkpoints with exact resume; metrics.jsonl
-// and TensorBoard; a progress bar; a summary with the peak memory and parameters per device.
+// and TensorBoard; a progress bar; a summary with the peak memory and parameters per device,
+// and the model FLOPs utilisation where the model states its FLOPs (flops.h).
 //
 // Files under `out_dir`: ckpt-<step>.st (checkpoints, docs/checkpoint.md: the model's weights
 // under PyTorch's names whatever the strategy), metrics.jsonl (docs/training.md),
@@ -246,6 +247,10 @@ struct TrainerOptions {
   // (Model::parallelize) over its tp ranks, and DDP averages over dp. 1: no split.
   int tensor_parallel = 1;
   bool sequence_parallel = false;  // with tensor_parallel > 1: LayerNorms etc. on a sequence slice
+  // The peak FLOP/s of one device, for TrainResult::mfu (flops.h): the data sheet's dense figure
+  // for the precision trained in. 0: unknown, so measured on the CPU (a short fp32 matmul per
+  // rank before training), and on CUDA no MFU (never guessed).
+  double peak_flops = 0;
 };
 
 struct DeviceReport {
@@ -261,6 +266,15 @@ struct TrainResult {
   std::vector<double> epoch_seconds;
   double samples_per_second = 0;  // training samples over all ranks
   double tokens_per_second = 0;   // sequences: samples_per_second × the targets per sample
+  // Model FLOPs utilisation (flops.h, docs/training.md), where the model states its FLOPs
+  // (Model::flops_per_sample; 0 otherwise): achieved = flops_per_sample × samples_per_second
+  // (all ranks), against peak_flops per device × the devices (the ranks × this rank's distinct
+  // devices). peak_flops: TrainerOptions::peak_flops, or on the CPU the fp32 matmul rate
+  // measured per rank (peak_measured; the mean of the ranks', which measured at once); 0 unknown.
+  double model_flops_per_second = 0;
+  double peak_flops = 0;
+  bool peak_measured = false;
+  double mfu = 0;  // model_flops_per_second / (peak_flops × devices); 0 when either is unknown
   int64_t global_step = 0;
   std::string last_checkpoint;
   int64_t checkpoints = 0;        // written by this run (on this rank, or gathered to rank 0)

@@ -93,6 +93,19 @@ GPTConfig gpt_config(const std::string& name) {
   throw UsageError("unknown GPT size '" + name + "'; use gpt-tiny or gpt2-small");
 }
 
+int64_t gpt_flops_parameters(const GPTConfig& c) {
+  const int64_t w = c.n_embd;
+  // Per block: ln_1 and ln_2 (2·C each), c_attn (C·3C + 3C), attn.c_proj (C·C + C), mlp.c_fc
+  // (C·4C + 4C), mlp.c_proj (4C·C + C): 12·C² + 13·C. Then ln_f (2·C) and the head (V·C).
+  const int64_t block = 12 * w * w + 13 * w;
+  return c.n_layer * block + 2 * w + c.vocab_size * w;
+}
+
+int64_t gpt_flops_per_token(const GPTConfig& c) {
+  const int64_t head_dim = c.n_embd / c.n_head;
+  return 6 * gpt_flops_parameters(c) + 12 * c.n_layer * c.n_head * head_dim * c.block_size;
+}
+
 GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
   if (c.n_head < 1 || c.n_embd % c.n_head != 0) {
     throw UsageError("GPT: the width " + std::to_string(c.n_embd) + " does not split into " +

@@ -36,6 +36,22 @@ struct GPTConfig {
 /// UsageError naming them for another name.
 GPTConfig gpt_config(const std::string& name);
 
+/// Note [GPT FLOPs]: the parameters that the model-FLOPs estimate counts as N: every weight and
+/// bias that a token meets in a matrix product or an elementwise op (the blocks, ln_f) plus the
+/// LM head's vocabulary × width, and not the lookups: the position embeddings (wpe), and wte when
+/// the head is untied (a tied wte is counted once, as the head). The same N for a tied and an
+/// untied head, since both compute the same; for a tied head it is nanoGPT's
+/// get_num_params() (all parameters but wpe): 123,653,376 for gpt2-small.
+int64_t gpt_flops_parameters(const GPTConfig& config);
+
+/// Training FLOPs (forward and backward) per token at the full context, PaLM's appendix B
+/// (nanoGPT's estimate_mfu): 6·N for the products with the weights (2 forward, 4 backward per
+/// parameter; N = gpt_flops_parameters) plus 12·L·H·Q·T for attention's two products with the
+/// sequence (L layers, H heads, Q = n_embd / H, T = block_size; causal masking's saved half not
+/// subtracted, as in both). Model FLOPs: activation checkpointing's recomputation is not
+/// counted. One sample of T tokens is T times this.
+int64_t gpt_flops_per_token(const GPTConfig& config);
+
 class GPTImpl : public torch::nn::Module {
  public:
   explicit GPTImpl(const GPTConfig& config);

@@ -319,6 +319,7 @@ Model make_model(const std::string& name, const ModelOptions& o) {
     };
     model.after_backward = [m] { m->finish_gradients(); };
     model.output_split = true;
+    model.flops_per_sample = gpt_flops_per_token(c) * c.block_size;
     return model;
   }
   std::string known;

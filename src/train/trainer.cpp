@@ -25,10 +25,12 @@
 #include <iomanip>
 #include <iostream>
 #include <limits>
+#include <set>
 #include <sstream>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
+#include "scaletrain/flops.h"
 #include "scaletrain/rng.h"
 #include "scaletrain/sampler.h"
 #include "train/report.h"
@@ -92,6 +94,7 @@ class Run {
   at::Device collective_device() const;
   std::string agreed_run_id(const std::string& mine);
   void record_options();
+  void settle_peak();
   void finish();
   double lr() const { return opt_->param_groups()[0].options().get_lr(); }
   [[noreturn]] void diverged(const std::string& what, int64_t step, int64_t epoch, double loss);
@@ -554,6 +557,26 @@ void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double 
   throw Error(s.str());
 }
 
+// The peak that MFU is measured against (TrainResult::peak_flops): the options' per device, or
+// on the CPU the fp32 matmul rate that every rank measures at once after a barrier (ranks that
+// share cores measure their share), averaged over the ranks. Nothing is measured for a model
+// that states no FLOPs, and nothing is guessed on CUDA.
+void Run::settle_peak() {
+  if (model_.flops_per_sample <= 0) return;
+  if (o_.peak_flops > 0) {
+    r_.peak_flops = o_.peak_flops;
+    return;
+  }
+  for (const auto& dev : strategy_->devices()) {
+    if (at::Device(dev.device).type() != at::kCPU) return;
+  }
+  d_.barrier("the matmul peak");
+  auto peak = at::tensor({measure_cpu_matmul_peak()}, at::kDouble).to(collective_device());
+  d_.all_reduce(peak);
+  r_.peak_flops = peak.item<double>() / d_.size();
+  r_.peak_measured = true;
+}
+
 void Run::finish() {
   if (writer_) writer_->wait();  // the last checkpoint is on disk (or its failure thrown)
   strategy_->end_epoch();
@@ -571,6 +594,13 @@ void Run::finish() {
   r_.global_step = state_.global_step;
   r_.samples_per_second = train_seconds_ > 0 ? static_cast<double>(samples_) / train_seconds_ : 0;
   r_.tokens_per_second = r_.samples_per_second * static_cast<double>(targets_per_sample_);
+  r_.model_flops_per_second =
+      r_.samples_per_second * static_cast<double>(std::max<int64_t>(model_.flops_per_sample, 0));
+  std::set<std::string> distinct;  // dp on "cpu,cpu": one CPU
+  for (const auto& dev : r_.devices) distinct.insert(dev.device);
+  r_.mfu = model_flops_utilization(r_.model_flops_per_second, r_.peak_flops,
+                                   static_cast<int64_t>(d_.size()) *
+                                       std::max<int64_t>(static_cast<int64_t>(distinct.size()), 1));
   auto acc = r_.metrics.find("test_accuracy");
   r_.test_accuracy = acc == r_.metrics.end() ? 0 : acc->second;
 }
@@ -578,6 +608,7 @@ void Run::finish() {
 TrainResult Run::go() {
   setup();
   resume();
+  settle_peak();
   for (int64_t e = state_.epoch; e < o_.epochs; ++e) epoch(e);
   if (r_.epoch_seconds.empty()) {
     // Resumed from a checkpoint of a finished run: nothing to train, report where it stands.

@@ -37,6 +37,8 @@ void validate_trainer_numbers(const TrainerOptions& o) {
   if (o.uneven_inputs != "fail" && o.uneven_inputs != "join") {
     throw UsageError("unknown --uneven-inputs '" + o.uneven_inputs + "'; use fail or join");
   }
+  require(o.peak_flops >= 0 && std::isfinite(o.peak_flops), "--peak-flops", o.peak_flops,
+          "0 (unknown: measured on the CPU) or a device's peak FLOP/s, e.g. 989e12");
   require(o.max_grad_norm >= 0 && std::isfinite(o.max_grad_norm), "--max-grad-norm",
           o.max_grad_norm, "0 (no clipping) or a positive norm");
   if (o.max_grad_norm > 0 && o.amp == "fp16") {

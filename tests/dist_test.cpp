@@ -7,6 +7,10 @@
 #include <thread>
 
 #include "scaletrain/dist.h"
+
+#include <unistd.h>
+
+#include "dist/heartbeat.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "support/subprocess.h"
@@ -298,6 +302,61 @@ TEST(MeshGroups, EachGroupReducesOverItsOwnRanksOnly) {
       EXPECT_EQ(seen[static_cast<size_t>(r)][dim].first, mesh.coordinate(r, dim));
     }
   }
+}
+
+}  // namespace
+}  // namespace scaletrain
+
+namespace scaletrain {
+namespace {
+
+// Note [Heartbeats]: a rank that does not beat is named, a rank that beats (alive, wherever it
+// waits) is not, and rank 0 not answering is reported instead of waited for.
+TEST(Heartbeat, NamesTheRanksThatDoNotBeatOnly) {
+  World w;
+  w.master_port = testing::free_port();
+  InitOptions o;
+  o.world = w;
+  o.backend = "gloo";
+  Dist store = init_process_group(o);  // a world of one: its store carries the port
+  w.world_size = 3;
+  const auto interval = std::chrono::milliseconds(100);
+  World w1 = w, w2 = w;
+  w1.rank = 1, w2.rank = 2;
+  Heartbeat rank0(w, *store.store, interval);
+  auto rank2 = std::make_unique<Heartbeat>(w2, *store.store, interval);
+  std::this_thread::sleep_for(3 * interval);
+  std::string silent = rank0.silent_ranks();
+  EXPECT_NE(silent.find("rank 1: never beat"), std::string::npos) << silent;
+  EXPECT_EQ(silent.find("rank 2"), std::string::npos) << silent;
+  Heartbeat rank1(w1, *store.store, interval);
+  std::this_thread::sleep_for(3 * interval);
+  EXPECT_EQ(rank1.silent_ranks(), "");  // asked over the network: every rank beats
+  rank2.reset();                        // its connection closes
+  std::this_thread::sleep_for(3 * interval);
+  for (const std::string& view : {rank0.silent_ranks(), rank1.silent_ranks()}) {
+    EXPECT_NE(view.find("rank 2 (host "), std::string::npos) << view;
+    EXPECT_NE(view.find("pid " + std::to_string(getpid()) + "): left"), std::string::npos) << view;
+    EXPECT_EQ(view.find("rank 1"), std::string::npos) << view;
+  }
+}
+
+TEST(Heartbeat, RankZeroThatDoesNotAnswerIsReported) {
+  World w;
+  w.master_port = testing::free_port();
+  InitOptions o;
+  o.world = w;
+  o.backend = "gloo";
+  Dist store = init_process_group(o);
+  w.world_size = 2;
+  World w1 = w;
+  w1.rank = 1;
+  auto rank0 = std::make_unique<Heartbeat>(w, *store.store, std::chrono::milliseconds(100));
+  Heartbeat rank1(w1, *store.store, std::chrono::milliseconds(100));
+  EXPECT_EQ(rank1.silent_ranks(), "");
+  rank0.reset();
+  const std::string silent = rank1.silent_ranks();
+  EXPECT_NE(silent.find("not answering: rank 0"), std::string::npos) << silent;
 }
 
 }  // namespace

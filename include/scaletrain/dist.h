@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,7 +40,13 @@ struct InitOptions {
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
   /// The world; by default discover_world() reads it from the environment.
   std::optional<World> world;
+  /// Every process beats in the store at this interval, so that a collective that times out
+  /// names the ranks that stopped answering (SIGSTOP, frozen, cut off) by rank, host and pid
+  /// (Note [Heartbeats] in src/dist/heartbeat.h). 0: no heartbeat.
+  std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
 };
+
+class Heartbeat;  // src/dist/heartbeat.h
 
 /// The backend "auto" stands for: "nccl" when there are GPUs and at least one per local process
 /// (NCCL refuses two ranks on one GPU), else "gloo". Other names are returned as they are.
@@ -76,6 +83,7 @@ class Pending {
   std::string what_;
   int rank_ = 0, size_ = 1;
   std::chrono::milliseconds timeout_{};
+  std::shared_ptr<const Heartbeat> heartbeat_;
 };
 
 /// A joined process group. Holds the store and the backend alive; copyable (shared handles).
@@ -86,7 +94,8 @@ struct Dist {
   // src/dist; everything else goes through the methods below (Structure.NoC10dOutsideDist).
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
-  std::chrono::milliseconds timeout{};  // the collective timeout the backend was made with
+  std::chrono::milliseconds timeout{};         // the collective timeout the backend was made with
+  std::shared_ptr<const Heartbeat> heartbeat;  // this process's (InitOptions::heartbeat_interval)
 
   int rank() const { return world.rank; }
   int size() const { return world.world_size; }
@@ -158,7 +167,8 @@ void require_joined(const Dist& dist, const std::string& who);
 Dist init_process_group(const InitOptions& options = {});
 
 /// Waits for a collective. A failure or a timeout becomes an Error naming the operation
-/// (`op`, e.g. "all-reduce of bucket 3"), this rank, the timeout and what to look for.
+/// (`op`, e.g. "all-reduce of bucket 3"), this rank, the timeout and what to look for; after a
+/// timeout, the ranks of the world that stopped answering too (Note [Heartbeats]).
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& dist);
 
 /// The same group over a backend of its own (new connections; its keys under `prefix` in the

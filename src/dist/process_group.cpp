@@ -16,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dist/heartbeat.h"
 #include "launch/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
@@ -218,16 +219,18 @@ namespace {
 
 // wait_for's work, for a group of `size` whose collectives time out after `timeout`.
 void wait_in(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, int rank, int size,
-             milliseconds timeout) {
+             milliseconds timeout, const Heartbeat* heartbeat) {
   try {
     work->wait();
   } catch (const std::exception& e) {
     std::string what = e.what();
     bool timed_out =
         what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos;
+    const std::string silent = timed_out && heartbeat ? heartbeat->silent_ranks() : "";
     throw Error("rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " + op +
-                (timed_out ? " timed out after " + seconds(timeout) +
-                                 " (collective timeout): some rank never joined it. Look "
+                (timed_out ? " timed out after " + seconds(timeout) + " (collective timeout)" +
+                                 (silent.empty() ? "" : "; " + silent + ".") +
+                                 " Some rank never joined it. Look "
                                  "for a rank that failed, stalled or took another code path; "
                                  "raise the timeout if the work is just slow (`scaletrain train "
                                  "--timeout SECONDS`, or InitOptions::timeout in a program)."
@@ -239,7 +242,7 @@ void wait_in(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, 
 }  // namespace
 
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op, const Dist& d) {
-  wait_in(work, op, d.rank(), d.size(), d.timeout);
+  wait_in(work, op, d.rank(), d.size(), d.timeout, d.heartbeat.get());
 }
 
 Pending::Pending(c10::intrusive_ptr<c10d::Work> work, std::string what, const Dist& dist)
@@ -247,7 +250,8 @@ Pending::Pending(c10::intrusive_ptr<c10d::Work> work, std::string what, const Di
       what_(std::move(what)),
       rank_(dist.rank()),
       size_(dist.size()),
-      timeout_(dist.timeout) {}
+      timeout_(dist.timeout),
+      heartbeat_(dist.heartbeat) {}
 
 void Pending::wait() { wait(what_); }
 
@@ -255,7 +259,7 @@ void Pending::wait(const std::string& what) {
   if (!work_) return;
   auto work = std::move(work_);
   work_.reset();
-  wait_in(work, what, rank_, size_, timeout_);
+  wait_in(work, what, rank_, size_, timeout_, heartbeat_.get());
 }
 
 bool Pending::done() const { return !work_ || work_->isCompleted(); }
@@ -380,6 +384,9 @@ Dist init_process_group(const InitOptions& options) {
   d.backend = new_backend(d, d.backend_name, "default_pg/" + std::to_string(d.world.restart_count),
                           options.timeout);
   d.timeout = options.timeout;
+  if (options.heartbeat_interval.count() > 0 && d.size() > 1) {
+    d.heartbeat = std::make_shared<Heartbeat>(d.world, *d.store, options.heartbeat_interval);
+  }
   return d;
 }
 

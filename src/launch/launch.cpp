@@ -205,7 +205,8 @@ struct Worker {
   bool exited = false;
   int status = 0;
   Clock::time_point exit_time{};
-  bool stopped = false;  // still running when the launcher signalled the group
+  bool stopped = false;         // still running when the launcher signalled the group
+  bool signal_stopped = false;  // the program is stopped by a signal (SIGSTOP...), last we looked
   bool shown = true;
 
   bool failed() const { return exited && !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
@@ -240,6 +241,7 @@ class Group {
   void remember(Worker& w, std::string_view text, char end);
   void close_stream(Worker& w, Stream& s);
   void reap();
+  void watch_stops();
   void advance_teardown();
   void stop_running(int sig);
   void finish_output();
@@ -256,6 +258,7 @@ class Group {
   Phase phase_ = Phase::kRunning;
   bool stopped_by_signal_ = false;
   Clock::time_point settle_deadline_{}, kill_deadline_{};
+  Clock::time_point next_stop_check_{};
 };
 
 std::vector<std::string> Group::worker_env(const Worker& w) const {
@@ -490,6 +493,27 @@ void Group::reap() {
   }
 }
 
+// A worker stopped by a signal (SIGSTOP, a debugger) neither runs nor exits: its peers wait for it
+// until their collective timeout, which then names it (Note [Heartbeats]). Said as it happens,
+// once a second at most, and again when it goes on.
+void Group::watch_stops() {
+  if (Clock::now() < next_stop_check_) return;
+  next_stop_check_ = Clock::now() + std::chrono::seconds(1);
+  for (auto& w : workers_) {
+    if (w.exited) continue;
+    const bool now = proc::is_stopped(w.program_pid);
+    if (now && !w.signal_stopped) {
+      spdlog::warn(
+          "scaletrain run: rank {} (pid {}) is stopped by a signal; its peers wait for it until "
+          "their collective timeout (--timeout). `kill -CONT {}` lets it go on.",
+          w.rank, w.program_pid, w.program_pid);
+    } else if (!now && w.signal_stopped) {
+      spdlog::info("scaletrain run: rank {} (pid {}) goes on", w.rank, w.program_pid);
+    }
+    w.signal_stopped = now;
+  }
+}
+
 void Group::stop_running(int sig) {
   phase_ = Phase::kStopping;
   kill_deadline_ =
@@ -510,7 +534,10 @@ void Group::advance_teardown() {
 
 void Group::kill_all(int sig) {
   for (auto& w : workers_) {
-    if (w.pid > 0 && !w.exited) killpg(w.pid, sig);
+    if (w.pid <= 0 || w.exited) continue;
+    killpg(w.pid, sig);
+    // A stopped process takes SIGTERM only once continued: else it would wait for SIGKILL.
+    if (sig != SIGKILL) killpg(w.pid, SIGCONT);
   }
 }
 
@@ -538,6 +565,7 @@ void Group::finish_output() {
 int Group::supervise() {
   while (true) {
     reap();
+    watch_stops();
     advance_teardown();
     bool all_exited = true;
     for (auto& w : workers_) all_exited = all_exited && w.exited;

@@ -107,4 +107,14 @@ int kill_descendants(const std::vector<pid_t>& keep, int rounds) {
   return static_cast<int>(killed.size());
 }
 
+bool is_stopped(pid_t pid) {
+  if (pid <= 0) return false;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = stat.rfind(')');  // the state follows the command's closing parenthesis
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  const char state = stat[close + 2];
+  return state == 'T' || state == 't';
+}
+
 }  // namespace scaletrain::proc

@@ -21,4 +21,8 @@ std::vector<pid_t> children_of_self();
 /// passes), and reaps those that became its own zombie children. Returns how many it killed.
 int kill_descendants(const std::vector<pid_t>& keep = {}, int rounds = 100);
 
+/// Whether process `pid` (of this PID namespace) is stopped by a signal (SIGSTOP, SIGTSTP, a
+/// debugger): state T or t in /proc/<pid>/stat. False for a process that is not there.
+bool is_stopped(pid_t pid);
+
 }  // namespace scaletrain::proc

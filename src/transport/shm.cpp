@@ -41,6 +41,7 @@
 #include <random>
 #include <sstream>
 
+#include "launch/proc_tree.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -213,7 +214,7 @@ void SharedGroup::barrier(const std::string& what) {
     if (h.generation.load(std::memory_order_acquire) != gen) return;
     // A rank that arrived cannot leave before the generation moves: whoever is gone or dead
     // now never arrived.
-    std::string missing;
+    std::string missing, stopped;
     for (int r = 0; r < options_.size; ++r) {
       const auto& rs = Layout::rank(base_, r);
       if (r == options_.rank || rs.barriers.load(std::memory_order_relaxed) >= barriers_) continue;
@@ -232,14 +233,19 @@ void SharedGroup::barrier(const std::string& what) {
                        ". Its own error, above or in its log, says why.");
       }
       missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (proc::is_stopped(pid)) {
+        stopped += "; rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                   ") is stopped by a signal (SIGSTOP, a debugger): `kill -CONT " +
+                   std::to_string(pid) + "` lets it go on";
+      }
     }
     if (clock::now() > deadline) {
       fail(what,
            "timed out after " +
                std::to_string(
                    std::chrono::duration_cast<std::chrono::seconds>(options_.timeout).count()) +
-               " s (collective timeout): rank(s) " + missing +
-               " never joined it. Look for a rank that stalled or took another code "
+               " s (collective timeout): rank(s) " + missing + " never joined it" + stopped +
+               ". Look for a rank that stalled or took another code "
                "path; raise the timeout if the work is just slow (`scaletrain train --timeout "
                "SECONDS`, or InitOptions::timeout in a program).");
     }

@@ -259,9 +259,10 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_option("--pipeline-stages", a.o.pipeline_stages, "Grid: ranks per pipeline")
       ->capture_default_str();
-  cmd->add_option("--tp", a.o.tensor_parallel,
-                  "ddp: ranks per tensor-parallel group, each splitting one replica's model "
-                  "(gpt-tiny, gpt2-small); the rest of the world is data parallel")
+  cmd->add_option(
+         "--tp", a.o.tensor_parallel,
+         "ddp, zero1, zero2: ranks per tensor-parallel group, each splitting one replica's model "
+         "(gpt-tiny, gpt2-small); the rest of the world is data parallel")
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");

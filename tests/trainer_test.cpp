@@ -170,6 +170,10 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"dp2_tp2", 4,
                "--strategy ddp --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
                "gpt-tiny"},
+        // 2D ZeRO x TP: every rank's optimizer shard of its slices in rank 0's file.
+        Resume{"zero2_tp2", 4,
+               "--strategy zero2 --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
+               "gpt-tiny"},
         // Checkpoints written in the background: the kill at step 9 may come while step 8's
         // file is still being written (then the resume starts from step 6), and either way
         // the run ends as the straight one.

@@ -438,9 +438,12 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
     case Strategy::kGrid:
       return make_grid_strategy(task, options, dist, model, sample);
     case Strategy::kZero1:
-      return make_zero_strategy(task, options, dist, model, 1);
     case Strategy::kZero2:
-      return make_zero_strategy(task, options, dist, model, 2);
+      if (options.tensor_parallel > 1) {  // ZeRO over dp, the model split over tp
+        return make_tensor_parallel_strategy(task, options, dist, model);
+      }
+      return make_zero_strategy(task, options, dist, model,
+                                options.strategy == Strategy::kZero1 ? 1 : 2);
     case Strategy::kFsdp:
       return make_zero_strategy(task, options, dist, model, 3);
   }

@@ -13,6 +13,13 @@
 // Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics and loss sums
 // are counted once per rank, so each replica's are counted t times, numerators and denominators
 // alike: their ratios are the replicas' means.
+//
+// zero1 and zero2 (2D, ZeRO × TP): ShardedDataParallel over dp takes DDP's place, over the split
+// model; the optimizer steps its shards of the split parameters (each tp rank's shards are of
+// its own slices). The gradient norm is taken on the shards: an element of a replicated
+// parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's sum of the
+// replicated gradients over tp would have to run between backward and ZeRO's reduce-scatter;
+// it is refused with ZeRO for now, as is fsdp (stage 3 gathers units the plan would cut).
 
 #include <optional>
 
@@ -21,6 +28,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
+#include "scaletrain/zero.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -79,12 +87,21 @@ class TensorParallelStrategy : public TrainStrategy {
     split_.parallelize(tp(), o.sequence_parallel);
     split_.module->to(dev_);
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
-    if (mesh_.size("dp") > 1) {
+    if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2) {
+      ShardOptions so;
+      so.stage = o.strategy == Strategy::kZero1 ? 1 : 2;
+      so.shared_memory = false;  // a dp group is not every rank of its machine
+      zero_ = std::make_unique<ShardedDataParallel>(split_.module, groups_.at("dp"), so);
+      zero_->gather_full_parameters();
+      layout_ = mesh_.describe() + " " + to_string(o.strategy);
+    } else if (mesh_.size("dp") > 1) {
       ddp_ = std::make_unique<DistributedDataParallel>(split_.module, groups_.at("dp"));
     }
   }
 
-  std::vector<at::Tensor> parameters() override { return split_.module->parameters(); }
+  std::vector<at::Tensor> parameters() override {
+    return zero_ ? zero_->parameters() : split_.module->parameters();
+  }
   int data_rank() const override { return mesh_.coordinate(dist_.rank(), "dp"); }
   int data_replicas() const override { return mesh_.size("dp"); }
   at::Device device() const override { return dev_; }
@@ -96,7 +113,8 @@ class TensorParallelStrategy : public TrainStrategy {
     {
       std::optional<Autocast> autocast;  // bf16: the layers' products, and what they send
       if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
-      out = ddp_ ? ddp_->forward([&] { return split_.forward(x); }) : split_.forward(x);
+      auto forward = [&] { return split_.forward(x); };
+      out = zero_ ? zero_->forward(forward) : ddp_ ? ddp_->forward(forward) : forward();
     }
     at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
     (weight != 1 ? loss * weight : loss).backward();
@@ -108,6 +126,7 @@ class TensorParallelStrategy : public TrainStrategy {
   // Split parameters hold a slice of their gradient on each rank of the group; replicated ones
   // (LayerNorms, biases of rowwise layers) the same whole gradient on each.
   double gradient_square_sum() override {
+    if (zero_) return shard_square_sum();
     std::vector<at::Tensor> split, replicated;
     auto same = replicated_parameters(*split_.module);
     for (auto& p : split_.module->parameters()) {
@@ -121,6 +140,18 @@ class TensorParallelStrategy : public TrainStrategy {
     return sum.item<double>();
   }
 
+  // ZeRO: each rank holds its shards' gradients; the ranks agree on one verdict.
+  bool gradients_finite() override {
+    if (!zero_) return TrainStrategy::gradients_finite();
+    auto finite = at::full({1}, TrainStrategy::gradients_finite() ? 1.0 : 0.0,
+                           at::TensorOptions().device(collective()));
+    dist_.all_reduce(finite, ReduceOp::MIN);
+    return finite.item<double>() > 0.5;
+  }
+  void optimizer_step(torch::optim::Optimizer& opt) override {
+    zero_ ? zero_->step(opt) : (void)opt.step();
+  }
+
   at::Tensor predict(const at::Tensor& x) override {
     at::Tensor out = split_.forward(x);
     return split_.output_split ? gather_from_region(out, tp(), -1) : out;
@@ -128,7 +159,7 @@ class TensorParallelStrategy : public TrainStrategy {
   void zero_grad(torch::optim::Optimizer& opt) override {
     if (ddp_) {
       ddp_->zero_grad();
-    } else {
+    } else {  // ZeRO's shards are the optimizer's parameters
       opt.zero_grad();
     }
   }
@@ -138,12 +169,14 @@ class TensorParallelStrategy : public TrainStrategy {
   void train_mode(bool on) override { split_.module->train(on); }
 
   void gather_weights() override {
+    if (zero_) zero_->gather_full_parameters();
     auto full = gather_full_state(*split_.module, tp());
     torch::NoGradGuard no_grad;
     for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
   }
   void weights_loaded() override {
     load_full_state(*split_.module, tp(), whole_state(*whole_.module));
+    if (zero_) zero_->scatter_full_parameters();
   }
 
   bool saved_optimizer_is_standard() const override { return false; }
@@ -155,14 +188,13 @@ class TensorParallelStrategy : public TrainStrategy {
     for (size_t r = 0; r < all.size(); ++r) {
       state.tensors[optimizer_key(static_cast<int>(r))] = all[r];
     }
-    state.values[kMeshKey] = mesh_.describe();
+    state.values[kMeshKey] = layout_;
     return nullptr;
   }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
     auto mesh = state.values.find(kMeshKey);
     auto bytes = state.tensors.find(optimizer_key(dist_.rank()));
-    if (mesh == state.values.end() || mesh->second != mesh_.describe() ||
-        bytes == state.tensors.end()) {
+    if (mesh == state.values.end() || mesh->second != layout_ || bytes == state.tensors.end()) {
       return false;
     }
     load_optimizer_bytes(opt, bytes->second);
@@ -176,6 +208,35 @@ class TensorParallelStrategy : public TrainStrategy {
   }
 
  private:
+  // ZeRO: the square sum over every rank's shards, a replicated parameter's elements weighing
+  // 1/t on each tp rank (a unit's shard is a range of its parameters laid end to end).
+  double shard_square_sum() {
+    auto params = split_.module->parameters();
+    const auto same = replicated_parameters(*split_.module);
+    const Dist& dp = groups_.at("dp");
+    const auto members = zero_->unit_parameters();
+    double sum = 0;
+    for (size_t u = 0; u < zero_->units().size(); ++u) {
+      const at::Tensor& grad = zero_->parameters()[u].grad();
+      if (!grad.defined()) continue;
+      const auto g = grad.detach().reshape({-1}).to(at::kDouble);
+      const int64_t lo = dp.rank() * g.numel(), hi = lo + g.numel();
+      int64_t at = 0;
+      for (size_t i : members[u]) {
+        const int64_t begin = std::max(lo, at), end = std::min(hi, at + params[i].numel());
+        at += params[i].numel();
+        if (begin >= end) continue;
+        bool replicated = false;
+        for (const auto& r : same) replicated = replicated || r.is_same(params[i]);
+        const double s = g.narrow(0, begin - lo, end - begin).pow(2).sum().item<double>();
+        sum += replicated ? s / tp().size() : s;
+      }
+    }
+    auto total = at::full({1}, sum, at::TensorOptions().dtype(at::kDouble).device(collective()));
+    dist_.all_reduce(total);
+    return total.item<double>();
+  }
+
   const Dist& tp() const { return groups_.at("tp"); }
   at::Device collective() const {
     return dist_.backend_name == "nccl" ? dev_ : at::Device(at::kCPU);
@@ -189,6 +250,8 @@ class TensorParallelStrategy : public TrainStrategy {
   bool bf16_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2: over dp instead of ddp_
+  std::string layout_ = mesh_.describe();      // the optimizer state's: mesh and strategy
 };
 
 }  // namespace
@@ -210,9 +273,21 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
         "--tp 2 or more with it");
   }
   if (o.tensor_parallel == 1) return;
-  if (o.strategy != Strategy::kDDP) {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " goes with --strategy ddp (" +
-                     to_string(o.strategy) + " does not split layers yet)");
+  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2;
+  if (o.strategy != Strategy::kDDP && !zero) {
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+                     " goes with --strategy ddp, zero1 or zero2 (" + to_string(o.strategy) +
+                     " does not split layers yet)");
+  }
+  if (zero && o.sequence_parallel) {
+    throw UsageError("--sequence-parallel with --strategy " + to_string(o.strategy) +
+                     " is not supported yet (its sum of the replicated gradients over tp would "
+                     "have to run before ZeRO's reduce-scatter); use --strategy ddp with it");
+  }
+  if (zero && o.checkpoint_format == CheckpointFormat::kSharded) {
+    throw UsageError(
+        "--tp with --checkpoint-format sharded is not supported yet: the one-file "
+        "checkpoint (full) holds the whole model at any degree");
   }
   if (world % o.tensor_parallel != 0) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +

@@ -54,9 +54,9 @@ namespace {
 int replicas(const TrainerOptions& o, int world) {
   switch (o.strategy) {
     case Strategy::kDDP:
-      return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
     case Strategy::kZero1:
     case Strategy::kZero2:
+      return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
     case Strategy::kFsdp:
       return world;
     case Strategy::kGrid:

@@ -51,7 +51,7 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
 
 INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
                          ::testing::Values("pipeline-memory", "loader", "pipeline-ranks",
-                                           "transformer", "checkpoint"));
+                                           "transformer", "checkpoint", "transformer-memory"));
 
 }  // namespace
 }  // namespace scaletrain

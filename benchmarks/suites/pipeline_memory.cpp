@@ -13,7 +13,6 @@
 // higher, and its fullest device — the first, which holds p under both — is what the paper's
 // "1F1B's memory" is about.
 
-#include <c10/core/CPUAllocator.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
@@ -25,115 +24,12 @@
 #include <mutex>
 #include <thread>
 
+#include "counting_allocator.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/schedule.h"
 #include "suites_internal.h"
 
 namespace scaletrain::bench {
-namespace {
-
-// Live bytes and their peak.
-struct Count {
-  std::atomic<int64_t> live{0}, peak{0};
-  void add(int64_t n) {
-    const int64_t now = live += n;
-    int64_t p = peak.load();
-    while (now > p && !peak.compare_exchange_weak(p, now)) {
-    }
-  }
-};
-
-// Counts the bytes of live CPU tensors allocated through it, and their peak: in all, and per
-// allocating thread (a tensor freed by another thread is taken off its allocator's count).
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-
-  c10::DataPtr allocate(size_t n) override {
-    auto* ctx = new Context{base_->allocate(n), n, this, &of_this_thread()};
-    all_.add(static_cast<int64_t>(n));
-    ctx->thread->add(static_cast<int64_t>(n));
-    void* data = ctx->inner.get();
-    const c10::Device device = ctx->inner.device();
-    return {data, ctx, &release, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-  // Starts a measurement: peaks from now on, and each count's bytes now.
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mu_);
-    all_.peak = all_.live.load();
-    before_.clear();
-    for (auto& [id, c] : threads_) {
-      c->peak = c->live.load();
-      before_[id] = c->live.load();
-    }
-  }
-  int64_t live() const { return all_.live; }
-  int64_t peak() const { return all_.peak; }
-  // The largest rise of one thread's bytes since reset_peak() (a thread that started since
-  // began at 0).
-  int64_t peak_of_fullest_thread() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    int64_t most = 0;
-    for (const auto& [id, c] : threads_) {
-      auto b = before_.find(id);
-      most = std::max(most, c->peak.load() - (b == before_.end() ? 0 : b->second));
-    }
-    return most;
-  }
-
- private:
-  struct Context {
-    c10::DataPtr inner;
-    size_t bytes;
-    CountingAllocator* owner;
-    Count* thread;
-  };
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->all_.live -= static_cast<int64_t>(ctx->bytes);
-    ctx->thread->live -= static_cast<int64_t>(ctx->bytes);
-    delete ctx;
-  }
-  Count& of_this_thread() {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& c = threads_[std::this_thread::get_id()];
-    if (!c) c = std::make_unique<Count>();
-    return *c;
-  }
-  c10::Allocator* base_;
-  Count all_;
-  mutable std::mutex mu_;
-  std::map<std::thread::id, std::unique_ptr<Count>> threads_;  // never erased while counting
-  std::map<std::thread::id, int64_t> before_;
-};
-
-// SetCPUAllocator only replaces an allocator set with a lower or equal priority.
-uint8_t next_priority() {
-  static uint8_t p = 100;
-  return ++p;
-}
-
-// Puts a counting allocator in front of LibTorch's CPU allocator for a scope; the original is
-// back before the counter is destroyed, also when the suite throws.
-class CountingScope {
- public:
-  CountingScope() : base_(c10::GetCPUAllocator()), counting_(base_) {
-    c10::SetCPUAllocator(&counting_, next_priority());
-  }
-  ~CountingScope() { c10::SetCPUAllocator(base_, next_priority()); }
-  CountingScope(const CountingScope&) = delete;
-  CountingScope& operator=(const CountingScope&) = delete;
-  CountingAllocator& counter() { return counting_; }
-
- private:
-  c10::Allocator* base_;
-  CountingAllocator counting_;
-};
-
-}  // namespace
 
 SuiteResult run_pipeline_memory(const SuiteOptions& o) {
   const std::string title = "Peak activation memory of one step: GPipe vs 1F1B, checkpointing";

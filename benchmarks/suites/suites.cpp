@@ -116,6 +116,10 @@ const std::vector<Suite>& suites() {
        "a 123M-parameter model with Adam: what a checkpoint costs the step loop, "
        "synchronous save vs background save (AsyncCheckpointer)",
        run_checkpoint},
+      {"transformer-memory",
+       "GPT activation memory per rank, measured: one rank, tensor parallel 2, with sequence "
+       "parallelism, with each block recomputed",
+       run_transformer_memory},
   };
   return all;
 }

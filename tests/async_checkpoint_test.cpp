@@ -258,6 +258,19 @@ TEST(AsyncCheckpointer, KilledDuringTheWriteLeavesThePreviousCheckpoint) {
   ::unsetenv(kDir);
   EXPECT_FALSE(fs::exists(d + "/ckpt-2.st"));
   ASSERT_EQ(newest_valid_checkpoint(d), d + "/ckpt-1.st");
+  // Regression (KilledWriteLeftItsTemporaryForever): the killed write's temporary stays while it
+  // is fresh, and the next checkpoint removes it once it is a minute old (its writer is gone).
+  std::vector<fs::path> left;
+  for (auto& e : fs::directory_iterator(d)) {
+    if (e.path().extension() == ".tmp") left.push_back(e.path());
+  }
+  ASSERT_EQ(left.size(), 1u);
+  EXPECT_EQ(left[0].filename().string().rfind("ckpt-2.st.", 0), 0u) << left[0];
+  save_checkpoint(d, state_at(3), *m, *opt, 5);
+  EXPECT_TRUE(fs::exists(left[0])) << "removed while fresh";
+  fs::last_write_time(left[0], fs::file_time_type::clock::now() - std::chrono::minutes(2));
+  save_checkpoint(d, state_at(4), *m, *opt, 5);
+  EXPECT_FALSE(fs::exists(left[0])) << "a dead writer's temporary stayed";
   // The file is the one of step 1: this process's model and optimizer are still at step 1.
   TempDir again("async_killed_again");
   const auto expected = save_checkpoint(again.path.string(), state_at(1), *m, *opt, 1);

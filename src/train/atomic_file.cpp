@@ -1,10 +1,12 @@
 #include "train/atomic_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -30,6 +32,34 @@ bool write_all(int fd, std::string_view bytes) {
 
 std::string temporary_path(const std::string& path) {
   return path + "." + std::to_string(::getpid()) + "-" + std::to_string(g_count++) + ".tmp";
+}
+
+int remove_stale_temporaries(const std::string& dir, const std::string& prefix,
+                             std::chrono::seconds min_age) {
+  namespace fs = std::filesystem;
+  int removed = 0;
+  std::error_code ec;
+  const auto now = fs::file_time_type::clock::now();
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(prefix, 0) != 0 || name.size() < 5 ||
+        name.compare(name.size() - 4, 4, ".tmp") != 0) {
+      continue;
+    }
+    const auto dash = name.rfind('-'), dot = name.rfind('.', dash);
+    if (dash == std::string::npos || dot == std::string::npos) continue;
+    const long pid = std::strtol(name.c_str() + dot + 1, nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
+        errno != ESRCH) {
+      continue;  // ours, or a live process's (EPERM: alive, another user's)
+    }
+    std::error_code time_ec;
+    const auto written = fs::last_write_time(it->path(), time_ec);
+    if (time_ec || now - written < min_age) continue;
+    if (fs::remove(it->path(), time_ec)) ++removed;
+  }
+  return removed;
 }
 
 void write_atomically(const std::string& path, std::string_view bytes, const std::string& what,

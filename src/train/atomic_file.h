@@ -5,6 +5,7 @@
 // path at once never collide (the last rename wins whole), and a failed write removes its
 // temporary before it throws: nothing but the target is ever left.
 
+#include <chrono>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -13,6 +14,13 @@ namespace scaletrain {
 
 /// The temporary path a write of `path` uses: `path` + ".<pid>-<n>.tmp".
 std::string temporary_path(const std::string& path);
+
+/// Removes from `dir` the temporaries whose names start with `prefix` that a writer which is
+/// gone left behind (killed mid-write): `<file>.<pid>-<n>.tmp` whose pid is no live process
+/// here and that were last written `min_age` ago or more (a writer on another host sharing the
+/// folder keeps its own). Returns how many it removed; never throws.
+int remove_stale_temporaries(const std::string& dir, const std::string& prefix,
+                             std::chrono::seconds min_age = std::chrono::seconds(60));
 
 /// Writes `bytes` to `path` atomically and durably (file and folder synced). Throws Error naming
 /// `what` and `path` (and the fix: a writable folder, space on the disk) on any failure, with

@@ -154,6 +154,8 @@ std::string commit_checkpoint(const std::string& dir, int64_t global_step,
   // a failed write leaves none behind.
   write_atomically(final_path, file, "a checkpoint (choose another folder with --out?)",
                    before_rename);
+  // A write killed before its rename left its temporary: gone once its writer is (a minute on).
+  remove_stale_temporaries(dir, "ckpt-");
   // Prune this run's checkpoints only: a folder may hold another run's, which are not ours to
   // delete (docs/checkpoint.md).
   std::vector<fs::path> ours;

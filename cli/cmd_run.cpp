@@ -41,11 +41,43 @@ int parse_nproc_per_node(const std::string& value, int auto_value) {
   }
 }
 
+// torchrun's --nnodes: N, or MIN:MAX. A range whose ends differ asks for elastic membership,
+// which the launcher does not do: refused with the fix, instead of CLI11's "Could not convert".
+int parse_nnodes(const std::string& value) {
+  const auto colon = value.find(':');
+  auto number = [&](const std::string& part) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size()) {
+      throw UsageError("--nnodes '" + value +
+                       "' is not a number of nodes (N, or MIN:MAX as "
+                       "torchrun takes it), e.g. 2");
+    }
+    return n;
+  };
+  if (colon == std::string::npos) return number(value);
+  const int low = number(value.substr(0, colon)), high = number(value.substr(colon + 1));
+  if (low != high) {
+    throw UsageError("--nnodes " + value +
+                     ": elastic membership (a MIN:MAX range of nodes) is not supported yet; give "
+                     "a fixed number (--nnodes " +
+                     std::to_string(high) +
+                     "), and --max-restarts K to restart the group after a failure");
+  }
+  return low;
+}
+
 void add_run_command(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("run", kRunDescription);
   struct Args {
     LaunchOptions o;
     std::string nproc = "1";
+    std::string nnodes = "1";
     std::string ranks_filter;
   };
   auto args = std::make_shared<Args>();
@@ -53,7 +85,8 @@ void add_run_command(CLI::App& app, Action& action) {
   cmd->add_option("--nproc-per-node,--nproc_per_node", args->nproc,
                   "Workers on this node: a number, or 'auto' (one per GPU, else one per core)")
       ->capture_default_str();
-  cmd->add_option("--nnodes", o.nnodes, "Number of nodes")->capture_default_str();
+  cmd->add_option("--nnodes", args->nnodes, "Number of nodes (N; MIN:MAX only with MIN = MAX)")
+      ->capture_default_str();
   cmd->add_option("--node-rank,--node_rank", o.node_rank, "This node's rank, 0 .. nnodes-1")
       ->capture_default_str();
   cmd->add_option("--master-addr,--master_addr", o.master_addr,
@@ -84,6 +117,7 @@ void add_run_command(CLI::App& app, Action& action) {
       LaunchOptions opts = args->o;
       opts.nproc_per_node =
           parse_nproc_per_node(args->nproc, args->nproc == "auto" ? auto_nproc_per_node() : 0);
+      opts.nnodes = parse_nnodes(args->nnodes);
       if (!args->ranks_filter.empty()) opts.show_ranks = parse_rank_list(args->ranks_filter);
       validate(opts);
       return launch(opts);

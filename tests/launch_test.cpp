@@ -539,7 +539,13 @@ INSTANTIATE_TEST_SUITE_P(
                  "program 'no-such-program-anywhere' not found"},
         BadInput{"--frobnicate -- " + script_path("pid_and_sleep.sh"), "--frobnicate"},
         BadInput{"--nnodes 2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
-                 "works on one node only"}));
+                 "works on one node only"},
+        // torchrun's elastic range: refused with the fix, not as "Could not convert".
+        BadInput{
+            "--nnodes 1:2 -- " + script_path("pid_and_sleep.sh"),
+            "--nnodes 1:2: elastic membership (a MIN:MAX range of nodes) is not supported yet"},
+        BadInput{"--nnodes x -- " + script_path("pid_and_sleep.sh"),
+                 "--nnodes 'x' is not a number of nodes"}));
 
 // Issue: a worker count the launcher cannot open files for failed after starting thousands of
 // processes. It is refused, naming the limit, before any worker starts.
@@ -575,6 +581,14 @@ TEST(Launch, ValidateResolvesPortZeroAndRunId) {
   validate(o);
   EXPECT_GT(o.master_port, 0);
   EXPECT_EQ(o.run_id.size(), 8u);
+}
+
+// torchrun's MIN:MAX with MIN = MAX is that many nodes.
+TEST(Launch, NnodesRangeOfOneSizeIsThatSize) {
+  auto r = run_command(cli_path() + " run --nnodes 1:1 --nproc-per-node 2 --master-port 0 -- " +
+                       script_path("print_env.sh"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "WORLD_SIZE=2")) << r.output;
 }
 
 TEST(Launch, AutoNprocIsPositive) { EXPECT_GE(auto_nproc_per_node(), 1); }

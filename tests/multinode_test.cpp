@@ -3,6 +3,7 @@
 // that times out.
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <optional>
@@ -132,6 +133,29 @@ TEST(MultiNode, RealMpirunLaunchesOurBinary) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_checked(r.output, 2);
   EXPECT_TRUE(contains(r.output, "via openmpi")) << r.output;
+}
+
+// A host cut off mid-training (tests/scripts/netns_link_down.sh: its link goes down): both sides'
+// collectives time out, and each names the other by its heartbeats (Note [Heartbeats]): rank 0
+// names rank 1, which stopped beating; rank 1 says rank 0's endpoint does not answer. The job
+// ends within the timeout on both hosts.
+TEST(MultiNode, HostCutOffIsNamedByBothSides) {
+  const auto out =
+      std::filesystem::temp_directory_path() / ("scaletrain_link_down_" + std::to_string(getpid()));
+  std::filesystem::create_directories(out);
+  auto r = run_command(
+      script_path("netns_link_down.sh") + " " + cli_path() + " " + (out / "run").string(), 180);
+  std::filesystem::remove_all(out);
+  if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 90) << r.output;
+  const auto node1 = r.output.find("== node1 ==");
+  ASSERT_NE(node1, std::string::npos) << r.output;
+  const std::string first = r.output.substr(0, node1), second = r.output.substr(node1);
+  EXPECT_NE(first.find("not answering: rank 1 (host "), std::string::npos) << r.output;
+  EXPECT_NE(first.find("): no beat for"), std::string::npos) << r.output;
+  EXPECT_NE(second.find("not answering: rank 0, whose heartbeat endpoint"), std::string::npos)
+      << r.output;
 }
 
 TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {

@@ -310,15 +310,20 @@ TEST(MeshGroups, EachGroupReducesOverItsOwnRanksOnly) {
 namespace scaletrain {
 namespace {
 
-// Note [Heartbeats]: a rank that does not beat is named, a rank that beats (alive, wherever it
-// waits) is not, and rank 0 not answering is reported instead of waited for.
-TEST(Heartbeat, NamesTheRanksThatDoNotBeatOnly) {
-  World w;
+// A world of one on a free port, whose store carries the heartbeats' port; `w` is its world.
+Dist store_of_one(World& w) {
   w.master_port = testing::free_port();
   InitOptions o;
   o.world = w;
   o.backend = "gloo";
-  Dist store = init_process_group(o);  // a world of one: its store carries the port
+  return init_process_group(o);
+}
+
+// Note [Heartbeats]: a rank that does not beat is named, a rank that beats (alive, wherever it
+// waits) is not, and rank 0 not answering is reported instead of waited for.
+TEST(Heartbeat, NamesTheRanksThatDoNotBeatOnly) {
+  World w;
+  Dist store = store_of_one(w);
   w.world_size = 3;
   const auto interval = std::chrono::milliseconds(100);
   World w1 = w, w2 = w;
@@ -343,11 +348,7 @@ TEST(Heartbeat, NamesTheRanksThatDoNotBeatOnly) {
 
 TEST(Heartbeat, RankZeroThatDoesNotAnswerIsReported) {
   World w;
-  w.master_port = testing::free_port();
-  InitOptions o;
-  o.world = w;
-  o.backend = "gloo";
-  Dist store = init_process_group(o);
+  Dist store = store_of_one(w);
   w.world_size = 2;
   World w1 = w;
   w1.rank = 1;

@@ -105,6 +105,38 @@ void expect_close(const std::map<std::string, at::Tensor>& got,
   }
 }
 
+// A run whose rank 0 records each step's gradient norm (before clipping).
+struct Normed {
+  TrainResult result;
+  std::vector<double> norms;
+};
+Normed run_with_norms(int world, const TrainTask& task, const TrainerOptions& o) {
+  Normed out;
+  auto errors = testing::run_ranks(world, [&](Dist& d) {
+    TrainTask mine = task;
+    if (d.rank() == 0) {
+      mine.on_step = [&out](const StepReport& r) { out.norms.push_back(r.grad_norm); };
+    }
+    auto result = train(mine, o, d);
+    if (d.rank() == 0) out.result = result;
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(world)));
+  return out;
+}
+
+// Trains with a checkpoint every step, every rank stopping after step 5 (mid-epoch 2).
+void stop_after_step_5(int world, const TrainTask& task, TrainerOptions o) {
+  o.checkpoint_every = 1;
+  auto stopped = testing::run_ranks(world, [&](Dist& d) {
+    TrainTask t = task;
+    t.on_step = [](const StepReport& r) {
+      if (r.global_step == 5) throw std::runtime_error("stopped at step 5");
+    };
+    train(t, o, d);
+  });
+  for (const auto& e : stopped) ASSERT_EQ(e, "stopped at step 5");
+}
+
 TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
   const TokenTask data;
   TempDir one("tp_one"), two("tp_two"), four("tp_four");
@@ -158,16 +190,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   const TokenTask data;
   TempDir full("tp_full"), cut("tp_cut"), other("tp_other");
   auto whole = run(2, data.task(), options(full.path, 2));
-  auto stopped = testing::run_ranks(2, [&](Dist& d) {
-    TrainTask t = data.task();
-    t.on_step = [](const StepReport& r) {
-      if (r.global_step == 5) throw std::runtime_error("stopped at step 5");
-    };
-    auto o = options(cut.path, 2);
-    o.checkpoint_every = 1;
-    train(t, o, d);
-  });
-  for (const auto& e : stopped) ASSERT_EQ(e, "stopped at step 5");
+  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(2, data.task(), options(cut.path, 2)));
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = options(cut.path, 2);
@@ -217,22 +240,12 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
     auto o = options(dir.path, tp);
     o.max_grad_norm = 0.05;
     o.sequence_parallel = tp == 4;
-    TrainTask t = data.task();
-    std::vector<double> norms;
-    t.on_step = [&norms](const StepReport& r) { norms.push_back(r.grad_norm); };
-    TrainResult r;
-    auto errors = testing::run_ranks(tp, [&](Dist& d) {
-      TrainTask mine = t;
-      if (d.rank() != 0) mine.on_step = nullptr;
-      auto result = train(mine, o, d);
-      if (d.rank() == 0) r = result;
-    });
-    ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(tp)));
-    ASSERT_EQ(norms.size(), 8u);
-    if (tp == 1) first_norm = norms[0];
-    EXPECT_NEAR(norms[0], first_norm, 1e-9 * first_norm) << "tp " << tp;
-    EXPECT_GT(norms[0], 0.5) << "the case must clip";
-    ends[tp] = final_weights(r.weights_path);
+    const Normed r = run_with_norms(tp, data.task(), o);
+    ASSERT_EQ(r.norms.size(), 8u);
+    if (tp == 1) first_norm = r.norms[0];
+    EXPECT_NEAR(r.norms[0], first_norm, 1e-9 * first_norm) << "tp " << tp;
+    EXPECT_GT(r.norms[0], 0.5) << "the case must clip";
+    ends[tp] = final_weights(r.result.weights_path);
   }
   expect_close(ends.at(2), ends.at(1), "clipped, tp 2");
   expect_close(ends.at(4), ends.at(1), "clipped, tp 4 with sequence parallelism");
@@ -243,42 +256,28 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
 // parameter's elements counted once): the first step's norm is the single rank's.
 TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
   const TokenTask data;
-  auto clipped = [&](const fs::path& dir, int tp, Strategy s, int world, double* first) {
-    auto o = options(dir, tp);
-    o.strategy = s;
-    o.max_grad_norm = 0.05;
-    TrainTask t = data.task();
-    TrainResult r;
-    auto errors = testing::run_ranks(world, [&](Dist& d) {
-      TrainTask mine = t;
-      if (d.rank() == 0) {
-        mine.on_step = [first](const StepReport& rep) {
-          if (rep.global_step == 1) *first = rep.grad_norm;
-        };
-      }
-      auto result = train(mine, o, d);
-      if (d.rank() == 0) r = result;
-    });
-    EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(world)));
-    return r;
-  };
   TempDir one("tpz_one");
-  double norm1 = 0;
-  auto r1 = clipped(one.path, 1, Strategy::kDDP, 1, &norm1);
-  EXPECT_GT(norm1, 0.5) << "the case must clip";
-  const auto w1 = final_weights(r1.weights_path);
+  auto o1 = options(one.path, 1);
+  o1.max_grad_norm = 0.05;
+  const Normed r1 = run_with_norms(1, data.task(), o1);
+  ASSERT_EQ(r1.norms.size(), 8u);
+  EXPECT_GT(r1.norms[0], 0.5) << "the case must clip";
+  const auto w1 = final_weights(r1.result.weights_path);
+  const int64_t whole = parameter_count(*make_model("gpt-tiny", gpt_options()).module);
   for (Strategy s : {Strategy::kZero1, Strategy::kZero2}) {
     TempDir dir("tpz_" + to_string(s));
-    double norm = 0;
-    auto r = clipped(dir.path, 2, s, 4, &norm);
-    EXPECT_EQ(r.global_step, r1.global_step);
-    EXPECT_NEAR(norm, norm1, 1e-9 * norm1) << to_string(s);
-    expect_close(final_weights(r.weights_path), w1, to_string(s) + ", dp 2 x tp 2, clipped");
-    EXPECT_NEAR(r.final_loss, r1.final_loss, 1e-9 * r1.final_loss) << to_string(s);
-    // Each rank holds a quarter of the split layers' optimizer state: fewer parameters than tp's
-    // half.
-    EXPECT_LT(r.devices.at(0).parameters,
-              parameter_count(*make_model("gpt-tiny", gpt_options()).module));
+    auto o = options(dir.path, 2);
+    o.strategy = s;
+    o.max_grad_norm = 0.05;
+    const Normed r = run_with_norms(4, data.task(), o);
+    EXPECT_EQ(r.result.global_step, r1.result.global_step);
+    ASSERT_EQ(r.norms.size(), 8u);
+    EXPECT_NEAR(r.norms[0], r1.norms[0], 1e-9 * r1.norms[0]) << to_string(s);
+    expect_close(final_weights(r.result.weights_path), w1, to_string(s) + ", dp 2 x tp 2, clipped");
+    EXPECT_NEAR(r.result.final_loss, r1.result.final_loss, 1e-9 * r1.result.final_loss)
+        << to_string(s);
+    // Each rank holds its shard of its half of the split layers: under a half of the model.
+    EXPECT_LT(r.result.devices.at(0).parameters, whole / 2) << to_string(s);
   }
 }
 
@@ -290,19 +289,9 @@ TEST(TrainTensorParallel, ZeroTimesTensorParallelResumesExactly) {
   auto o = options(full.path, 2);
   o.strategy = Strategy::kZero2;
   auto whole = run(4, data.task(), o);
-  auto stopped = testing::run_ranks(4, [&](Dist& d) {
-    TrainTask t = data.task();
-    t.on_step = [](const StepReport& r) {
-      if (r.global_step == 5) throw std::runtime_error("stopped at step 5");
-    };
-    auto oc = options(cut.path, 2);
-    oc.strategy = Strategy::kZero2;
-    oc.checkpoint_every = 1;
-    train(t, oc, d);
-  });
-  for (const auto& e : stopped) ASSERT_EQ(e, "stopped at step 5");
   auto oc = options(cut.path, 2);
   oc.strategy = Strategy::kZero2;
+  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(4, data.task(), oc));
   oc.resume = "auto";
   auto resumed = run(4, data.task(), oc);
   EXPECT_EQ(resumed.global_step, 8);

@@ -98,15 +98,10 @@ class GridStrategy : public TrainStrategy {
   // Each rank holds its stages' gradients, the same in each of the replicas: the world's sum
   // counts every stage once per replica.
   double gradient_square_sum() override {
-    auto sum = at::full({1}, TrainStrategy::gradient_square_sum(),
-                        at::TensorOptions().dtype(at::kDouble).device(dev_));
-    dist_.all_reduce(sum);
-    return sum.item<double>() / data_replicas();
+    return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_) / data_replicas();
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
-    auto ok = at::full({1}, TrainStrategy::gradients_finite() ? 1.0f : 0.0f).to(dev_);
-    dist_.all_reduce(ok, ReduceOp::MIN);
-    return ok.item<float>() == 1.0f;
+    return on_every_rank(dist_, TrainStrategy::gradients_finite(), dev_);
   }
 
   void gather_weights() override {

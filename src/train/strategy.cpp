@@ -164,6 +164,18 @@ double square_sum(const std::vector<at::Tensor>& tensors) {
   return sum;
 }
 
+double sum_over(const Dist& dist, double mine, const at::Device& device) {
+  auto sum = at::full({1}, mine, at::TensorOptions().dtype(at::kDouble).device(device));
+  dist.all_reduce(sum);
+  return sum.item<double>();
+}
+
+bool on_every_rank(const Dist& dist, bool mine, const at::Device& device) {
+  auto ok = at::full({1}, mine ? 1.0 : 0.0, at::TensorOptions().device(device));
+  dist.all_reduce(ok, ReduceOp::MIN);
+  return ok.item<double>() > 0.5;
+}
+
 double TrainStrategy::gradient_square_sum() {
   std::vector<at::Tensor> grads;
   for (auto& p : parameters()) grads.push_back(p.grad());

@@ -111,5 +111,10 @@ std::vector<at::Tensor> bytes_to_rank_zero(const Dist& dist, const at::Tensor& m
                                            int tag, const at::Device& device);
 /// The sum of the squares of the defined tensors' elements, in float64 (one sync per device).
 double square_sum(const std::vector<at::Tensor>& tensors);
+/// Collective over `dist`: `mine` summed over its ranks, in float64, through `device` (NCCL
+/// carries device tensors only).
+double sum_over(const Dist& dist, double mine, const at::Device& device);
+/// Collective over `dist`: whether `mine` holds on every rank (one verdict for all).
+bool on_every_rank(const Dist& dist, bool mine, const at::Device& device);
 
 }  // namespace scaletrain

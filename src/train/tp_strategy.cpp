@@ -21,6 +21,7 @@
 // replicated gradients over tp would have to run between backward and ZeRO's reduce-scatter;
 // it is refused with ZeRO for now, as is fsdp (stage 3 gathers units the plan would cut).
 
+#include <algorithm>
 #include <optional>
 
 #include "scaletrain/amp.h"
@@ -86,6 +87,11 @@ class TensorParallelStrategy : public TrainStrategy {
     copy_parameters(*whole_.module, *split_.module);
     split_.parallelize(tp(), o.sequence_parallel);
     split_.module->to(dev_);
+    const auto same = replicated_parameters(*split_.module);
+    for (const auto& p : split_.module->parameters()) {
+      replicated_.push_back(
+          std::any_of(same.begin(), same.end(), [&](const at::Tensor& r) { return r.is_same(p); }));
+    }
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
     if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2) {
       ShardOptions so;
@@ -126,30 +132,24 @@ class TensorParallelStrategy : public TrainStrategy {
   // Split parameters hold a slice of their gradient on each rank of the group; replicated ones
   // (LayerNorms, biases of rowwise layers) the same whole gradient on each.
   double gradient_square_sum() override {
-    if (zero_) return shard_square_sum();
-    std::vector<at::Tensor> split, replicated;
-    auto same = replicated_parameters(*split_.module);
-    for (auto& p : split_.module->parameters()) {
-      bool is_replicated = false;
-      for (const auto& r : same) is_replicated = is_replicated || r.is_same(p);
-      (is_replicated ? replicated : split).push_back(p.grad());
-    }
-    auto sum = at::full({1}, square_sum(split) + square_sum(replicated) / tp().size(),
-                        at::TensorOptions().dtype(at::kDouble).device(collective()));
-    tp().all_reduce(sum);
-    return sum.item<double>();
+    if (zero_) return sum_over(dist_, shard_square_sum(), collective());
+    auto params = split_.module->parameters();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad());
+    return sum_over(tp(), weighted_square_sum(grads), collective());
   }
 
   // ZeRO: each rank holds its shards' gradients; the ranks agree on one verdict.
   bool gradients_finite() override {
-    if (!zero_) return TrainStrategy::gradients_finite();
-    auto finite = at::full({1}, TrainStrategy::gradients_finite() ? 1.0 : 0.0,
-                           at::TensorOptions().device(collective()));
-    dist_.all_reduce(finite, ReduceOp::MIN);
-    return finite.item<double>() > 0.5;
+    const bool mine = TrainStrategy::gradients_finite();
+    return zero_ ? on_every_rank(dist_, mine, collective()) : mine;
   }
   void optimizer_step(torch::optim::Optimizer& opt) override {
-    zero_ ? zero_->step(opt) : (void)opt.step();
+    if (zero_) {
+      zero_->step(opt);
+    } else {
+      opt.step();
+    }
   }
 
   at::Tensor predict(const at::Tensor& x) override {
@@ -201,40 +201,43 @@ class TensorParallelStrategy : public TrainStrategy {
     return true;
   }
 
-  std::vector<DeviceReport> devices() const override {
+  std::vector<DeviceReport> devices() const override {  // ZeRO: the shards the rank holds
     int64_t n = 0;
-    for (const auto& p : split_.module->parameters()) n += p.numel();
+    for (const auto& p : zero_ ? zero_->parameters() : split_.module->parameters()) n += p.numel();
     return {{dev_.str(), n, peak_memory(dev_)}};
   }
 
  private:
-  // ZeRO: the square sum over every rank's shards, a replicated parameter's elements weighing
-  // 1/t on each tp rank (a unit's shard is a range of its parameters laid end to end).
-  double shard_square_sum() {
-    auto params = split_.module->parameters();
-    const auto same = replicated_parameters(*split_.module);
-    const Dist& dp = groups_.at("dp");
+  // Tensors of (parts of) the split model's parameters, by parameter index: their square sum
+  // with a replicated parameter's counted 1/t (it is on every tp rank).
+  double weighted_square_sum(const std::vector<at::Tensor>& by_parameter) const {
+    std::vector<at::Tensor> split, replicated;
+    for (size_t i = 0; i < by_parameter.size(); ++i) {
+      (replicated_[i] ? replicated : split).push_back(by_parameter[i]);
+    }
+    return square_sum(split) + square_sum(replicated) / tp().size();
+  }
+
+  // ZeRO: this rank's shards' part of the square sum (a unit's shard is a range of its
+  // parameters laid end to end; each range is cut at the parameters' bounds).
+  double shard_square_sum() const {
+    const auto params = split_.module->parameters();
     const auto members = zero_->unit_parameters();
-    double sum = 0;
+    const int64_t dp_rank = groups_.at("dp").rank();
+    std::vector<at::Tensor> parts(params.size());  // each parameter's slice here, if any
     for (size_t u = 0; u < zero_->units().size(); ++u) {
       const at::Tensor& grad = zero_->parameters()[u].grad();
       if (!grad.defined()) continue;
-      const auto g = grad.detach().reshape({-1}).to(at::kDouble);
-      const int64_t lo = dp.rank() * g.numel(), hi = lo + g.numel();
+      const auto g = grad.detach().reshape({-1});
+      const int64_t lo = dp_rank * g.numel(), hi = lo + g.numel();
       int64_t at = 0;
       for (size_t i : members[u]) {
         const int64_t begin = std::max(lo, at), end = std::min(hi, at + params[i].numel());
         at += params[i].numel();
-        if (begin >= end) continue;
-        bool replicated = false;
-        for (const auto& r : same) replicated = replicated || r.is_same(params[i]);
-        const double s = g.narrow(0, begin - lo, end - begin).pow(2).sum().item<double>();
-        sum += replicated ? s / tp().size() : s;
+        if (begin < end) parts[i] = g.narrow(0, begin - lo, end - begin);
       }
     }
-    auto total = at::full({1}, sum, at::TensorOptions().dtype(at::kDouble).device(collective()));
-    dist_.all_reduce(total);
-    return total.item<double>();
+    return weighted_square_sum(parts);
   }
 
   const Dist& tp() const { return groups_.at("tp"); }
@@ -252,6 +255,7 @@ class TensorParallelStrategy : public TrainStrategy {
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2: over dp instead of ddp_
   std::string layout_ = mesh_.describe();      // the optimizer state's: mesh and strategy
+  std::vector<bool> replicated_;  // by split_.module->parameters() index: whole on every tp rank
 };
 
 }  // namespace

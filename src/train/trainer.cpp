@@ -534,10 +534,12 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
     return;
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
-  if (d_.rank() == 0 && writer_) {
-    writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
-  } else if (d_.rank() == 0) {
-    save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
+  if (d_.rank() == 0) {
+    if (writer_) {  // --async-checkpoint
+      writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
+    } else {
+      save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
+    }
   }
   r_.last_checkpoint = checkpoint_path(o_.out_dir, state_.global_step);
 }

@@ -51,17 +51,11 @@ class ZeroStrategy : public TrainStrategy {
 
   // Each rank sees its own shards' gradients: the ranks agree on one verdict.
   bool gradients_finite() override {
-    auto finite = at::full({1}, TrainStrategy::gradients_finite() ? 1.0 : 0.0,
-                           at::TensorOptions().device(dev_));
-    dist_.all_reduce(finite, ReduceOp::MIN);
-    return finite.item<double>() > 0.5;
+    return on_every_rank(dist_, TrainStrategy::gradients_finite(), dev_);
   }
   // Each rank holds its shards' gradients (zero padding adds nothing): their sum over the world.
   double gradient_square_sum() override {
-    auto sum = at::full({1}, TrainStrategy::gradient_square_sum(),
-                        at::TensorOptions().dtype(at::kDouble).device(dev_));
-    dist_.all_reduce(sum);
-    return sum.item<double>();
+    return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_);
   }
   void optimizer_step(torch::optim::Optimizer& opt) override { zero_->step(opt); }
   void weights_loaded() override { zero_->scatter_full_parameters(); }
@@ -94,10 +88,7 @@ class ZeroStrategy : public TrainStrategy {
   }
   // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
   bool weights_finite() override {
-    auto finite = at::full({1}, all_finite(zero_->parameters()) ? 1.0 : 0.0,
-                           at::TensorOptions().device(dev_));
-    dist_.all_reduce(finite, ReduceOp::MIN);
-    return finite.item<double>() > 0.5;
+    return on_every_rank(dist_, all_finite(zero_->parameters()), dev_);
   }
   std::vector<DeviceReport> devices() const override {
     int64_t n = 0;

@@ -108,6 +108,10 @@ struct Args {
   std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
   std::string seed = "0";
   std::string checkpoint_format = "full";
+  bool fault_tolerant = false;  // --fault-tolerant and its flags
+  std::string lighthouse;
+  int replica_id = 0;
+  double ft_timeout = 10;
 };
 
 // --seed: a whole number from 0 to 2^64 - 1 (a negative one used to wrap around silently).
@@ -121,6 +125,33 @@ uint64_t parse_seed(const std::string& text) {
   } catch (const std::exception&) {
   }
   throw UsageError("--seed '" + text + "' is not a whole number from 0 to 18446744073709551615");
+}
+
+// --fault-tolerant: this run is one replica; its checkpoints go to --out/replica-<id>.
+void apply_fault_tolerance_flags(Args& a) {
+  if (!a.fault_tolerant) {
+    if (!a.lighthouse.empty()) {
+      throw UsageError("--lighthouse is for fault-tolerant replicas: add --fault-tolerant");
+    }
+    return;
+  }
+  if (a.lighthouse.empty()) {
+    throw UsageError(
+        "--fault-tolerant needs --lighthouse HOST:PORT (start one with scaletrain lighthouse)");
+  }
+  if (a.o.lr_schedule != "none") {
+    throw UsageError("--fault-tolerant with --lr-schedule " + a.o.lr_schedule +
+                     " is not supported yet; use --lr-schedule none");
+  }
+  if (!(a.ft_timeout > 0)) {
+    throw UsageError("--ft-timeout " + std::to_string(a.ft_timeout) + " must be above 0 seconds");
+  }
+  ReplicaGroupOptions r;
+  r.lighthouse = a.lighthouse;
+  r.replica_id = a.replica_id;
+  r.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ft_timeout * 1000));
+  a.o.fault_tolerant = r;
+  a.o.out_dir += "/replica-" + std::to_string(a.replica_id);
 }
 
 // The strategy's flags, from their names into the options.
@@ -165,6 +196,7 @@ void apply_strategy_flags(Args& a) {
     throw UsageError("unknown --schedule '" + a.schedule +
                      "'; use gpipe, 1f1b, interleaved or zb-h1");
   }
+  apply_fault_tolerance_flags(a);
   if (a.checkpointing == "never") {
     a.o.checkpointing = PipelineCheckpoint::kNever;
   } else if (a.checkpointing == "except-last") {
@@ -301,6 +333,25 @@ void add_run_flags(CLI::App* cmd, Args& a) {
   cmd->add_option("--log-every", o.log_every, "Steps between metric lines")->capture_default_str();
 }
 
+// Fault-tolerant replicas (fault_tolerance.h).
+void add_fault_tolerance_flags(CLI::App* cmd, Args& a) {
+  cmd->add_flag("--fault-tolerant", a.fault_tolerant,
+                "This job is one replica of several (ddp within it): a replica that fails is "
+                "left out at the next step and the others go on; restarted, it takes the live "
+                "state from a peer. --batch-size is the replica's");
+  cmd->add_option("--lighthouse", a.lighthouse,
+                  "--fault-tolerant: HOST:PORT of the lighthouse (scaletrain lighthouse) that "
+                  "forms the replicas' quorum every step");
+  cmd->add_option("--replica-id", a.replica_id,
+                  "--fault-tolerant: this replica's number (0, 1, ...); its checkpoints go to "
+                  "--out/replica-<id>")
+      ->capture_default_str();
+  cmd->add_option("--ft-timeout", a.ft_timeout,
+                  "--fault-tolerant: seconds an exchange between replicas may wait before the "
+                  "silent one is left out")
+      ->capture_default_str();
+}
+
 // The processes: how many, how they talk, how long they wait for one another.
 void add_process_flags(CLI::App* cmd, Args& a) {
   auto& o = a.o;
@@ -368,7 +419,7 @@ int train_rank(Args& a) {
   if (io.backend == "auto" && a.o.device == "cpu") io.backend = "gloo";
   Dist d = init_process_group(io);
   TrainResult r = train(a.o, d);
-  if (d.rank() == 0) print_summary(a.o, r, d);
+  if (d.rank() == 0 && !r.left_behind) print_summary(a.o, r, d);
   return 0;
 }
 
@@ -382,6 +433,7 @@ void add_train_command(CLI::App& app, Action& action) {
   add_strategy_flags(cmd, *args);
   add_run_flags(cmd, *args);
   add_process_flags(cmd, *args);
+  add_fault_tolerance_flags(cmd, *args);
   cmd->callback([args, &action] {
     action = [args] {
       apply_strategy_flags(*args);

@@ -31,6 +31,9 @@ inline constexpr const char* kBenchDescription =
     "Rerun the seeds' experiments: raw CSV, JSON statistics, PNG plots and a report";
 inline constexpr const char* kDataDescription =
     "Prepare a data set: `data text` tokenizes text into the token files a GPT trains on";
+inline constexpr const char* kLighthouseDescription =
+    "Serve the quorum of fault-tolerant replicas (scaletrain train --fault-tolerant "
+    "--lighthouse HOST:PORT)";
 inline constexpr const char* kBenchWorkerDescription = "";  // internal: one rank of a suite
 inline constexpr const char* kVersionDescription =
     "Print scaletrain's and LibTorch's versions and exit";
@@ -40,17 +43,17 @@ struct SubcommandInfo {
   const char* description;
 };
 /// The subcommands the full tool runs (all but `run`), in the order --help lists them.
-inline constexpr SubcommandInfo kToolSubcommands[] = {{"train", kTrainDescription},
-                                                      {"check", kCheckDescription},
-                                                      {"bench", kBenchDescription},
-                                                      {"data", kDataDescription},
-                                                      {"bench-worker", kBenchWorkerDescription}};
+inline constexpr SubcommandInfo kToolSubcommands[] = {
+    {"train", kTrainDescription},           {"check", kCheckDescription},
+    {"bench", kBenchDescription},           {"data", kDataDescription},
+    {"lighthouse", kLighthouseDescription}, {"bench-worker", kBenchWorkerDescription}};
 
 void add_run_command(CLI::App& app, Action& action);
 void add_check_command(CLI::App& app, Action& action);
 void add_bench_command(CLI::App& app, Action& action);
 void add_train_command(CLI::App& app, Action& action);
 void add_data_command(CLI::App& app, Action& action);
+void add_lighthouse_command(CLI::App& app, Action& action);
 
 /// The app both programs start from: name, description, footer, argparse's repeated options.
 void configure_app(CLI::App& app);

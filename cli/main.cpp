@@ -23,5 +23,6 @@ int main(int argc, char** argv) {
   cli::add_check_command(app, action);
   cli::add_bench_command(app, action);
   cli::add_data_command(app, action);
+  cli::add_lighthouse_command(app, action);
   return cli::parse_and_run(app, action, argc, argv);
 }

@@ -120,6 +120,10 @@ const std::vector<Suite>& suites() {
        "GPT activation memory per rank, measured: one rank, tensor parallel 2, with sequence "
        "parallelism, with each block recomputed",
        run_transformer_memory},
+      {"resilience",
+       "one worker SIGKILLed mid-training: time lost by fault-tolerant replicas (healed from a "
+       "peer) vs ddp restarted from its checkpoint, and the replicas' times to re-form",
+       run_resilience},
   };
   return all;
 }

@@ -59,5 +59,6 @@ SuiteResult run_stem_conv(const SuiteOptions& o);
 SuiteResult run_transformer(const SuiteOptions& o);
 SuiteResult run_checkpoint(const SuiteOptions& o);
 SuiteResult run_transformer_memory(const SuiteOptions& o);
+SuiteResult run_resilience(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

@@ -43,10 +43,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "scaletrain/dist.h"
+#include "scaletrain/fault_tolerance.h"
 #include "scaletrain/loader.h"
 #include "scaletrain/models.h"
 #include "scaletrain/module_call.h"
@@ -210,6 +212,10 @@ struct TrainerOptions {
   // for a copy in memory; the file is on disk before the next checkpoint and before train()
   // returns. StepReport::checkpointed then means "taken, being written".
   bool async_checkpoint = false;
+  // Fault-tolerant replicas (fault_tolerance.h): this train() is one replica of several, each
+  // started on its own; batch_size is the replica's, and a step's batch is that times the live
+  // replicas. ddp only; each replica needs an out_dir of its own.
+  std::optional<ReplicaGroupOptions> fault_tolerant;
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
   bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
                                 // (without it, such a folder is refused unless resumed)
@@ -260,6 +266,9 @@ struct DeviceReport {
 };
 
 struct TrainResult {
+  // A fault-tolerant replica that came back after the others had finished (it trained nothing
+  // more and wrote no model.pt; theirs hold the run's weights). Everything else below is unset.
+  bool left_behind = false;
   double test_accuracy = 0;               // metrics["test_accuracy"] when measured
   std::map<std::string, double> metrics;  // the last epoch's
   double final_loss = 0;

@@ -228,6 +228,14 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer* opt, const std::string& model_name) {
   std::string body;
   if (auto problem = payload_of(path, &body)) throw Error("checkpoint '" + path + "' " + *problem);
+  TrainingState s = load_checkpoint_payload(body, path, model, opt, model_name);
+  s.run_id = checkpoint_run(path).value_or("");
+  return s;
+}
+
+TrainingState load_checkpoint_payload(const std::string& body, const std::string& path,
+                                      torch::nn::Module& model, torch::optim::Optimizer* opt,
+                                      const std::string& model_name) {
   torch::serialize::InputArchive ar;
   std::istringstream in(body);
   ar.load_from(in);
@@ -254,7 +262,6 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
     dst.copy_(t);
   };
   TrainingState s;
-  s.run_id = checkpoint_run(path).value_or("");
   s.model_name = value("model_name").toStringRef();
   if (s.model_name != model_name) {
     throw UsageError("checkpoint '" + path + "' holds a '" + s.model_name + "' model, not a '" +

@@ -27,6 +27,12 @@ std::string commit_checkpoint(const std::string& dir, int64_t global_step,
                               const std::string& run_id, const std::string& payload, int keep,
                               const std::function<void(const std::string&)>& before_rename);
 
+/// load_checkpoint() of a payload (checkpoint_payload()'s) held in memory; `path` names it in
+/// errors. The state's run_id is left empty.
+TrainingState load_checkpoint_payload(const std::string& payload, const std::string& path,
+                                      torch::nn::Module& model, torch::optim::Optimizer* opt,
+                                      const std::string& model_name);
+
 /// The module's parameters and buffers by name (the live tensors).
 NamedTensors named_parameters_of(const torch::nn::Module& model);
 NamedTensors named_buffers_of(const torch::nn::Module& model);

@@ -34,19 +34,14 @@
 #include "scaletrain/rng.h"
 #include "scaletrain/sampler.h"
 #include "train/report.h"
+#include "train/run.h"
 #include "train/run_folder.h"
 #include "train/strategy.h"
 #include "train/validation.h"
 
 namespace scaletrain {
-namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // The task with its defaults filled in.
 TrainTask completed(TrainTask t) {
@@ -72,60 +67,6 @@ TrainTask completed(TrainTask t) {
   if (t.metrics.empty() && t.test_data.size > 0) t.metrics.push_back(accuracy());
   return t;
 }
-
-class Run {
- public:
-  Run(const TrainTask& task, const TrainerOptions& o, const Dist& d)
-      : task_(completed(task)), o_(o), d_(d), default_loss_(!task.loss) {}
-  TrainResult go();
-
- private:
-  void keep_checkpoint_balance();
-  void setup();
-  void resume();
-  void epoch(int64_t e);
-  double step(const Batch& b, bool last_micro, int64_t epoch);
-  std::map<std::string, double> evaluate();
-  void save(int64_t epoch, int64_t step_in_epoch);
-  void save_now(int64_t epoch, int64_t step_in_epoch);
-  void restore_rank_state();
-  void check_model_takes(const Batch& sample);
-  void report_differences(const TrainingState& saved);
-  at::Device collective_device() const;
-  std::string agreed_run_id(const std::string& mine);
-  void record_options();
-  void settle_peak();
-  void finish();
-  double lr() const { return opt_->param_groups()[0].options().get_lr(); }
-  [[noreturn]] void diverged(const std::string& what, int64_t step, int64_t epoch, double loss);
-  LoaderOptions loader_options(int64_t batch, uint64_t seed, int64_t first_batch) const;
-
-  const TrainTask task_;
-  TrainerOptions o_;  // a copy: a resume may keep its checkpoint's grid balance
-  const Dist& d_;
-  std::unique_ptr<FolderLock> folder_lock_;  // rank 0's, for the whole run
-  std::unique_ptr<Reporter> reporter_;       // made once the run's folder is settled
-  RunStart start_;
-  Model model_;
-  std::unique_ptr<TrainStrategy> strategy_;
-  std::unique_ptr<torch::optim::Optimizer> opt_;
-  std::unique_ptr<torch::optim::LRScheduler> scheduler_;
-  std::vector<double> first_lrs_;
-  std::unique_ptr<DistributedSampler> sampler_;
-  int64_t per_replica_ = 0;
-  TrainingState state_;
-  TrainResult r_;
-  int64_t samples_ = 0;
-  double train_seconds_ = 0;
-  bool default_loss_ = false;       // the task gave no loss: cross entropy over classes
-  uint64_t seed_ = 0;               // the data order's: the options', or the resumed run's
-  int64_t targets_per_sample_ = 0;  // a sequence's positions (tokens/s), 0 for classes
-  double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
-  double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
-  int64_t loss_n_ = 0;
-  // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
-  std::unique_ptr<AsyncCheckpointer> writer_;
-};
 
 // Regression (TimeBalanceChangedOnResume): a grid with --balance auto or time measures its
 // split at the start; a resume that measured another split (under other load) gave its stages
@@ -186,6 +127,17 @@ void Run::setup() {
   so.dataset_size = task_.train_data.size;
   so.num_replicas = strategy_->data_replicas();
   so.rank = strategy_->data_rank();
+  if (o_.fault_tolerant) {  // the whole permutation: each step splits it over the live replicas
+    so.num_replicas = 1;
+    so.rank = 0;
+    if (scheduler_) {
+      throw UsageError(
+          "fault-tolerant replicas: a learning-rate schedule is not supported yet "
+          "(a healed replica would replay another one); leave TrainTask::scheduler "
+          "unset (--lr-schedule none)");
+    }
+    replicas_ = std::make_unique<ReplicaGroup>(d_, *o_.fault_tolerant);
+  }
   so.seed = seed_;
   sampler_ = std::make_unique<DistributedSampler>(so);
   per_replica_ = o_.batch_size / strategy_->data_replicas();
@@ -290,9 +242,10 @@ void Run::report_differences(const TrainingState& saved) {
                     ": the checkpoint's goes on (it fixes the data order; start "
                     "afresh for another seed)");
     seed_ = std::stoull(it->second);
+    const bool whole = o_.fault_tolerant.has_value();  // the whole permutation
     SamplerOptions so{task_.train_data.size,
-                      strategy_->data_replicas(),
-                      strategy_->data_rank(),
+                      whole ? 1 : strategy_->data_replicas(),
+                      whole ? 0 : strategy_->data_rank(),
                       true,
                       seed_,
                       false};
@@ -438,8 +391,12 @@ void Run::epoch(int64_t e) {
   // A rank whose batches ran out says so before anything else collective (Note [Uneven
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
   strategy_->end_epoch();
+  end_epoch(e, since(t0));
+}
+
+void Run::end_epoch(int64_t e, double seconds) {
   EpochReport report;
-  report.seconds = since(t0);
+  report.seconds = seconds;
   train_seconds_ += report.seconds;
   // The epoch's loss over every replica's batches, a resumed epoch's before the resume too.
   auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
@@ -611,7 +568,16 @@ TrainResult Run::go() {
   setup();
   resume();
   settle_peak();
-  for (int64_t e = state_.epoch; e < o_.epochs; ++e) epoch(e);
+  if (replicas_) {
+    train_fault_tolerant();
+    if (left_behind_) {  // nothing of this replica's is the run's: no model.pt
+      r_.global_step = state_.global_step;
+      r_.left_behind = true;
+      return r_;
+    }
+  } else {
+    for (int64_t e = state_.epoch; e < o_.epochs; ++e) epoch(e);
+  }
   if (r_.epoch_seconds.empty()) {
     // Resumed from a checkpoint of a finished run: nothing to train, report where it stands.
     r_.metrics = evaluate();
@@ -623,8 +589,6 @@ TrainResult Run::go() {
   finish();
   return r_;
 }
-
-}  // namespace
 
 Strategy parse_strategy(const std::string& name) {
   if (name == "ddp") return Strategy::kDDP;

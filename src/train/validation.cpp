@@ -223,7 +223,28 @@ void validate_balance(const TrainerOptions& o, const Family& f) {
 
 }  // namespace
 
+// Fault-tolerant replicas (Note [Fault-tolerant loop] in fault_loop.cpp): ddp within each
+// replica, one optimizer step per batch, the gradients' plain average.
+void validate_fault_tolerance(const TrainerOptions& o) {
+  if (!o.fault_tolerant) return;
+  const std::string what = "--fault-tolerant";
+  if (o.strategy != Strategy::kDDP) {
+    refuse(what + " runs --strategy ddp within each replica (not " + to_string(o.strategy) + ")");
+  }
+  if (o.accumulate != 1) refuse(what + " takes one batch per step: leave --accumulate at 1");
+  if (o.amp == "fp16") refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
+  if (o.tensor_parallel > 1) refuse(what + " with --tp is not supported yet");
+  if (o.checkpoint_format != CheckpointFormat::kFull) {
+    refuse(what + " writes full checkpoints: leave --checkpoint-format at full");
+  }
+  parse_host_port(o.fault_tolerant->lighthouse, "--lighthouse");
+  if (o.fault_tolerant->replica_id < 0) {
+    refuse("--replica-id " + std::to_string(o.fault_tolerant->replica_id) + " must be 0 or more");
+  }
+}
+
 void validate_strategy(const TrainerOptions& o, int world) {
+  validate_fault_tolerance(o);
   const Family f(o.strategy);
   validate_placement(o, f, world);
   validate_strategy_options(o, f);

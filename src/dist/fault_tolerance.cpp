@@ -1,0 +1,484 @@
+// Fault-tolerant replicas (fault_tolerance.h).
+//
+// Note [Replica groups]: TorchFT's design, small. Each replica is a job of its own: its own
+// launcher, world, store and restarts. The lighthouse is a process outside every replica that
+// serves a TCP store and watches it:
+//
+//   ft/nreg, ft/reg/<i>   replicas announce themselves (rank 0 of each, at its start)
+//   ft/beat/<r>           rank 0 of replica r adds 1 every beat_interval, from a thread
+//   ft/req/<r>            "<token> <step> <new>": replica r asks for the quorum of its next step
+//   ft/ans/<token>        the lighthouse's answer: "<id> <max_step> <donor> <n> r0 s0 r1 s1 ..."
+//
+// A quorum forms once every member of the previous one that still beats has asked (or
+// join_timeout after the first ask; the first quorum always waits that long), with at least
+// min_replicas. Its id changes when the
+// membership does, or when a replica asks for a new group after a failed step; then the
+// replicas' rank k processes make a Gloo group of their own under ft/q<id>/k<k>/ in the same
+// store. A step is committed only when every exchange of every rank of the replica succeeded
+// (commit()); a replica that committed while another did not is simply ahead, and the next
+// quorum heals the other: the furthest replica (the donor) sends its state to the ones behind
+// (share_state()), over the same groups. So a replica that dies is left out at the next step
+// boundary (its peers' exchange with it fails at once, and its beats stop), and one that comes
+// back asks with the step of its checkpoint (or 0) and is healed before its first step.
+//
+// A replica that finishes says so (ft/done); one restarted later, behind, then stops at its first
+// quorum() instead of training the rest alone (finished_at).
+//
+// What it does not survive: the lighthouse's own death (every replica's quorum() fails within
+// quorum_timeout, naming it, and the launchers' restarts fail the same way).
+
+#include "scaletrain/fault_tolerance.h"
+
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+std::string seconds(milliseconds t) {
+  std::ostringstream s;
+  s << static_cast<double>(t.count()) / 1000.0 << " s";
+  return s.str();
+}
+
+c10::intrusive_ptr<c10d::TCPStore> store_client(const std::string& host, int port,
+                                                milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = false;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  } catch (const std::exception& e) {
+    throw Error("the lighthouse at " + host + ":" + std::to_string(port) +
+                " cannot be reached within " + seconds(timeout) + ": " + e.what() +
+                "\nStart it first (scaletrain lighthouse --port " + std::to_string(port) +
+                ") and give its host and port to every replica (--lighthouse HOST:PORT).");
+  }
+}
+
+// The lighthouse's bookkeeping (Note [Replica groups]).
+class Lighthouse {
+ public:
+  Lighthouse(const LighthouseOptions& o, c10d::Store& store) : o_(o), store_(store) {}
+
+  // One look at the store; forms a quorum where one is due. Returns whether it did anything.
+  bool poll() {
+    const auto now = Clock::now();
+    discover(now);
+    read_requests(now);
+    if (pending_.empty() || static_cast<int>(pending_.size()) < o_.min_replicas) return false;
+    bool waiting = false;
+    for (int r : members_) {
+      if (pending_.count(r) == 0 && alive(r, now)) waiting = true;
+    }
+    // The first quorum waits the join timeout out (or for LighthouseOptions::replicas): the
+    // replicas start at about the same time, and one still loading has not announced itself.
+    if (members_.empty()) {
+      const bool all_asked = o_.replicas > 0 && static_cast<int>(pending_.size()) >= o_.replicas;
+      waiting = waiting || !all_asked;
+    }
+    if (waiting && now - first_ask_ < o_.join_timeout) return false;
+    form();
+    return true;
+  }
+
+ private:
+  struct Known {
+    int64_t beat = -1;
+    Clock::time_point seen;
+    std::string answered;  // the token of the last answer
+  };
+  struct Ask {
+    std::string token;
+    int64_t step = 0;
+    bool fresh_group = false;
+  };
+
+  bool alive(int r, Clock::time_point now) const {
+    auto it = known_.find(r);
+    return it != known_.end() && now - it->second.seen < o_.heartbeat_timeout;
+  }
+
+  void discover(Clock::time_point now) {
+    const int64_t n = store_.add("ft/nreg", 0);
+    for (; registered_ < n; ++registered_) {
+      // A replica killed between its count and its name never names itself: not waited for.
+      const std::string key = "ft/reg/" + std::to_string(registered_);
+      if (!store_.check({key})) {
+        if (unnamed_since_ == Clock::time_point{}) unnamed_since_ = now;
+        if (now - unnamed_since_ < o_.heartbeat_timeout) break;  // its name may be on the way
+        unnamed_since_ = {};
+        continue;
+      }
+      unnamed_since_ = {};
+      const int r = std::stoi(text(store_.get(key)));
+      auto& k = known_[r];
+      k.seen = now;
+    }
+    for (auto& [r, k] : known_) {
+      const int64_t beat = store_.add("ft/beat/" + std::to_string(r), 0);
+      if (beat != k.beat) k.beat = beat, k.seen = now;
+    }
+  }
+
+  void read_requests(Clock::time_point now) {
+    for (auto& [r, k] : known_) {
+      const std::string key = "ft/req/" + std::to_string(r);
+      if (!store_.check({key})) continue;
+      std::istringstream in(text(store_.get(key)));
+      Ask a;
+      int fresh = 0;
+      in >> a.token >> a.step >> fresh;
+      a.fresh_group = fresh != 0;
+      if (a.token == k.answered) continue;
+      auto p = pending_.find(r);
+      if (p != pending_.end() && p->second.token == a.token) continue;
+      if (pending_.empty()) first_ask_ = now;
+      pending_[r] = a;
+      k.seen = now;  // it asked: it lives
+    }
+  }
+
+  void form() {
+    std::vector<int> members;
+    bool fresh = false;
+    int64_t max_step = 0;
+    for (const auto& [r, a] : pending_) {
+      members.push_back(r);
+      fresh = fresh || a.fresh_group;
+      max_step = std::max(max_step, a.step);
+    }
+    const bool changed = members != members_ || fresh;
+    if (changed) ++id_;
+    // The donor: a replica at the furthest step, one of the previous quorum where there is one.
+    int donor = -1;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const int r = members[i];
+      if (pending_[r].step != max_step) continue;
+      const bool old = std::find(members_.begin(), members_.end(), r) != members_.end();
+      if (donor < 0 || (old && std::find(members_.begin(), members_.end(),
+                                         members[static_cast<size_t>(donor)]) == members_.end())) {
+        donor = static_cast<int>(i);
+      }
+    }
+    std::ostringstream answer;
+    answer << id_ << " " << max_step << " " << donor << " " << members.size();
+    for (int r : members) answer << " " << r << " " << pending_[r].step;
+    for (int r : members) {
+      store_.set("ft/ans/" + pending_[r].token, bytes(answer.str()));
+      known_[r].answered = pending_[r].token;
+    }
+    if (changed && o_.on_quorum) o_.on_quorum(describe(members, max_step, donor));
+    members_ = members;
+    pending_.clear();
+  }
+
+  std::string describe(const std::vector<int>& members, int64_t max_step, int donor) {
+    std::ostringstream s;
+    s << "quorum " << id_ << " at step " << max_step << ": replica"
+      << (members.size() > 1 ? "s" : "");
+    for (size_t i = 0; i < members.size(); ++i) s << (i ? ", " : " ") << members[i];
+    for (int r : members_) {
+      if (std::find(members.begin(), members.end(), r) == members.end()) s << "; " << r << " left";
+    }
+    for (int r : members) {
+      if (pending_[r].step < max_step) {
+        s << "; " << r << " (at step " << pending_[r].step << ") takes the state of "
+          << members[static_cast<size_t>(donor)];
+      }
+    }
+    return s.str();
+  }
+
+  const LighthouseOptions o_;
+  c10d::Store& store_;
+  int64_t registered_ = 0;
+  Clock::time_point unnamed_since_;
+  std::map<int, Known> known_;
+  std::map<int, Ask> pending_;
+  Clock::time_point first_ask_;
+  std::vector<int> members_;
+  int64_t id_ = 0;
+};
+
+// A string from rank 0 of `d` on each of its ranks (through the device NCCL needs).
+std::string broadcast_text(const Dist& d, const std::string& mine) {
+  if (d.size() == 1) return mine;
+  const at::Device dev = d.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  auto n = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(dev);
+  d.broadcast(n, 0, "the quorum's size");
+  const int64_t len = n.cpu().item<int64_t>();
+  auto t = at::zeros({len}, at::kByte);
+  if (d.rank() == 0) std::memcpy(t.data_ptr(), mine.data(), mine.size());
+  t = t.to(dev);
+  d.broadcast(t, 0, "the quorum");
+  t = t.cpu();
+  return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(len));
+}
+
+}  // namespace
+
+std::pair<std::string, int> parse_host_port(const std::string& value, const std::string& what) {
+  const auto colon = value.rfind(':');
+  int port = -1;
+  if (colon != std::string::npos && colon > 0) {
+    try {
+      size_t used = 0;
+      port = std::stoi(value.substr(colon + 1), &used);
+      if (used != value.size() - colon - 1) port = -1;
+    } catch (const std::exception&) {
+      port = -1;
+    }
+  }
+  if (port < 1 || port > 65535) {
+    throw UsageError(what + " '" + value + "' is not HOST:PORT (e.g. 127.0.0.1:29510)");
+  }
+  return {value.substr(0, colon), port};
+}
+
+void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>* stop) {
+  if (options.min_replicas < 1) {
+    throw UsageError("the lighthouse's minimum of replicas " +
+                     std::to_string(options.min_replicas) + " must be at least 1");
+  }
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(options.port);
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = milliseconds(30000);
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(options.host, so);
+  } catch (const std::exception& e) {
+    throw Error("the lighthouse cannot listen on " + options.host + ":" +
+                std::to_string(options.port) + ": " + e.what() +
+                "\nThe port may be taken: choose another --port (0: a free one).");
+  }
+  if (options.on_listening) options.on_listening(static_cast<int>(store->getPort()));
+  Lighthouse lighthouse(options, *store);
+  while (stop == nullptr || !stop->load()) {
+    if (!lighthouse.poll()) std::this_thread::sleep_for(milliseconds(2));
+  }
+}
+
+struct ReplicaGroup::Impl {
+  Dist replica;
+  std::string host;
+  int port = 0;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // the lighthouse's
+  std::optional<Dist> group;                 // rank k of each replica in the quorum
+  Quorum quorum;
+  int64_t group_id = -1;
+  bool broken = false;       // an exchange of this step failed
+  bool fresh_group = false;  // ask for a new group: the last step was not committed
+  int64_t asked = 0;
+  std::thread beater;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stopping = false;
+
+  void beat(int replica_id, milliseconds every) {
+    c10::intrusive_ptr<c10d::TCPStore> own;
+    try {
+      own = store_client(host, port, milliseconds(5000));
+    } catch (const std::exception&) {
+      return;  // quorum() reports the lighthouse
+    }
+    const std::string key = "ft/beat/" + std::to_string(replica_id);
+    std::unique_lock<std::mutex> lock(mu);
+    while (!stopping) {
+      lock.unlock();
+      try {
+        own->add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the lighthouse is gone: quorum() says so
+      }
+      lock.lock();
+      cv.wait_for(lock, every, [this] { return stopping; });
+    }
+  }
+
+  void make_group(const ReplicaGroupOptions& o) {
+    group.reset();
+    group_id = quorum.id;
+    broken = false;
+    if (quorum.size() < 2) return;
+    Dist g;
+    g.world = replica.world;
+    g.world.rank = quorum.slot;
+    g.world.world_size = quorum.size();
+    g.world.master_addr = host;
+    g.world.master_port = port;
+    g.backend_name = "gloo";
+    g.store = store;
+    g.timeout = o.timeout;
+    try {
+      g.backend = new_backend(
+          g, "gloo",
+          "ft/q" + std::to_string(quorum.id) + "/k" + std::to_string(replica.rank()) + "/",
+          o.timeout);
+      group = std::move(g);
+    } catch (const std::exception&) {
+      broken = true;  // a member left while the group was made: this step is not committed
+    }
+  }
+};
+
+ReplicaGroup::ReplicaGroup(const Dist& replica, ReplicaGroupOptions options)
+    : impl_(std::make_unique<Impl>()), options_(std::move(options)) {
+  require_joined(replica, "ReplicaGroup");
+  if (options_.replica_id < 0) {
+    throw UsageError("replica id " + std::to_string(options_.replica_id) + " must be 0 or more");
+  }
+  auto [host, port] = parse_host_port(options_.lighthouse, "the lighthouse");
+  impl_->replica = replica;
+  impl_->host = host;
+  impl_->port = port;
+  impl_->store = store_client(host, port, options_.quorum_timeout);
+  if (replica.rank() == 0) {
+    const int64_t i = impl_->store->add("ft/nreg", 1) - 1;
+    impl_->store->set("ft/reg/" + std::to_string(i), bytes(std::to_string(options_.replica_id)));
+    impl_->beater =
+        std::thread([this] { impl_->beat(options_.replica_id, options_.beat_interval); });
+  }
+}
+
+ReplicaGroup::~ReplicaGroup() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stopping = true;
+  }
+  impl_->cv.notify_all();
+  if (impl_->beater.joinable()) impl_->beater.join();
+}
+
+Quorum ReplicaGroup::quorum(int64_t step) {
+  auto& m = *impl_;
+  std::string answer;
+  if (m.replica.rank() == 0 && m.store->check({"ft/done"})) {
+    const std::string done = text(m.store->get("ft/done"));
+    if (std::stoll(done) > step) answer = "done " + done;
+  }
+  if (m.replica.rank() == 0 && answer.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const std::string token = std::string(host) + "-" + std::to_string(getpid()) + "-" +
+                              std::to_string(options_.replica_id) + "-" + std::to_string(++m.asked);
+    m.store->set("ft/req/" + std::to_string(options_.replica_id),
+                 bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0")));
+    try {
+      m.store->wait({"ft/ans/" + token}, options_.quorum_timeout);
+      answer = text(m.store->get("ft/ans/" + token));
+    } catch (const std::exception& e) {
+      throw Error(
+          "replica " + std::to_string(options_.replica_id) + ": the lighthouse at " +
+          options_.lighthouse + " gave no quorum within " + seconds(options_.quorum_timeout) +
+          " (it is gone, or fewer replicas than its --min-replicas are alive): " + e.what());
+    }
+  }
+  answer = broadcast_text(m.replica, answer);
+  Quorum q;
+  if (answer.rfind("done ", 0) == 0) {
+    q.finished_at = std::stoll(answer.substr(5));
+    q.replicas = {options_.replica_id};
+    q.steps = {step};
+    q.max_step = step;
+    return q;
+  }
+  std::istringstream in(answer);
+  int64_t n = 0;
+  in >> q.id >> q.max_step >> q.donor >> n;
+  q.slot = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    int r = 0;
+    int64_t s = 0;
+    in >> r >> s;
+    if (r == options_.replica_id) q.slot = static_cast<int>(i);
+    q.replicas.push_back(r);
+    q.steps.push_back(s);
+    q.heal = q.heal || s != q.max_step;
+  }
+  if (!in || q.slot < 0) {
+    throw Error("replica " + std::to_string(options_.replica_id) + ": the lighthouse's answer '" +
+                answer + "' is not a quorum with this replica");
+  }
+  q.recovering = q.steps[static_cast<size_t>(q.slot)] < q.max_step;
+  m.quorum = q;
+  if (q.id != m.group_id || m.fresh_group) m.make_group(options_);
+  m.fresh_group = false;
+  return q;
+}
+
+bool ReplicaGroup::share_state(const std::function<at::Tensor()>& mine, at::Tensor* received) {
+  auto& m = *impl_;
+  if (m.broken) return false;
+  if (!m.group) return true;
+  const bool donor = m.quorum.slot == m.quorum.donor;
+  try {
+    at::Tensor data = donor ? mine().to(at::kByte).contiguous() : at::Tensor();
+    auto n = at::tensor({donor ? data.numel() : int64_t{0}}, at::kLong);
+    m.group->broadcast(n, m.quorum.donor, "the size of the donor's state");
+    if (!donor) data = at::empty({n.item<int64_t>()}, at::kByte);
+    m.group->broadcast(data, m.quorum.donor, "the donor's state");
+    if (m.quorum.recovering && received != nullptr) *received = data;
+    return true;
+  } catch (const std::exception&) {
+    m.broken = true;
+    return false;
+  }
+}
+
+bool ReplicaGroup::all_reduce(at::Tensor& tensor) {
+  auto& m = *impl_;
+  if (m.broken) return false;
+  if (!m.group) return true;
+  try {
+    m.group->all_reduce(tensor, ReduceOp::SUM, "the sum over the replicas");
+    return true;
+  } catch (const std::exception&) {
+    m.broken = true;
+    return false;
+  }
+}
+
+bool ReplicaGroup::commit(bool mine) {
+  auto& m = *impl_;
+  bool ok = mine && !m.broken;
+  if (m.replica.size() > 1) {
+    const at::Device dev =
+        m.replica.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+    auto failed = at::tensor({ok ? 0 : 1}, at::kInt).to(dev);
+    m.replica.all_reduce(failed, ReduceOp::SUM, "the replica's commit");
+    ok = failed.cpu().item<int>() == 0;
+  }
+  if (!ok) m.fresh_group = true;
+  m.broken = false;
+  return ok;
+}
+
+void ReplicaGroup::finished(int64_t step) {
+  if (impl_->replica.rank() == 0) impl_->store->set("ft/done", bytes(std::to_string(step)));
+}
+
+int ReplicaGroup::live() const { return std::max(impl_->quorum.size(), 1); }
+
+}  // namespace scaletrain

@@ -1,0 +1,97 @@
+#pragma once
+// The trainer's run (internal): one train() call on one rank, its state and its phases.
+// trainer.cpp holds the loop of every strategy; fault_loop.cpp the fault-tolerant replicas'.
+
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/fault_tolerance.h"
+#include "scaletrain/loader.h"
+#include "scaletrain/sampler.h"
+#include "scaletrain/trainer.h"
+#include "train/report.h"
+#include "train/run_folder.h"
+#include "train/strategy.h"
+
+namespace scaletrain {
+
+using Clock = std::chrono::steady_clock;
+
+inline double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// The task with its defaults filled in (loss, optimizer, metrics).
+TrainTask completed(TrainTask t);
+
+class Run {
+ public:
+  Run(const TrainTask& task, const TrainerOptions& o, const Dist& d)
+      : task_(completed(task)), o_(o), d_(d), default_loss_(!task.loss) {}
+  TrainResult go();
+
+ private:
+  void keep_checkpoint_balance();
+  void setup();
+  void resume();
+  void epoch(int64_t e);
+  // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
+  void end_epoch(int64_t e, double seconds);
+  // Fault-tolerant replicas (fault_loop.cpp, Note [Fault-tolerant loop]).
+  void train_fault_tolerant();
+  bool replica_step(const Batch& b, const Quorum& q, double* loss);
+  at::Tensor replica_state();
+  void load_replica_state(const at::Tensor& bytes);
+  double step(const Batch& b, bool last_micro, int64_t epoch);
+  std::map<std::string, double> evaluate();
+  void save(int64_t epoch, int64_t step_in_epoch);
+  void save_now(int64_t epoch, int64_t step_in_epoch);
+  void restore_rank_state();
+  void check_model_takes(const Batch& sample);
+  void report_differences(const TrainingState& saved);
+  at::Device collective_device() const;
+  std::string agreed_run_id(const std::string& mine);
+  void record_options();
+  void settle_peak();
+  void finish();
+  double lr() const { return opt_->param_groups()[0].options().get_lr(); }
+  [[noreturn]] void diverged(const std::string& what, int64_t step, int64_t epoch, double loss);
+  LoaderOptions loader_options(int64_t batch, uint64_t seed, int64_t first_batch) const;
+
+  const TrainTask task_;
+  TrainerOptions o_;  // a copy: a resume may keep its checkpoint's grid balance
+  const Dist& d_;
+  std::unique_ptr<FolderLock> folder_lock_;  // rank 0's, for the whole run
+  std::unique_ptr<Reporter> reporter_;       // made once the run's folder is settled
+  RunStart start_;
+  Model model_;
+  std::unique_ptr<TrainStrategy> strategy_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<torch::optim::LRScheduler> scheduler_;
+  std::vector<double> first_lrs_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  int64_t per_replica_ = 0;
+  TrainingState state_;
+  TrainResult r_;
+  int64_t samples_ = 0;
+  double train_seconds_ = 0;
+  bool default_loss_ = false;       // the task gave no loss: cross entropy over classes
+  uint64_t seed_ = 0;               // the data order's: the options', or the resumed run's
+  int64_t targets_per_sample_ = 0;  // a sequence's positions (tokens/s), 0 for classes
+  double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
+  double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
+  int64_t loss_n_ = 0;
+  std::unique_ptr<ReplicaGroup> replicas_;  // --fault-tolerant
+  bool left_behind_ = false;                // the other replicas finished while this one was away
+  // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
+  std::unique_ptr<AsyncCheckpointer> writer_;
+};
+
+}  // namespace scaletrain

@@ -1,0 +1,38 @@
+#!/bin/bash
+# A fault-tolerant job of 2 replicas x 2 ranks on this host: a lighthouse on port $3, each
+# replica under its own launcher (restarts allowed), and with $4 = KILL or STOP the punisher
+# (scripts/punisher) sending that signal to a random worker every 4 s for 16 s. Waits for both
+# replicas, stops the lighthouse, and prints every log, then "replica R exit S" for each.
+#   ft_job.sh CLI DIR PORT none|KILL|STOP [train flags...]
+cli=$1 dir=$2 port=$3 sig=$4
+shift 4
+here=$(cd "$(dirname "$0")" && pwd)
+"$cli" lighthouse --port "$port" --join-timeout 3 --replicas 2 > "$dir/lighthouse.log" 2>&1 &
+lighthouse=$!
+pids=""
+for r in 0 1; do
+  "$cli" run --nproc-per-node 2 --master-port 0 --max-restarts 20 --grace-period 3 -- \
+    "$cli" train --fault-tolerant --lighthouse "127.0.0.1:$port" --replica-id $r \
+    --out "$dir/run" "$@" > "$dir/replica-$r.log" 2>&1 &
+  pids="$pids $!"
+done
+if [ "$sig" != none ]; then
+  "$here/../../scripts/punisher" --match "--out $dir/run" --every 4 --for 16 --signal "$sig" \
+    --seed 7 > "$dir/punisher.log" 2>&1 &
+  punisher=$!
+fi
+status=""
+for p in $pids; do
+  wait "$p"
+  status="$status $?"
+done
+[ -n "${punisher:-}" ] && wait "$punisher"
+kill -TERM "$lighthouse"
+wait "$lighthouse"
+echo "lighthouse exit $?"
+for f in "$dir"/lighthouse.log "$dir"/punisher.log "$dir"/replica-0.log "$dir"/replica-1.log; do
+  [ -f "$f" ] && { echo "== $f"; cat "$f"; }
+done
+set -- $status
+echo "replica 0 exit $1"
+echo "replica 1 exit $2"

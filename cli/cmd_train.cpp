@@ -150,6 +150,8 @@ void apply_fault_tolerance_flags(Args& a) {
   r.lighthouse = a.lighthouse;
   r.replica_id = a.replica_id;
   r.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ft_timeout * 1000));
+  // The replica's other ranks wait for rank 0's quorum under --timeout: the same bound for both.
+  r.quorum_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
   a.o.fault_tolerant = r;
   a.o.out_dir += "/replica-" + std::to_string(a.replica_id);
 }

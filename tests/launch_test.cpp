@@ -209,6 +209,22 @@ TEST(Launch, InterruptedRunSaysSo) {
   fs::remove_all(pids);
 }
 
+// Regression (EveryWorkerStoppedHangsForever): with every worker of a node stopped by SIGSTOP
+// no collective can time out and the launcher waited for good. Past --stopped-timeout the group
+// fails (and restarts where restarts are left), its stopped workers continued into SIGTERM.
+TEST(Launch, EveryWorkerStoppedFailsTheGroupAfterTheStoppedTimeout) {
+  auto r = run_command(cli_path() +
+                           " run --nproc-per-node 2 --master-port 0 --grace-period 1 "
+                           "--stopped-timeout 2 --max-restarts 1 -- sh -c 'kill -STOP $$'",
+                       60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_TRUE(contains(r.output, "every worker left is stopped by a signal for")) << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting the worker group (1 of 1 restarts)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "worker group failed (attempt 2 of 2): every worker was stopped"))
+      << r.output;
+}
+
 // Issue: signals were ignored while workers were being started (a SIGINT 2 s into starting 500
 // workers took effect 10 s later). Starting stops at once, and the started workers are stopped.
 TEST(Launch, SigintWhileStartingWorkersStopsAtOnce) {
@@ -545,7 +561,9 @@ INSTANTIATE_TEST_SUITE_P(
             "--nnodes 1:2 -- " + script_path("pid_and_sleep.sh"),
             "--nnodes 1:2: elastic membership (a MIN:MAX range of nodes) is not supported yet"},
         BadInput{"--nnodes x -- " + script_path("pid_and_sleep.sh"),
-                 "--nnodes 'x' is not a number of nodes"}));
+                 "--nnodes 'x' is not a number of nodes"},
+        BadInput{"--stopped-timeout 0 -- " + script_path("pid_and_sleep.sh"),
+                 "--stopped-timeout 0 must be a positive number of seconds"}));
 
 // Issue: a worker count the launcher cannot open files for failed after starting thousands of
 // processes. It is refused, naming the limit, before any worker starts.

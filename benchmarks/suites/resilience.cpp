@@ -1,10 +1,11 @@
 // Suite `resilience`: what one failed worker costs a job. The same training (LeNet on
 // Fashion-MNIST, two workers of 64 samples a step each) run as fault-tolerant replicas (2
 // replicas of 1 rank under their own launchers, a lighthouse in this process) and as ddp under
-// one launcher with --max-restarts 1 and a synchronous checkpoint every 20 steps. Each runs once
-// calm and once with a SIGKILL to one worker at 40% of its steps; the time lost is the
-// difference. For the replicas the lighthouse also gives the time from the death to the
-// survivor's next quorum, and to the restarted replica's return (healed from its peer).
+// one launcher with --max-restarts 1, both with a synchronous checkpoint every quarter of the
+// job. Each runs once calm and once with a SIGKILL to one worker half an interval after a
+// checkpoint (the mean loss of a failure at a random moment); the time lost is the difference. For
+// the replicas the lighthouse also gives the time from the death to the survivor's next quorum, and
+// to the restarted replica's return (healed from its peer).
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -193,14 +194,19 @@ SuiteResult run_resilience(const SuiteOptions& o) {
                              {Plot::Kind::kBars, title, "", "seconds", false, false}, o);
   const int64_t images = o.quick ? 4096 : 16384;
   const std::string exe = o.self_exe, dir = o.work_dir + "/resilience";
+  const int64_t interval = images * 2 / 128 / 4;  // steps between checkpoints
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string common = " train --device cpu --limit-train " + std::to_string(images) +
                              " --limit-test 1000 --epochs 2 --no-progress --log-every 1 "
-                             "--timeout 10 --checkpoint-every 20";
+                             "--timeout 10 --checkpoint-every " +
+                             std::to_string(interval);
   r.notes.push_back("Job: LeNet on " + std::to_string(images) +
                     " Fashion-MNIST images, 2 epochs, 2 workers of 64 samples a step (one "
-                    "thread each); checkpoints every 20 steps, synchronous.");
+                    "thread each); a checkpoint every " +
+                    std::to_string(interval) +
+                    " steps (a quarter of the job), synchronous; the kill comes " +
+                    std::to_string(interval / 2) + " steps after the first one.");
   auto replicas = [&](const std::string& tag, const Lighthouse& lighthouse) {
     std::vector<std::string> cmds;
     for (int id : {0, 1}) {
@@ -223,7 +229,7 @@ SuiteResult run_resilience(const SuiteOptions& o) {
   Sample ft_back{"cpu", "replicas: to the healed return", 2, {}};
   Sample ddp_lost{"cpu", "ddp restart: time lost", 3, {}};
   double ft_calm_total = 0, ddp_calm_total = 0;
-  const int64_t kill_at = images * 2 / 128 * 4 / 10;  // 40% of the calm job's steps
+  const int64_t kill_at = interval + interval / 2;
   for (int rep = 0; rep < std::max(1, std::min(o.repeats, 3)); ++rep) {
     const std::string n = std::to_string(rep);
     Job ft_calm;

@@ -4,8 +4,8 @@
 // job of its own (its own launcher, world and restarts). Every step the live replicas agree on a
 // quorum through a lighthouse, a small process outside every replica; a replica that fails is
 // left out of the next quorum and the others go on with the gradient averaged over the live ones;
-// a replica that starts again receives the live weights, optimizer and data position from a
-// peer (no checkpoint read) and joins at a step boundary.
+// a replica that starts again resumes from its own newest checkpoint, then receives the live
+// weights, optimizer and data position from a peer and joins at a step boundary.
 //
 //   lighthouse:  scaletrain lighthouse --port 29510            (or serve_lighthouse())
 //   replica r:   scaletrain run --nproc-per-node 2 --max-restarts 100 --
@@ -59,8 +59,14 @@ struct ReplicaGroupOptions {
   /// A collective between replicas (and the making of their group) that waits longer fails: the
   /// step is not committed and the next quorum leaves the silent replica out.
   std::chrono::milliseconds timeout{10000};
-  /// How long quorum() waits for the lighthouse's answer (min_replicas live replicas).
+  /// How long quorum() waits for the lighthouse's answer (min_replicas live replicas). The
+  /// replica's other ranks wait for rank 0's answer under the replica's own collective timeout,
+  /// so keep that at least as long (the trainer's --timeout; the command line ties them).
   std::chrono::milliseconds quorum_timeout{std::chrono::minutes(2)};
+  /// What every replica of the job must share (the trainer gives its seed, batch size, data
+  /// size and epochs; the ranks per replica are added): the lighthouse refuses a replica whose
+  /// settings differ from the first one's, naming both, instead of training other samples.
+  std::string fingerprint;
   /// Rank 0 of each replica beats at the lighthouse this often.
   std::chrono::milliseconds beat_interval{100};
 };
@@ -97,9 +103,10 @@ class ReplicaGroup {
   /// `step`: this replica's committed steps. Throws Error naming the lighthouse when it does
   /// not answer within quorum_timeout.
   Quorum quorum(int64_t step);
-  /// Every member calls it when quorum().heal: the donor's `mine()` (bytes) reaches the others
-  /// (returned where recovering, undefined elsewhere). False when the transfer failed (a member
-  /// left): nothing is to be trusted, ask for a quorum again.
+  /// Every member calls it when quorum().heal (collective over the replica too): the donor's
+  /// `mine()` (bytes) reaches the others (returned where recovering, undefined elsewhere). False
+  /// on every rank of the replica when the transfer failed on one (a member left): nothing is to
+  /// be trusted, ask for a quorum again.
   bool share_state(const std::function<at::Tensor()>& mine, at::Tensor* received);
   /// In place: `tensor` summed over the quorum's replicas (this rank's counterpart in each).
   /// False when a replica failed during it; `tensor` is then garbage.

@@ -30,7 +30,10 @@ struct LaunchOptions {
   std::vector<int> show_ranks;  // ranks whose output reaches the terminal; empty: all
   bool quiet = false;           // show no worker output at all (logs are still kept)
   double grace_period_s = 5;    // SIGTERM, then SIGKILL after this long
-  int tail_lines = 20;          // error-output lines quoted in the failure summary (512 B each)
+  // Every worker of this node stopped by a signal (SIGSTOP) for this long: nothing of the group
+  // can time out any more, so the group counts as failed (restarted where restarts are left).
+  double stopped_timeout_s = 300;
+  int tail_lines = 20;  // error-output lines quoted in the failure summary (512 B each)
 };
 
 /// The most workers one launcher starts on a node. Each worker is two processes (the program and

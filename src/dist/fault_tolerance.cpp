@@ -6,23 +6,29 @@
 //
 //   ft/nreg, ft/reg/<i>   replicas announce themselves (rank 0 of each, at its start)
 //   ft/beat/<r>           rank 0 of replica r adds 1 every beat_interval, from a thread
-//   ft/req/<r>            "<token> <step> <new>": replica r asks for the quorum of its next step
-//   ft/ans/<token>        the lighthouse's answer: "<id> <max_step> <donor> <n> r0 s0 r1 s1 ..."
+//   ft/req/<r>            "<token> <step> <new> <settings>": replica r asks for the quorum of
+//                         its next step (token: a nonce of the process and a count)
+//   ft/ans/<token>        the answer, deleted once read: "<id> <max_step> <donor> <n> r0 s0 ...",
+//                         "done <step>" or "refused <the job's settings>"
+//   ft/done               the step the run ended at (the first replica to finish sets it)
 //
-// A quorum forms once every member of the previous one that still beats has asked (or
-// join_timeout after the first ask; the first quorum always waits that long), with at least
-// min_replicas. Its id changes when the
-// membership does, or when a replica asks for a new group after a failed step; then the
+// A quorum forms from the live replicas that asked, at least min_replicas of them, once every
+// member of the previous quorum that still beats has asked, or join_timeout after the first ask
+// (the first quorum waits that long unless LighthouseOptions::replicas have asked). One rule
+// keeps two quorums from training the same step apart: while a live member of the last quorum
+// has not asked, a quorum at or below the last one's step is not formed at all (that member may
+// have committed the step; it is waited for until it asks or its beats stop). Its id changes
+// when the membership does, or when a replica asks for a new group after a failed step; then the
 // replicas' rank k processes make a Gloo group of their own under ft/q<id>/k<k>/ in the same
 // store. A step is committed only when every exchange of every rank of the replica succeeded
-// (commit()); a replica that committed while another did not is simply ahead, and the next
-// quorum heals the other: the furthest replica (the donor) sends its state to the ones behind
-// (share_state()), over the same groups. So a replica that dies is left out at the next step
-// boundary (its peers' exchange with it fails at once, and its beats stop), and one that comes
-// back asks with the step of its checkpoint (or 0) and is healed before its first step.
-//
-// A replica that finishes says so (ft/done); one restarted later, behind, then stops at its first
-// quorum() instead of training the rest alone (finished_at).
+// (commit(), and share_state() agrees the same way); a replica that committed while another did
+// not is simply ahead, and the next quorum heals the other: the furthest replica (the donor)
+// sends its state to the ones behind (share_state()), over the same groups. So a replica that
+// dies is left out at the next step boundary (its peers' exchange with it fails at once, and its
+// beats stop), and one that comes back asks with the step of its checkpoint (or 0) and is healed
+// before its first step. A replica asking with other settings (seed, batch, data, epochs, ranks)
+// is refused by name. A replica behind once the run has ended (ft/done) is told so and stops
+// instead of training the rest alone.
 //
 // What it does not survive: the lighthouse's own death (every replica's quorum() fails within
 // quorum_timeout, naming it, and the launchers' restarts fail the same way).
@@ -36,6 +42,8 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -80,13 +88,26 @@ class Lighthouse {
  public:
   Lighthouse(const LighthouseOptions& o, c10d::Store& store) : o_(o), store_(store) {}
 
+  // Whether a replica asked within the last second.
+  bool busy() const { return Clock::now() - last_ask_ < std::chrono::seconds(1); }
+
   // One look at the store; forms a quorum where one is due. Returns whether it did anything.
   bool poll() {
     const auto now = Clock::now();
-    discover(now);
+    if (now - looked_ >= milliseconds(25)) {  // beats and newcomers: every 25 ms is enough
+      looked_ = now;
+      discover(now);
+      if (done_ < 0 && store_.check({"ft/done"})) done_ = std::stoll(text(store_.get("ft/done")));
+    }
     read_requests(now);
+    answer_the_late();
+    for (auto it = pending_.begin(); it != pending_.end();) {  // asked, then died
+      it = alive(it->first, now) ? std::next(it) : pending_.erase(it);
+    }
     if (pending_.empty() || static_cast<int>(pending_.size()) < o_.min_replicas) return false;
     bool waiting = false;
+    int64_t max_step = 0;
+    for (const auto& [r, a] : pending_) max_step = std::max(max_step, a.step);
     for (int r : members_) {
       if (pending_.count(r) == 0 && alive(r, now)) waiting = true;
     }
@@ -97,7 +118,10 @@ class Lighthouse {
       waiting = waiting || !all_asked;
     }
     if (waiting && now - first_ask_ < o_.join_timeout) return false;
-    form();
+    // Never two quorums at one step: while a live member of the last quorum, which may have
+    // committed it, has not asked, the ones at or below its step wait for it (or for its death).
+    if (waiting && !members_.empty() && max_step <= last_max_) return false;
+    form(max_step);
     return true;
   }
 
@@ -120,20 +144,13 @@ class Lighthouse {
 
   void discover(Clock::time_point now) {
     const int64_t n = store_.add("ft/nreg", 0);
-    for (; registered_ < n; ++registered_) {
-      // A replica killed between its count and its name never names itself: not waited for.
-      const std::string key = "ft/reg/" + std::to_string(registered_);
-      if (!store_.check({key})) {
-        if (unnamed_since_ == Clock::time_point{}) unnamed_since_ = now;
-        if (now - unnamed_since_ < o_.heartbeat_timeout) break;  // its name may be on the way
-        unnamed_since_ = {};
-        continue;
-      }
-      unnamed_since_ = {};
-      const int r = std::stoi(text(store_.get(key)));
-      auto& k = known_[r];
-      k.seen = now;
+    for (int64_t i = registered_; i < n; ++i) {
+      const std::string key = "ft/reg/" + std::to_string(i);
+      if (named_.count(i) || !store_.check({key})) continue;  // its name may be on the way
+      named_.insert(i);
+      known_[std::stoi(text(store_.get(key)))].seen = now;
     }
+    while (named_.count(registered_)) named_.erase(registered_++);
     for (auto& [r, k] : known_) {
       const int64_t beat = store_.add("ft/beat/" + std::to_string(r), 0);
       if (beat != k.beat) k.beat = beat, k.seen = now;
@@ -147,25 +164,48 @@ class Lighthouse {
       std::istringstream in(text(store_.get(key)));
       Ask a;
       int fresh = 0;
-      in >> a.token >> a.step >> fresh;
+      std::string fingerprint;
+      in >> a.token >> a.step >> fresh >> fingerprint;
       a.fresh_group = fresh != 0;
       if (a.token == k.answered) continue;
       auto p = pending_.find(r);
       if (p != pending_.end() && p->second.token == a.token) continue;
+      k.seen = now;  // it asked: it lives
+      last_ask_ = now;
+      if (job_.empty()) job_ = fingerprint;
+      if (fingerprint != job_) {  // another job's settings: the replica stops, naming both
+        answer(r, a.token, "refused " + job_);
+        continue;
+      }
       if (pending_.empty()) first_ask_ = now;
       pending_[r] = a;
-      k.seen = now;  // it asked: it lives
     }
   }
 
-  void form() {
+  void answer(int r, const std::string& token, const std::string& what) {
+    store_.set("ft/ans/" + token, bytes(what));
+    known_[r].answered = token;
+  }
+
+  // The run ended at step done_: a replica behind has no peer left to heal it.
+  void answer_the_late() {
+    if (done_ < 0) return;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.step >= done_) {
+        ++it;
+        continue;
+      }
+      answer(it->first, it->second.token, "done " + std::to_string(done_));
+      it = pending_.erase(it);
+    }
+  }
+
+  void form(int64_t max_step) {
     std::vector<int> members;
     bool fresh = false;
-    int64_t max_step = 0;
     for (const auto& [r, a] : pending_) {
       members.push_back(r);
       fresh = fresh || a.fresh_group;
-      max_step = std::max(max_step, a.step);
     }
     const bool changed = members != members_ || fresh;
     if (changed) ++id_;
@@ -180,15 +220,13 @@ class Lighthouse {
         donor = static_cast<int>(i);
       }
     }
-    std::ostringstream answer;
-    answer << id_ << " " << max_step << " " << donor << " " << members.size();
-    for (int r : members) answer << " " << r << " " << pending_[r].step;
-    for (int r : members) {
-      store_.set("ft/ans/" + pending_[r].token, bytes(answer.str()));
-      known_[r].answered = pending_[r].token;
-    }
+    std::ostringstream out;
+    out << id_ << " " << max_step << " " << donor << " " << members.size();
+    for (int r : members) out << " " << r << " " << pending_[r].step;
+    for (int r : members) answer(r, pending_[r].token, out.str());
     if (changed && o_.on_quorum) o_.on_quorum(describe(members, max_step, donor));
     members_ = members;
+    last_max_ = max_step;
     pending_.clear();
   }
 
@@ -211,11 +249,15 @@ class Lighthouse {
 
   const LighthouseOptions o_;
   c10d::Store& store_;
-  int64_t registered_ = 0;
-  Clock::time_point unnamed_since_;
+  int64_t registered_ = 0;    // registrations read up to here
+  std::set<int64_t> named_;   // read beyond it (a replica killed before naming itself leaves a gap)
+  Clock::time_point looked_;  // the last look at beats and registrations
+  int64_t done_ = -1;         // the step the run ended at (ft/done)
+  std::string job_;           // the job's settings (the first request's fingerprint)
+  int64_t last_max_ = -1;     // the last quorum's step
   std::map<int, Known> known_;
   std::map<int, Ask> pending_;
-  Clock::time_point first_ask_;
+  Clock::time_point first_ask_, last_ask_;
   std::vector<int> members_;
   int64_t id_ = 0;
 };
@@ -276,7 +318,9 @@ void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>*
   if (options.on_listening) options.on_listening(static_cast<int>(store->getPort()));
   Lighthouse lighthouse(options, *store);
   while (stop == nullptr || !stop->load()) {
-    if (!lighthouse.poll()) std::this_thread::sleep_for(milliseconds(2));
+    // Every 2 ms while replicas ask (a step waits for it), every 20 ms when none has for a
+    // second (an idle lighthouse costs next to nothing).
+    if (!lighthouse.poll()) std::this_thread::sleep_for(milliseconds(lighthouse.busy() ? 2 : 20));
   }
 }
 
@@ -291,30 +335,46 @@ struct ReplicaGroup::Impl {
   bool broken = false;       // an exchange of this step failed
   bool fresh_group = false;  // ask for a new group: the last step was not committed
   int64_t asked = 0;
+  std::string nonce;        // this process's requests' (answers are keyed by it)
+  std::string fingerprint;  // the settings every replica of the job shares
   std::thread beater;
   std::mutex mu;
   std::condition_variable cv;
   bool stopping = false;
 
+  // Rank 0's beats, on a connection of their own. A failed beat (the lighthouse busy or briefly
+  // out of reach) connects again on the next one; quorum() reports a lighthouse that is gone.
   void beat(int replica_id, milliseconds every) {
     c10::intrusive_ptr<c10d::TCPStore> own;
-    try {
-      own = store_client(host, port, milliseconds(5000));
-    } catch (const std::exception&) {
-      return;  // quorum() reports the lighthouse
-    }
     const std::string key = "ft/beat/" + std::to_string(replica_id);
     std::unique_lock<std::mutex> lock(mu);
     while (!stopping) {
       lock.unlock();
       try {
+        if (!own) own = store_client(host, port, milliseconds(2000));
         own->add(key, 1);
       } catch (const std::exception&) {
-        return;  // the lighthouse is gone: quorum() says so
+        own.reset();
       }
       lock.lock();
       cv.wait_for(lock, every, [this] { return stopping; });
     }
+  }
+
+  // Collective over the replica: whether `mine` holds on every rank; a false one asks the next
+  // quorum for a new group.
+  bool agree(bool mine) {
+    bool ok = mine && !broken;
+    if (replica.size() > 1) {
+      const at::Device dev =
+          replica.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+      auto failed = at::tensor({ok ? 0 : 1}, at::kInt).to(dev);
+      replica.all_reduce(failed, ReduceOp::SUM, "the replica's agreement on its exchanges");
+      ok = failed.cpu().item<int>() == 0;
+    }
+    if (!ok) fresh_group = true;
+    broken = false;
+    return ok;
   }
 
   void make_group(const ReplicaGroupOptions& o) {
@@ -354,6 +414,12 @@ ReplicaGroup::ReplicaGroup(const Dist& replica, ReplicaGroupOptions options)
   impl_->host = host;
   impl_->port = port;
   impl_->store = store_client(host, port, options_.quorum_timeout);
+  std::random_device device;
+  std::ostringstream nonce;
+  nonce << std::hex << device() << device() << "-r" << options_.replica_id;
+  impl_->nonce = nonce.str();
+  impl_->fingerprint = options_.fingerprint + "|ranks=" + std::to_string(replica.size());
+  for (char& c : impl_->fingerprint) c = c == ' ' ? '_' : c;
   if (replica.rank() == 0) {
     const int64_t i = impl_->store->add("ft/nreg", 1) - 1;
     impl_->store->set("ft/reg/" + std::to_string(i), bytes(std::to_string(options_.replica_id)));
@@ -379,15 +445,14 @@ Quorum ReplicaGroup::quorum(int64_t step) {
     if (std::stoll(done) > step) answer = "done " + done;
   }
   if (m.replica.rank() == 0 && answer.empty()) {
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    const std::string token = std::string(host) + "-" + std::to_string(getpid()) + "-" +
-                              std::to_string(options_.replica_id) + "-" + std::to_string(++m.asked);
+    const std::string token = m.nonce + "-" + std::to_string(++m.asked);
     m.store->set("ft/req/" + std::to_string(options_.replica_id),
-                 bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0")));
+                 bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0") +
+                       " " + m.fingerprint));
     try {
       m.store->wait({"ft/ans/" + token}, options_.quorum_timeout);
       answer = text(m.store->get("ft/ans/" + token));
+      m.store->deleteKey("ft/ans/" + token);  // the lighthouse's store does not grow by a step
     } catch (const std::exception& e) {
       throw Error(
           "replica " + std::to_string(options_.replica_id) + ": the lighthouse at " +
@@ -397,6 +462,13 @@ Quorum ReplicaGroup::quorum(int64_t step) {
   }
   answer = broadcast_text(m.replica, answer);
   Quorum q;
+  if (answer.rfind("refused ", 0) == 0) {
+    throw UsageError("replica " + std::to_string(options_.replica_id) +
+                     ": the lighthouse's job trains with other settings (" + answer.substr(8) +
+                     ") than this replica (" + m.fingerprint +
+                     "); every replica of a job needs the same ones, or give it a lighthouse of "
+                     "its own");
+  }
   if (answer.rfind("done ", 0) == 0) {
     q.finished_at = std::stoll(answer.substr(5));
     q.replicas = {options_.replica_id};
@@ -430,21 +502,25 @@ Quorum ReplicaGroup::quorum(int64_t step) {
 
 bool ReplicaGroup::share_state(const std::function<at::Tensor()>& mine, at::Tensor* received) {
   auto& m = *impl_;
-  if (m.broken) return false;
-  if (!m.group) return true;
-  const bool donor = m.quorum.slot == m.quorum.donor;
-  try {
-    at::Tensor data = donor ? mine().to(at::kByte).contiguous() : at::Tensor();
-    auto n = at::tensor({donor ? data.numel() : int64_t{0}}, at::kLong);
-    m.group->broadcast(n, m.quorum.donor, "the size of the donor's state");
-    if (!donor) data = at::empty({n.item<int64_t>()}, at::kByte);
-    m.group->broadcast(data, m.quorum.donor, "the donor's state");
-    if (m.quorum.recovering && received != nullptr) *received = data;
-    return true;
-  } catch (const std::exception&) {
-    m.broken = true;
-    return false;
+  bool ok = !m.broken;
+  at::Tensor data;
+  if (ok && m.group) {
+    const bool donor = m.quorum.slot == m.quorum.donor;
+    try {
+      data = donor ? mine().to(at::kByte).contiguous() : at::Tensor();
+      auto n = at::tensor({donor ? data.numel() : int64_t{0}}, at::kLong);
+      m.group->broadcast(n, m.quorum.donor, "the size of the donor's state");
+      if (!donor) data = at::empty({n.item<int64_t>()}, at::kByte);
+      m.group->broadcast(data, m.quorum.donor, "the donor's state");
+    } catch (const std::exception&) {
+      ok = false;
+    }
   }
+  // Every rank of the replica takes it, or none does (a rank whose transfer failed would
+  // otherwise meet its peers in other collectives).
+  ok = m.agree(ok);
+  if (ok && m.quorum.recovering && received != nullptr) *received = data;
+  return ok;
 }
 
 bool ReplicaGroup::all_reduce(at::Tensor& tensor) {
@@ -460,20 +536,7 @@ bool ReplicaGroup::all_reduce(at::Tensor& tensor) {
   }
 }
 
-bool ReplicaGroup::commit(bool mine) {
-  auto& m = *impl_;
-  bool ok = mine && !m.broken;
-  if (m.replica.size() > 1) {
-    const at::Device dev =
-        m.replica.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
-    auto failed = at::tensor({ok ? 0 : 1}, at::kInt).to(dev);
-    m.replica.all_reduce(failed, ReduceOp::SUM, "the replica's commit");
-    ok = failed.cpu().item<int>() == 0;
-  }
-  if (!ok) m.fresh_group = true;
-  m.broken = false;
-  return ok;
-}
+bool ReplicaGroup::commit(bool mine) { return impl_->agree(mine); }
 
 void ReplicaGroup::finished(int64_t step) {
   if (impl_->replica.rank() == 0) impl_->store->set("ft/done", bytes(std::to_string(step)));

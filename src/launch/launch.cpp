@@ -259,6 +259,8 @@ class Group {
   bool stopped_by_signal_ = false;
   Clock::time_point settle_deadline_{}, kill_deadline_{};
   Clock::time_point next_stop_check_{};
+  Clock::time_point all_stopped_since_{};
+  bool all_stopped_ = false;  // failed by --stopped-timeout
 };
 
 std::vector<std::string> Group::worker_env(const Worker& w) const {
@@ -495,13 +497,16 @@ void Group::reap() {
 
 // A worker stopped by a signal (SIGSTOP, a debugger) neither runs nor exits: its peers wait for it
 // until their collective timeout, which then names it (Note [Heartbeats]). Said as it happens,
-// once a second at most, and again when it goes on.
+// once a second at most, and again when it goes on. When every worker left is stopped, nothing
+// can time out any more: past --stopped-timeout the group counts as failed.
 void Group::watch_stops() {
   if (Clock::now() < next_stop_check_) return;
   next_stop_check_ = Clock::now() + std::chrono::seconds(1);
+  bool all = phase_ == Phase::kRunning;
   for (auto& w : workers_) {
     if (w.exited) continue;
     const bool now = proc::is_stopped(w.program_pid);
+    all = all && now;
     if (now && !w.signal_stopped) {
       spdlog::warn(
           "scaletrain run: rank {} (pid {}) is stopped by a signal; its peers wait for it until "
@@ -512,6 +517,19 @@ void Group::watch_stops() {
     }
     w.signal_stopped = now;
   }
+  if (!all) {
+    all_stopped_since_ = {};
+    return;
+  }
+  if (all_stopped_since_ == Clock::time_point{}) all_stopped_since_ = Clock::now();
+  const std::chrono::duration<double> stuck = Clock::now() - all_stopped_since_;
+  if (stuck.count() < o_.stopped_timeout_s) return;
+  spdlog::error(
+      "scaletrain run: every worker left is stopped by a signal for {:.0f} s (--stopped-timeout): "
+      "nothing can time out; the group counts as failed",
+      stuck.count());
+  all_stopped_ = true;
+  stop_running(SIGTERM);  // kill_all continues them into it
 }
 
 void Group::stop_running(int sig) {
@@ -574,6 +592,14 @@ int Group::supervise() {
   }
   finish_output();
   if (stopped_by_signal_) return report_interrupted();
+  if (all_stopped_) {
+    const std::string msg = fmt::format(
+        "scaletrain run: worker group failed (attempt {} of {}): every worker was stopped by a "
+        "signal for --stopped-timeout {} s\n",
+        attempt_ + 1, o_.max_restarts + 1, o_.stopped_timeout_s);
+    [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
+    return 1;
+  }
   if (const Worker* root = root_cause()) {
     report_failure(*root);
     return 1;
@@ -834,6 +860,10 @@ void validate(LaunchOptions& o) {
     throw UsageError(
         fmt::format("--grace-period {} must be 0 or more seconds (between SIGTERM and SIGKILL)",
                     o.grace_period_s));
+  }
+  if (!(o.stopped_timeout_s > 0) || !std::isfinite(o.stopped_timeout_s)) {
+    throw UsageError(fmt::format("--stopped-timeout {} must be a positive number of seconds",
+                                 o.stopped_timeout_s));
   }
   if (o.master_port < 0 || o.master_port > 65535) {
     throw UsageError(fmt::format("--master-port {} is not a TCP port (0-65535)", o.master_port));

@@ -91,11 +91,12 @@ void Run::train_fault_tolerant() {
       sampler_->advance(n - at);  // fewer samples than ranks: the tail is left (drop_last)
     }
     if (sampler_->state().position >= n) {
+      // The run's last step: a replica behind from here has no peer left to heal it.
+      if (e + 1 == o_.epochs) replicas_->finished(state_.global_step);
       end_epoch(e, since(t0));
       state_.step_in_epoch = 0;
     }
   }
-  replicas_->finished(state_.global_step);
 }
 
 // One step of this replica's batch: the replica's DDP, then the sum over the replicas; the

@@ -122,7 +122,11 @@ void Run::setup() {
   }
   // The weights came from one seed on every rank (rank 0's win); from here each rank draws its
   // own stream (Note [Rank streams] in rng.cpp).
-  torch::manual_seed(rank_seed(o_.seed, d_.rank()));
+  // Under fault tolerance rank k of every replica is rank k of its own world: the replica's id
+  // keeps their streams apart.
+  const int stream =
+      o_.fault_tolerant ? (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank() : d_.rank();
+  torch::manual_seed(rank_seed(o_.seed, stream));
   SamplerOptions so;
   so.dataset_size = task_.train_data.size;
   so.num_replicas = strategy_->data_replicas();
@@ -136,7 +140,11 @@ void Run::setup() {
           "(a healed replica would replay another one); leave TrainTask::scheduler "
           "unset (--lr-schedule none)");
     }
-    replicas_ = std::make_unique<ReplicaGroup>(d_, *o_.fault_tolerant);
+    ReplicaGroupOptions ro = *o_.fault_tolerant;
+    ro.fingerprint = "seed=" + std::to_string(o_.seed) + "|batch=" + std::to_string(o_.batch_size) +
+                     "|samples=" + std::to_string(task_.train_data.size) +
+                     "|epochs=" + std::to_string(o_.epochs) + "|model=" + model_.name;
+    replicas_ = std::make_unique<ReplicaGroup>(d_, ro);
   }
   so.seed = seed_;
   sampler_ = std::make_unique<DistributedSampler>(so);

@@ -2,7 +2,10 @@
 # A fault-tolerant job of 2 replicas x 2 ranks on this host: a lighthouse on port $3, each
 # replica under its own launcher (restarts allowed), and with $4 = KILL or STOP the punisher
 # (scripts/punisher) sending that signal to a random worker every 4 s for 16 s. Waits for both
-# replicas, stops the lighthouse, and prints every log, then "replica R exit S" for each.
+# replicas, stops the lighthouse, and prints every log, then "replica R exit S" for each. A
+# worker stopped while its replica starts holds the others in the rendezvous: --rdzv-timeout 20
+# bounds that; a replica whose workers are all stopped fails by --stopped-timeout 8 (the
+# defaults, 5 minutes each, would outlast the test).
 #   ft_job.sh CLI DIR PORT none|KILL|STOP [train flags...]
 cli=$1 dir=$2 port=$3 sig=$4
 shift 4
@@ -11,7 +14,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 lighthouse=$!
 pids=""
 for r in 0 1; do
-  "$cli" run --nproc-per-node 2 --master-port 0 --max-restarts 20 --grace-period 3 -- \
+  "$cli" run --nproc-per-node 2 --master-port 0 --max-restarts 20 --grace-period 3 --rdzv-timeout 20 --stopped-timeout 8 -- \
     "$cli" train --fault-tolerant --lighthouse "127.0.0.1:$port" --replica-id $r \
     --out "$dir/run" "$@" > "$dir/replica-$r.log" 2>&1 &
   pids="$pids $!"

@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <optional>
+#include <regex>
 #include <thread>
 
 #include "scaletrain/dist.h"
@@ -156,6 +158,34 @@ TEST(MultiNode, HostCutOffIsNamedByBothSides) {
   EXPECT_NE(first.find("): no beat for"), std::string::npos) << r.output;
   EXPECT_NE(second.find("not answering: rank 0, whose heartbeat endpoint"), std::string::npos)
       << r.output;
+}
+
+// Fault-tolerant replicas on two hosts (tests/scripts/ft_netns_link_down.sh): host b's link goes
+// down for 8 s mid-training. Replica 0 leaves replica 1 out and goes on alone; when the link
+// returns, replica 1 asks again, is healed from replica 0 and the two end with the same weights.
+TEST(MultiNode, FaultTolerantReplicaCutOffGoesOnAloneAndIsHealedWhenTheLinkReturns) {
+  const auto out =
+      std::filesystem::temp_directory_path() / ("scaletrain_ft_link_" + std::to_string(getpid()));
+  std::filesystem::remove_all(out);
+  auto r = run_command(script_path("ft_netns_link_down.sh") + " " + cli_path() + " " + out.string(),
+                       300);
+  auto read = [](const std::filesystem::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  const std::string a = read(out / "run/replica-0/model.pt"),
+                    b = read(out / "run/replica-1/model.pt");
+  std::filesystem::remove_all(out);
+  if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("replica 0 exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("replica 1 exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(": replica 0; 1 left"), std::string::npos) << r.output;
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex("1 \\(at step [0-9]+\\) takes the state of 0")))
+      << r.output;
+  EXPECT_FALSE(a.empty()) << r.output;
+  EXPECT_EQ(a, b) << "the replicas ended with other weights\n" << r.output;
 }
 
 TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {

@@ -20,6 +20,7 @@
 #include <regex>
 #include <thread>
 
+#include "scaletrain/blocks.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
@@ -50,7 +51,13 @@ Model net_model(std::mutex& mu) {
   auto init = at::make_generator<at::CPUGeneratorImpl>(3);
   torch::NoGradGuard no_grad;
   for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init) * 0.3);
-  return model_of(net, "net");
+  return model_of(net, "net", [net] {  // blocks, for ZeRO-3's units
+    return torch::nn::Sequential(
+        {{"a", Block(BlockParts{{"a", net->a.ptr()}},
+                     [net](const at::Tensor& x) { return torch::relu(net->a(x)); })},
+         {"b", Block(BlockParts{{"b", net->b.ptr()}},
+                     [net](const at::Tensor& x) { return net->b(x); })}});
+  });
 }
 
 // The lighthouse of a test, in a thread of its own, on a free port.
@@ -85,7 +92,9 @@ struct TestLighthouse {
 // together on the average of their gradients. The samples are tagged by index (the target is
 // the index, the loss learns index % 3): over both replicas each sample of each epoch is
 // trained exactly once, and the replicas end with the same weights and momentum bit for bit.
-TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTrainedOnce) {
+class LateReplica : public ::testing::TestWithParam<Strategy> {};
+
+TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
   constexpr int64_t kSamples = 96;
   constexpr int kEpochs = 2;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -132,6 +141,7 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       };
       TrainerOptions o;
+      o.strategy = GetParam();
       o.epochs = kEpochs;
       o.batch_size = 4;  // the replica's: 2 a rank
       o.out_dir = (dir.path / "run" / ("replica-" + std::to_string(id))).string();
@@ -179,24 +189,42 @@ TEST(FaultTolerantReplicas, ALateReplicaTakesTheDonorsStateAndEachSampleIsTraine
     Model m = net_model(mu);
     auto params = m.module->parameters();
     torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-    auto s = load_checkpoint((dir.path / "run" / ("replica-" + std::to_string(id)) / last).string(),
-                             *m.module, opt, "net");
+    const auto path = (dir.path / "run" / ("replica-" + std::to_string(id)) / last).string();
+    const bool ddp = GetParam() == Strategy::kDDP;  // ZeRO's file holds its gathered state
+    auto s = load_checkpoint(path, *m.module, ddp ? &opt : nullptr, "net");
     EXPECT_EQ(s.sampler.epoch, kEpochs);
     std::vector<at::Tensor> w, mom;
     for (auto& p : params) {
       w.push_back(p.detach().clone());
+      if (!ddp) continue;
       auto& st =
           static_cast<torch::optim::SGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
       mom.push_back(st.momentum_buffer().clone());
     }
+    for (const auto& [key, t] : s.tensors) {
+      if (key.rfind("zero/optimizer/", 0) == 0) mom.push_back(t);
+    }
+    EXPECT_FALSE(mom.empty()) << "no optimizer state in " << path;
     weights.push_back(w);
     momenta.push_back(mom);
   }
+  ASSERT_EQ(momenta[0].size(), momenta[1].size());
   for (size_t i = 0; i < weights[0].size(); ++i) {
     EXPECT_TRUE(at::equal(weights[0][i], weights[1][i])) << "parameter " << i;
-    EXPECT_TRUE(at::equal(momenta[0][i], momenta[1][i])) << "momentum " << i;
+  }
+  for (size_t i = 0; i < momenta[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(momenta[0][i], momenta[1][i])) << "optimizer state " << i;
   }
 }
+
+// ddp within each replica, and the sharded strategies: rank k of a replica holds shard k of
+// the optimizer's state, and its counterpart in the donor sends it exactly that shard.
+INSTANTIATE_TEST_SUITE_P(Strategies, LateReplica,
+                         ::testing::Values(Strategy::kDDP, Strategy::kZero1, Strategy::kZero2,
+                                           Strategy::kFsdp),
+                         [](const ::testing::TestParamInfo<Strategy>& p) {
+                           return to_string(p.param);
+                         });
 
 // A replica started with another seed would train another permutation (some samples twice,
 // others never): the lighthouse refuses it by name, and the job's replica goes on alone.
@@ -274,9 +302,11 @@ TEST(FaultTolerantReplicas, BadOptionsAreRefusedWithTheFix) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("add --fault-tolerant"), std::string::npos) << r.output;
   r = run_command(cli_path() +
-                  " train --fault-tolerant --lighthouse 127.0.0.1:1 --strategy zero2 --out /tmp/x");
+                  " train --fault-tolerant --lighthouse 127.0.0.1:1 --strategy grid --out /tmp/x");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("--strategy ddp within each replica"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--strategy ddp, zero1, zero2 or fsdp within each replica"),
+            std::string::npos)
+      << r.output;
 }
 
 // ---- From the command line, under a kill loop -------------------------------------------------

@@ -214,7 +214,8 @@ struct TrainerOptions {
   bool async_checkpoint = false;
   // Fault-tolerant replicas (fault_tolerance.h): this train() is one replica of several, each
   // started on its own; batch_size is the replica's, and a step's batch is that times the live
-  // replicas. ddp only; each replica needs an out_dir of its own.
+  // replicas. ddp, zero1, zero2 or fsdp within a replica; each replica needs an out_dir of its
+  // own.
   std::optional<ReplicaGroupOptions> fault_tolerant;
   std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
   bool overwrite = false;       // out_dir holds another run: delete its files and start afresh

@@ -46,6 +46,9 @@ void Run::train_fault_tolerant() {
       return;
     }
     if (q.heal) {
+      // Every member's module holds its whole weights for the transfer (ZeRO-3 gathers its
+      // shards; collective within each replica, whose ranks all know q).
+      strategy_->gather_weights();
       at::Tensor got;
       if (!replicas_->share_state([this] { return replica_state(); }, &got)) {
         replicas_->commit(false);

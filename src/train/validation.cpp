@@ -228,8 +228,11 @@ void validate_balance(const TrainerOptions& o, const Family& f) {
 void validate_fault_tolerance(const TrainerOptions& o) {
   if (!o.fault_tolerant) return;
   const std::string what = "--fault-tolerant";
-  if (o.strategy != Strategy::kDDP) {
-    refuse(what + " runs --strategy ddp within each replica (not " + to_string(o.strategy) + ")");
+  const Strategy s = o.strategy;
+  if (s != Strategy::kDDP && s != Strategy::kZero1 && s != Strategy::kZero2 &&
+      s != Strategy::kFsdp) {
+    refuse(what + " runs --strategy ddp, zero1, zero2 or fsdp within each replica (not " +
+           to_string(s) + ")");
   }
   if (o.accumulate != 1) refuse(what + " takes one batch per step: leave --accumulate at 1");
   if (o.amp == "fp16") refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");

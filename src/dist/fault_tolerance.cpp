@@ -8,6 +8,8 @@
 //   ft/beat/<r>           rank 0 of replica r adds 1 every beat_interval, from a thread
 //   ft/req/<r>            "<token> <step> <new> <settings>": replica r asks for the quorum of
 //                         its next step (token: a nonce of the process and a count)
+//   ft/nask, ft/ask/<n>   each request also counts itself and sets its key, which wakes the
+//                         lighthouse (a thread of it blocks on the next key)
 //   ft/ans/<token>        the answer, deleted once read: "<id> <max_step> <donor> <n> r0 s0 ...",
 //                         "done <step>" or "refused <the job's settings>"
 //   ft/done               the step the run ended at (the first replica to finish sets it)
@@ -40,6 +42,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <random>
@@ -87,9 +90,6 @@ c10::intrusive_ptr<c10d::TCPStore> store_client(const std::string& host, int por
 class Lighthouse {
  public:
   Lighthouse(const LighthouseOptions& o, c10d::Store& store) : o_(o), store_(store) {}
-
-  // Whether a replica asked within the last second.
-  bool busy() const { return Clock::now() - last_ask_ < std::chrono::seconds(1); }
 
   // One look at the store; forms a quorum where one is due. Returns whether it did anything.
   bool poll() {
@@ -171,7 +171,6 @@ class Lighthouse {
       auto p = pending_.find(r);
       if (p != pending_.end() && p->second.token == a.token) continue;
       k.seen = now;  // it asked: it lives
-      last_ask_ = now;
       if (job_.empty()) job_ = fingerprint;
       if (fingerprint != job_) {  // another job's settings: the replica stops, naming both
         answer(r, a.token, "refused " + job_);
@@ -257,7 +256,7 @@ class Lighthouse {
   int64_t last_max_ = -1;     // the last quorum's step
   std::map<int, Known> known_;
   std::map<int, Ask> pending_;
-  Clock::time_point first_ask_, last_ask_;
+  Clock::time_point first_ask_;
   std::vector<int> members_;
   int64_t id_ = 0;
 };
@@ -276,6 +275,45 @@ std::string broadcast_text(const Dist& d, const std::string& mine) {
   t = t.cpu();
   return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(len));
 }
+
+// The lighthouse's wake-up on asks (serve_lighthouse): a replica asking adds to ft/nask and sets
+// ft/ask/<its count>; this waits for each in turn on a connection of its own.
+struct AskWaker {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool woken = false;
+  std::atomic<int64_t> next{1};
+  std::atomic<bool> stop{false};
+
+  void run(const std::string& host, int port) {
+    c10::intrusive_ptr<c10d::TCPStore> client;
+    try {
+      client = store_client(host, port, std::chrono::seconds(60));
+    } catch (const std::exception&) {
+      return;  // the loop still looks every 20 ms
+    }
+    while (!stop) {
+      const std::string key = "ft/ask/" + std::to_string(next.load());
+      try {
+        client->wait({key}, std::chrono::seconds(60));
+        client->deleteKey(key);
+        ++next;
+      } catch (const std::exception&) {
+        if (stop) break;
+        try {  // a replica killed between its count and its key: that key never comes
+          if (client->add("ft/nask", 0) >= next) ++next;
+        } catch (const std::exception&) {
+          return;
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        woken = true;
+      }
+      cv.notify_all();
+    }
+  }
+};
 
 }  // namespace
 
@@ -315,13 +353,23 @@ void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>*
                 std::to_string(options.port) + ": " + e.what() +
                 "\nThe port may be taken: choose another --port (0: a free one).");
   }
-  if (options.on_listening) options.on_listening(static_cast<int>(store->getPort()));
+  const int port = static_cast<int>(store->getPort());
+  if (options.on_listening) options.on_listening(port);
   Lighthouse lighthouse(options, *store);
+  // A thread blocks on the next ask's key (ft/ask/<n>) and wakes the loop the moment one comes;
+  // the loop looks at the store at least every 20 ms anyway (beats, timeouts).
+  auto waker = std::make_shared<AskWaker>();
+  const std::string self = options.host == "0.0.0.0" ? "127.0.0.1" : options.host;
+  std::thread waiter([waker, self, port] { waker->run(self, port); });
   while (stop == nullptr || !stop->load()) {
-    // Every 2 ms while replicas ask (a step waits for it), every 20 ms when none has for a
-    // second (an idle lighthouse costs next to nothing).
-    if (!lighthouse.poll()) std::this_thread::sleep_for(milliseconds(lighthouse.busy() ? 2 : 20));
+    if (lighthouse.poll()) continue;
+    std::unique_lock<std::mutex> lock(waker->mu);
+    waker->cv.wait_for(lock, milliseconds(20), [&] { return waker->woken; });
+    waker->woken = false;
   }
+  waker->stop = true;
+  store->set("ft/ask/" + std::to_string(waker->next.load()), bytes(""));  // wakes the waiter
+  waiter.join();
 }
 
 struct ReplicaGroup::Impl {
@@ -449,6 +497,8 @@ Quorum ReplicaGroup::quorum(int64_t step) {
     m.store->set("ft/req/" + std::to_string(options_.replica_id),
                  bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0") +
                        " " + m.fingerprint));
+    const int64_t ask = m.store->add("ft/nask", 1);  // wakes the lighthouse (AskWaker)
+    m.store->set("ft/ask/" + std::to_string(ask), bytes(""));
     try {
       m.store->wait({"ft/ans/" + token}, options_.quorum_timeout);
       answer = text(m.store->get("ft/ans/" + token));

@@ -29,7 +29,11 @@ ip -n "$NETNS_B" link set "${NETNS_TAG}y" up
 echo "link of host b up"
 wait $r0; s0=$?
 wait $r1; s1=$?
-kill -TERM $lighthouse; wait $lighthouse
+# `ip netns exec` may leave the lighthouse as its child: stop whatever still runs on host a.
+ip netns pids "$NETNS_A" | xargs -r kill -TERM
+wait $lighthouse
+i=0
+while [ -n "$(ip netns pids "$NETNS_A")" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
 for f in lighthouse replica-0 replica-1; do echo "== $f"; cat "$out/$f.log"; done
 echo "replica 0 exit $s0"
 echo "replica 1 exit $s1"

@@ -51,7 +51,8 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
 
 INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
                          ::testing::Values("pipeline-memory", "loader", "pipeline-ranks",
-                                           "transformer", "checkpoint", "transformer-memory"));
+                                           "transformer", "checkpoint", "transformer-memory",
+                                           "resilience"));
 
 }  // namespace
 }  // namespace scaletrain

@@ -396,14 +396,18 @@ TEST(FaultTolerantJob, KillLoopEndsWithEqualReplicasAsAccurateAsNoKill) {
 }
 
 // SIGSTOP instead: the stopped worker's replica fails by its own timeout (--timeout 5) and is
-// restarted; the other leaves it out once its exchange times out (--ft-timeout 3).
+// restarted; the other leaves it out once its exchange times out (--ft-timeout 3). A worker
+// stopped while its replica starts holds that replica in the rendezvous (--rdzv-timeout 20, and
+// c10d retries once): the other may then finish alone, and the late one, told so, stops.
 TEST(FaultTolerantJob, StoppedWorkersAreLeftOutAndTheirReplicaComesBack) {
   TempDir stopped("ft_stopped");
   auto r = ft_job(stopped.path, "STOP");
   expect_a_clean_end(r, stopped.path);
   EXPECT_NE(r.output.find("punisher: SIGSTOP"), std::string::npos) << r.output;
-  EXPECT_TRUE(std::regex_search(r.output, std::regex("[01] \\(at step [0-9]+\\) takes the state")))
-      << r.output;
+  const bool healed =
+      std::regex_search(r.output, std::regex("[01] \\(at step [0-9]+\\) takes the state"));
+  const bool told = r.output.find("nothing is left to train here") != std::string::npos;
+  EXPECT_TRUE(healed || told) << r.output;
 }
 
 }  // namespace

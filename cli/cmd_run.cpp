@@ -41,9 +41,9 @@ int parse_nproc_per_node(const std::string& value, int auto_value) {
   }
 }
 
-// torchrun's --nnodes: N, or MIN:MAX. A range whose ends differ asks for elastic membership,
-// which the launcher does not do: refused with the fix, instead of CLI11's "Could not convert".
-int parse_nnodes(const std::string& value) {
+// torchrun's --nnodes: N, or MIN:MAX (elastic when the ends differ). Sets nnodes (the most)
+// and min_nodes.
+void parse_nnodes(const std::string& value, LaunchOptions& o) {
   const auto colon = value.find(':');
   auto number = [&](const std::string& part) {
     size_t used = 0;
@@ -56,20 +56,20 @@ int parse_nnodes(const std::string& value) {
     if (used == 0 || used != part.size()) {
       throw UsageError("--nnodes '" + value +
                        "' is not a number of nodes (N, or MIN:MAX as "
-                       "torchrun takes it), e.g. 2");
+                       "torchrun takes it), e.g. 2 or 1:4");
     }
     return n;
   };
-  if (colon == std::string::npos) return number(value);
-  const int low = number(value.substr(0, colon)), high = number(value.substr(colon + 1));
-  if (low != high) {
-    throw UsageError("--nnodes " + value +
-                     ": elastic membership (a MIN:MAX range of nodes) is not supported yet; give "
-                     "a fixed number (--nnodes " +
-                     std::to_string(high) +
-                     "), and --max-restarts K to restart the group after a failure");
+  if (colon == std::string::npos) {
+    o.nnodes = number(value);
+    return;
   }
-  return low;
+  o.min_nodes = number(value.substr(0, colon));
+  o.nnodes = number(value.substr(colon + 1));
+  if (o.min_nodes < 1 || o.min_nodes > o.nnodes) {
+    throw UsageError("--nnodes " + value + ": give MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4");
+  }
+  if (o.min_nodes == o.nnodes) o.min_nodes = 0;  // a fixed number of nodes
 }
 
 void add_run_command(CLI::App& app, Action& action) {
@@ -85,7 +85,15 @@ void add_run_command(CLI::App& app, Action& action) {
   cmd->add_option("--nproc-per-node,--nproc_per_node", args->nproc,
                   "Workers on this node: a number, or 'auto' (one per GPU, else one per core)")
       ->capture_default_str();
-  cmd->add_option("--nnodes", args->nnodes, "Number of nodes (N; MIN:MAX only with MIN = MAX)")
+  cmd->add_option("--nnodes", args->nnodes,
+                  "Number of nodes: N, or MIN:MAX for an elastic job (the world is formed again "
+                  "when a node leaves or joins)")
+      ->capture_default_str();
+  cmd->add_option("--rdzv-last-call,--rdzv_last_call", o.rdzv_last_call_s,
+                  "Elastic: seconds to wait for more nodes once MIN have joined")
+      ->capture_default_str();
+  cmd->add_option("--node-timeout,--node_timeout", o.node_timeout_s,
+                  "Elastic: seconds a node's launcher may be silent before it counts as gone")
       ->capture_default_str();
   cmd->add_option("--node-rank,--node_rank", o.node_rank, "This node's rank, 0 .. nnodes-1")
       ->capture_default_str();
@@ -121,7 +129,7 @@ void add_run_command(CLI::App& app, Action& action) {
       LaunchOptions opts = args->o;
       opts.nproc_per_node =
           parse_nproc_per_node(args->nproc, args->nproc == "auto" ? auto_nproc_per_node() : 0);
-      opts.nnodes = parse_nnodes(args->nnodes);
+      parse_nnodes(args->nnodes, opts);
       if (!args->ranks_filter.empty()) opts.show_ranks = parse_rank_list(args->ranks_filter);
       validate(opts);
       return launch(opts);

@@ -26,6 +26,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/models.h"
 #include "scaletrain/trainer.h"
+#include "support/net.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -39,51 +40,26 @@ using testing::run_command;
 using testing::script_path;
 using testing::TempDir;
 
-struct NetImpl : torch::nn::Module {
-  torch::nn::Linear a{register_module("a", torch::nn::Linear(6, 8))};
-  torch::nn::Linear b{register_module("b", torch::nn::Linear(8, 3))};
-  at::Tensor forward(const at::Tensor& x) { return b(torch::relu(a(x))); }
-};
-
-Model net_model(std::mutex& mu) {
-  std::lock_guard<std::mutex> lock(mu);  // ranks are threads: one model at a time
-  auto net = std::make_shared<NetImpl>();
-  auto init = at::make_generator<at::CPUGeneratorImpl>(3);
-  torch::NoGradGuard no_grad;
-  for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init) * 0.3);
-  return model_of(net, "net", [net] {  // blocks, for ZeRO-3's units
-    return torch::nn::Sequential(
-        {{"a", Block(BlockParts{{"a", net->a.ptr()}},
-                     [net](const at::Tensor& x) { return torch::relu(net->a(x)); })},
-         {"b", Block(BlockParts{{"b", net->b.ptr()}},
-                     [net](const at::Tensor& x) { return net->b(x); })}});
-  });
-}
+using testing::net_model;
+using testing::NetImpl;
 
 // The lighthouse of a test, in a thread of its own, on a free port.
 struct TestLighthouse {
-  std::atomic<bool> stop{false};
   std::vector<std::string> quorums;
   std::mutex mu;
-  int port = 0;
-  std::thread thread;
-  TestLighthouse() {
-    std::promise<int> listening;
+  LighthouseThread lighthouse;
+  int port;
+  TestLighthouse() : lighthouse(options(this)), port(lighthouse.port()) {}
+  static LighthouseOptions options(TestLighthouse* self) {
     LighthouseOptions o;
     o.host = "127.0.0.1";
     o.port = 0;
     o.join_timeout = std::chrono::seconds(1);  // the first quorum waits this long
-    o.on_listening = [&listening](int p) { listening.set_value(p); };
-    o.on_quorum = [this](const std::string& q) {
-      std::lock_guard<std::mutex> lock(mu);
-      quorums.push_back(q);
+    o.on_quorum = [self](const std::string& q) {
+      std::lock_guard<std::mutex> lock(self->mu);
+      self->quorums.push_back(q);
     };
-    thread = std::thread([this, o] { serve_lighthouse(o, &stop); });
-    port = listening.get_future().get();
-  }
-  ~TestLighthouse() {
-    stop = true;
-    thread.join();
+    return o;
   }
 };
 
@@ -284,6 +260,17 @@ TEST(FaultTolerantReplicas, AReplicaWithOtherSettingsIsRefusedByName) {
             std::string::npos)
       << errors1[0];
   EXPECT_NE(errors1[0].find("than this replica (seed=7"), std::string::npos) << errors1[0];
+}
+
+// A lighthouse thread whose port is taken throws from its constructor, instead of a thread that
+// died unseen and replicas that wait for it.
+TEST(FaultTolerantReplicas, ALighthouseThreadOnATakenPortThrowsFromItsConstructor) {
+  TestLighthouse first;
+  LighthouseOptions o;
+  o.host = "127.0.0.1";
+  o.port = first.port;
+  EXPECT_THROW(LighthouseThread second(o), Error);
+  EXPECT_EQ(first.lighthouse.address(), "127.0.0.1:" + std::to_string(first.port));
 }
 
 TEST(FaultTolerantReplicas, BadOptionsAreRefusedWithTheFix) {

@@ -26,6 +26,7 @@
 #include "scaletrain/rng.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/zero.h"
+#include "support/net.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "train/atomic_file.h"
@@ -49,30 +50,8 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// A model of the test's own in three blocks (the pipeline strategies split it).
-struct NetImpl : torch::nn::Module {
-  torch::nn::Linear a{register_module("a", torch::nn::Linear(6, 8))};
-  torch::nn::Linear b{register_module("b", torch::nn::Linear(8, 8))};
-  torch::nn::Linear c{register_module("c", torch::nn::Linear(8, 3))};
-  at::Tensor forward(const at::Tensor& x) { return c(torch::relu(b(torch::relu(a(x))))); }
-};
-
-Model net_model(std::mutex& mu) {
-  std::lock_guard<std::mutex> lock(mu);  // ranks are threads: one model at a time
-  auto net = std::make_shared<NetImpl>();
-  auto init = at::make_generator<at::CPUGeneratorImpl>(3);
-  torch::NoGradGuard no_grad;
-  for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init) * 0.3);
-  return model_of(net, "net", [net] {
-    return torch::nn::Sequential(
-        {{"a", Block(BlockParts{{"a", net->a.ptr()}},
-                     [net](const at::Tensor& x) { return torch::relu(net->a(x)); })},
-         {"b", Block(BlockParts{{"b", net->b.ptr()}},
-                     [net](const at::Tensor& x) { return torch::relu(net->b(x)); })},
-         {"c", Block(BlockParts{{"c", net->c.ptr()}},
-                     [net](const at::Tensor& x) { return net->c(x); })}});
-  });
-}
+using testing::net_model;
+using testing::NetImpl;
 
 // ---- A resume at another world size trains each sample of the epoch once ---------------------
 

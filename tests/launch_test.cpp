@@ -556,10 +556,17 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"--frobnicate -- " + script_path("pid_and_sleep.sh"), "--frobnicate"},
         BadInput{"--nnodes 2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
                  "works on one node only"},
-        // torchrun's elastic range: refused with the fix, not as "Could not convert".
-        BadInput{
-            "--nnodes 1:2 -- " + script_path("pid_and_sleep.sh"),
-            "--nnodes 1:2: elastic membership (a MIN:MAX range of nodes) is not supported yet"},
+        // torchrun's elastic range: checked, not "Could not convert".
+        BadInput{"--nnodes 3:2 -- " + script_path("pid_and_sleep.sh"),
+                 "--nnodes 3:2: give MIN:MAX with 1 <= MIN <= MAX"},
+        BadInput{"--nnodes 0:2 -- " + script_path("pid_and_sleep.sh"),
+                 "--nnodes 0:2: give MIN:MAX with 1 <= MIN <= MAX"},
+        BadInput{"--nnodes 1:2 --node-rank 1 -- " + script_path("pid_and_sleep.sh"),
+                 "numbers the nodes itself; leave --node-rank out"},
+        BadInput{"--nnodes 1:2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
+                 "works on one node only"},
+        BadInput{"--nnodes 1:2 --node-timeout 0.2 -- " + script_path("pid_and_sleep.sh"),
+                 "--node-timeout 0.2 must be 1 s or more"},
         BadInput{"--nnodes x -- " + script_path("pid_and_sleep.sh"),
                  "--nnodes 'x' is not a number of nodes"},
         BadInput{"--stopped-timeout 0 -- " + script_path("pid_and_sleep.sh"),

@@ -150,29 +150,22 @@ Job run_job(const std::vector<std::string>& commands, int64_t kill_at, const fs:
 
 // The lighthouse of the replicas' jobs, in this process; quorum changes with their time.
 struct Lighthouse {
-  std::atomic<bool> stop{false};
   mutable std::mutex mu;
   std::vector<std::pair<Clock::time_point, std::string>> events;
-  int port = 0;
-  std::thread thread;
-  Lighthouse() {
-    std::promise<int> listening;
+  LighthouseThread lighthouse;
+  int port;
+  Lighthouse() : lighthouse(options(this)), port(lighthouse.port()) {}
+  static LighthouseOptions options(Lighthouse* self) {
     LighthouseOptions o;
     o.host = "127.0.0.1";
     o.port = 0;
     o.join_timeout = std::chrono::seconds(3);
     o.replicas = 2;
-    o.on_listening = [&listening](int p) { listening.set_value(p); };
-    o.on_quorum = [this](const std::string& what) {
-      std::lock_guard<std::mutex> lock(mu);
-      events.emplace_back(Clock::now(), what);
+    o.on_quorum = [self](const std::string& what) {
+      std::lock_guard<std::mutex> lock(self->mu);
+      self->events.emplace_back(Clock::now(), what);
     };
-    thread = std::thread([this, o] { serve_lighthouse(o, &stop); });
-    port = listening.get_future().get();
-  }
-  ~Lighthouse() {
-    stop = true;
-    thread.join();
+    return o;
   }
   // Seconds from `t` to the first quorum after it whose text holds `what` (-1: none).
   double first_after(Clock::time_point t, const std::string& what) const {

@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "scaletrain/dist.h"
@@ -52,6 +53,27 @@ struct LighthouseOptions {
 /// Serves the lighthouse until `stop` becomes true (or forever where it is null). Throws Error
 /// when the port cannot be had.
 void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>* stop = nullptr);
+
+/// serve_lighthouse() on a thread of its own, for a program that hosts its replicas' lighthouse
+/// itself: the constructor returns once it listens (or throws what serve_lighthouse threw), the
+/// destructor stops it and waits for its thread. `options.on_listening` is its own.
+class LighthouseThread {
+ public:
+  explicit LighthouseThread(LighthouseOptions options);
+  ~LighthouseThread();
+  LighthouseThread(const LighthouseThread&) = delete;
+  LighthouseThread& operator=(const LighthouseThread&) = delete;
+
+  int port() const { return port_; }
+  /// "HOST:PORT" for ReplicaGroupOptions::lighthouse (127.0.0.1 where it listens on 0.0.0.0).
+  std::string address() const;
+
+ private:
+  std::string host_;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 struct ReplicaGroupOptions {
   std::string lighthouse = "127.0.0.1:29510";  // HOST:PORT

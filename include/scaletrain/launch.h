@@ -19,8 +19,18 @@ namespace scaletrain {
 struct LaunchOptions {
   std::vector<std::string> command;  // the program and its arguments
   int nproc_per_node = 1;            // workers on this node
-  int nnodes = 1;
-  int node_rank = 0;
+  int nnodes = 1;                    // with min_nodes: the most nodes
+  int node_rank = 0;                 // fixed worlds only: an elastic round gives each node its rank
+  // Elastic membership (torchrun's --nnodes MIN:MAX) when 0 < min_nodes < nnodes: the launchers
+  // meet at master_addr:master_port, where the one whose machine holds that address hosts the
+  // rendezvous (it must stay for the job's length). A world is formed from the nodes there once
+  // min_nodes have joined (at once when nnodes have, else after rdzv_last_call_s), and formed
+  // again whenever a node leaves (closes its connection, or is silent node_timeout_s), a node's
+  // workers fail (counted against max_restarts) or a node joins while there is room; the workers
+  // are then restarted at the new world size (a trainer resumes from its newest checkpoint).
+  int min_nodes = 0;
+  double rdzv_last_call_s = 3;
+  double node_timeout_s = 10;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;      // 0: pick a free port (single node only)
   int max_restarts = 0;         // restart the failed group as a whole up to this many times

@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <random>
@@ -50,6 +51,7 @@
 #include <sstream>
 #include <thread>
 
+#include "dist/text.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -58,16 +60,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-std::vector<uint8_t> bytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
-
-std::string seconds(milliseconds t) {
-  std::ostringstream s;
-  s << static_cast<double>(t.count()) / 1000.0 << " s";
-  return s.str();
-}
+using dist_text::bytes;
+using dist_text::seconds;
+using dist_text::text;
 
 c10::intrusive_ptr<c10d::TCPStore> store_client(const std::string& host, int port,
                                                 milliseconds timeout) {
@@ -262,19 +257,6 @@ class Lighthouse {
 };
 
 // A string from rank 0 of `d` on each of its ranks (through the device NCCL needs).
-std::string broadcast_text(const Dist& d, const std::string& mine) {
-  if (d.size() == 1) return mine;
-  const at::Device dev = d.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
-  auto n = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(dev);
-  d.broadcast(n, 0, "the quorum's size");
-  const int64_t len = n.cpu().item<int64_t>();
-  auto t = at::zeros({len}, at::kByte);
-  if (d.rank() == 0) std::memcpy(t.data_ptr(), mine.data(), mine.size());
-  t = t.to(dev);
-  d.broadcast(t, 0, "the quorum");
-  t = t.cpu();
-  return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(len));
-}
 
 // The lighthouse's wake-up on asks (serve_lighthouse): a replica asking adds to ft/nask and sets
 // ft/ask/<its count>; this waits for each in turn on a connection of its own.
@@ -370,6 +352,36 @@ void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>*
   waker->stop = true;
   store->set("ft/ask/" + std::to_string(waker->next.load()), bytes(""));  // wakes the waiter
   waiter.join();
+}
+
+LighthouseThread::LighthouseThread(LighthouseOptions options) : host_(options.host) {
+  auto listening = std::make_shared<std::promise<int>>();
+  auto told = std::make_shared<std::atomic<bool>>(false);
+  options.on_listening = [listening, told](int port) {
+    if (!told->exchange(true)) listening->set_value(port);
+  };
+  thread_ = std::thread([this, options, listening, told] {
+    try {
+      serve_lighthouse(options, &stop_);
+    } catch (...) {
+      if (!told->exchange(true)) listening->set_exception(std::current_exception());
+    }
+  });
+  try {
+    port_ = listening->get_future().get();
+  } catch (...) {
+    thread_.join();
+    throw;
+  }
+}
+
+LighthouseThread::~LighthouseThread() {
+  stop_ = true;
+  thread_.join();
+}
+
+std::string LighthouseThread::address() const {
+  return (host_ == "0.0.0.0" || host_.empty() ? "127.0.0.1" : host_) + ":" + std::to_string(port_);
 }
 
 struct ReplicaGroup::Impl {
@@ -510,7 +522,7 @@ Quorum ReplicaGroup::quorum(int64_t step) {
           " (it is gone, or fewer replicas than its --min-replicas are alive): " + e.what());
     }
   }
-  answer = broadcast_text(m.replica, answer);
+  answer = dist_text::broadcast_text(m.replica, answer, "the quorum");
   Quorum q;
   if (answer.rfind("refused ", 0) == 0) {
     throw UsageError("replica " + std::to_string(options_.replica_id) +

@@ -3,7 +3,12 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
 
+#include <cstring>
+
+#include "dist/text.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 
@@ -139,5 +144,20 @@ std::string Dist::store_get(const std::string& key) const {
 }
 
 bool Dist::store_check(const std::string& key) const { return store->check({key}); }
+
+std::string dist_text::broadcast_text(const Dist& d, const std::string& mine,
+                                      const std::string& what) {
+  if (d.size() == 1) return mine;
+  const at::Device dev = d.backend_name == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  auto n = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(dev);
+  d.broadcast(n, 0, what + "'s length");
+  const int64_t len = n.cpu().item<int64_t>();
+  auto t = at::zeros({len}, at::kByte);
+  if (d.rank() == 0) std::memcpy(t.data_ptr(), mine.data(), mine.size());
+  t = t.to(dev);
+  d.broadcast(t, 0, what);
+  t = t.cpu();
+  return std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(len));
+}
 
 }  // namespace scaletrain

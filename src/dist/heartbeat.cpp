@@ -9,6 +9,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "dist/text.h"
 #include "launch/net.h"
 #include "scaletrain/error.h"
 
@@ -30,36 +31,12 @@ std::string port_key(const World& w) {
 
 // A TCP connection to host:port within `timeout`; -1 when there is none.
 int connect_to(const std::string& host, int port, milliseconds timeout) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return -1;
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
-    if (fd < 0) continue;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
-      ::close(fd), fd = -1;
-      continue;
-    }
-    pollfd p{fd, POLLOUT, 0};
-    int err = 0;
-    socklen_t len = sizeof(err);
-    if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1 ||
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
-      ::close(fd), fd = -1;
-    }
-  }
-  freeaddrinfo(found);
-  return fd;
+  return net::connect_to(host, port, static_cast<int>(timeout.count()));
 }
 
-bool send_all(int fd, const std::string& s) {
-  return ::send(fd, s.data(), s.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(s.size());
-}
+using net::send_all;
 
-std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+using dist_text::text;
 
 }  // namespace
 

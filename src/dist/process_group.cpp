@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "dist/heartbeat.h"
+#include "dist/text.h"
 #include "launch/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
@@ -29,11 +30,7 @@ using std::chrono::milliseconds;
 
 std::string where(const World& w) { return w.master_addr + ":" + std::to_string(w.master_port); }
 
-std::string seconds(milliseconds t) {
-  std::ostringstream s;
-  s << static_cast<double>(t.count()) / 1000.0 << " s";
-  return s.str();
-}
+using dist_text::seconds;
 
 // The local address this host uses to reach the master: the interface Gloo should listen on.
 // Connecting a UDP socket sends nothing; it only asks the kernel for a route.

@@ -1,6 +1,8 @@
 #pragma once
 // Small socket helpers shared by the launcher and the rendezvous (internal, not public API).
 
+#include <string>
+
 namespace scaletrain::net {
 
 /// A TCP socket bound to `port` (0: any free one) on 127.0.0.1 when `loopback_only`, else on
@@ -10,5 +12,20 @@ int bind_tcp(int port, bool loopback_only, bool listen);
 
 /// The local port a bound socket holds, or -1.
 int bound_port(int fd);
+
+/// A listening TCP socket on `host`:`port` exactly (an address of this machine), close-on-exec;
+/// -1 with errno set when `host` is not one of this machine's addresses (EADDRNOTAVAIL), the
+/// port is taken (EADDRINUSE) or the name does not resolve.
+int listen_on(const std::string& host, int port);
+
+/// A TCP connection to host:port within `timeout_ms` (non-blocking, close-on-exec); -1 when
+/// there is none.
+int connect_to(const std::string& host, int port, int timeout_ms);
+
+/// Sends all of `s` (MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE); false on failure.
+bool send_all(int fd, const std::string& s);
+
+/// The numeric address of a connected socket's peer ("10.0.0.2"), or "" when unknown.
+std::string peer_address(int fd);
 
 }  // namespace scaletrain::net

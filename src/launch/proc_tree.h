@@ -1,6 +1,6 @@
 #pragma once
 // The processes below a process, read from /proc, and the sweep that kills them (internal to
-// the launcher). Note [Descendants] in src/launch/launch.cpp says why the launcher needs it.
+// the launcher). Note [Descendants] in src/launch/group.cpp says why the launcher needs it.
 
 #include <sys/types.h>
 

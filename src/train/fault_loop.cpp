@@ -114,18 +114,9 @@ bool Run::replica_step(const Batch& b, const Quorum& q, double* loss) {
   }
   bool ok = true;
   if (q.size() > 1 && !grads.empty()) {
-    std::vector<at::Tensor> flat_parts;
-    for (auto& g : grads) flat_parts.push_back(g.reshape({-1}));
-    at::Tensor flat = at::cat(flat_parts);
+    at::Tensor flat = flat_copy(grads, dev);
     ok = replicas_->all_reduce(flat);
-    if (ok) {
-      flat.div_(q.size());
-      int64_t offset = 0;
-      for (auto& g : grads) {
-        g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-        offset += g.numel();
-      }
-    }
+    if (ok) copy_from_flat(flat.div_(q.size()), grads);
   }
   if (!replicas_->commit(ok)) {
     strategy_->zero_grad(*opt_);

@@ -107,17 +107,10 @@ class GridStrategy : public TrainStrategy {
   void gather_weights() override {
     torch::NoGradGuard no_grad;
     for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s, rank s
-      std::vector<at::Tensor> flat_parts;
-      for (auto& p : stage_params_[static_cast<size_t>(s)]) {
-        flat_parts.push_back(p.detach().to(dev_).reshape({-1}));
-      }
-      auto flat = at::cat(flat_parts);
+      auto& params = stage_params_[static_cast<size_t>(s)];
+      auto flat = flat_copy(params, dev_);
       dist_.broadcast(flat, s);
-      int64_t offset = 0;
-      for (auto& p : stage_params_[static_cast<size_t>(s)]) {
-        p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
+      copy_from_flat(flat, params);
     }
   }
 

@@ -176,6 +176,21 @@ bool on_every_rank(const Dist& dist, bool mine, const at::Device& device) {
   return ok.item<double>() > 0.5;
 }
 
+at::Tensor flat_copy(const std::vector<at::Tensor>& tensors, const at::Device& device) {
+  std::vector<at::Tensor> parts;
+  parts.reserve(tensors.size());
+  for (const auto& t : tensors) parts.push_back(t.detach().to(device).reshape({-1}));
+  return at::cat(parts);
+}
+
+void copy_from_flat(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
 double TrainStrategy::gradient_square_sum() {
   std::vector<at::Tensor> grads;
   for (auto& p : parameters()) grads.push_back(p.grad());

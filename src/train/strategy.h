@@ -117,4 +117,9 @@ double sum_over(const Dist& dist, double mine, const at::Device& device);
 /// Collective over `dist`: whether `mine` holds on every rank (one verdict for all).
 bool on_every_rank(const Dist& dist, bool mine, const at::Device& device);
 
+/// The tensors laid end to end in one 1-D tensor on `device`, for one collective over them all;
+/// copy_from_flat() puts such a tensor's pieces back, in the same order.
+at::Tensor flat_copy(const std::vector<at::Tensor>& tensors, const at::Device& device);
+void copy_from_flat(const at::Tensor& flat, std::vector<at::Tensor>& tensors);
+
 }  // namespace scaletrain

@@ -28,6 +28,7 @@
 #include <set>
 #include <sstream>
 
+#include "dist/text.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/flops.h"
@@ -294,18 +295,7 @@ void Run::record_options() {
 // A fresh run's id, rank 0's on every rank: each rank planned its own, and the ranks of a
 // sharded checkpoint must write one id (a shard of another run is not loaded with the rest).
 std::string Run::agreed_run_id(const std::string& mine) {
-  auto bytes = at::zeros({128}, at::kInt);
-  for (size_t i = 0; i < mine.size() && i < 128; ++i) {
-    bytes[static_cast<int64_t>(i)] = static_cast<int>(static_cast<unsigned char>(mine[i]));
-  }
-  auto shared = bytes.to(collective_device());
-  d_.broadcast(shared, 0);
-  shared = shared.cpu();
-  std::string id;
-  for (int64_t i = 0; i < 128 && shared[i].item<int>() != 0; ++i) {
-    id.push_back(static_cast<char>(shared[i].item<int>()));
-  }
-  return id;
+  return dist_text::broadcast_text(d_, mine, "the run id");
 }
 
 at::Device Run::collective_device() const {

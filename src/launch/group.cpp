@@ -1,0 +1,656 @@
+#include "launch/group.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "scaletrain/error.h"
+
+extern char** environ;
+
+namespace scaletrain::launch_detail {
+
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_stop_signal{0};
+
+namespace {
+
+namespace fs = std::filesystem;
+
+void on_signal(int sig) {
+  if (sig == SIGINT || sig == SIGTERM) g_stop_signal = sig;
+  int saved = errno;
+  char c = static_cast<char>(sig);
+  [[maybe_unused]] auto n = write(g_signal_pipe[1], &c, 1);
+  errno = saved;
+}
+
+// Note [Guardian]: each worker runs under a tiny guardian process, the leader of the worker's
+// process group and a child subreaper (PR_SET_CHILD_SUBREAPER): whatever the program starts and
+// leaves behind — a double fork, a `setsid` daemon that left the group — is re-parented to the
+// guardian while it lives. When the launcher dies, even by SIGKILL, the kernel sends the guardian
+// SIGUSR2 (PR_SET_PDEATHSIG): it kills the program, then every process below itself, then its
+// whole group. Otherwise the guardian waits for the program and exits the way it did; what the
+// program left behind is then re-parented to the launcher (Note [Descendants]).
+volatile sig_atomic_t g_launcher_died = 0;
+volatile sig_atomic_t g_program = -1;  // the guardian's program, once started
+
+void on_launcher_death(int) {
+  g_launcher_died = 1;
+  if (g_program > 0) {
+    kill(static_cast<pid_t>(g_program), SIGKILL);  // the guardian then sweeps the rest
+  } else {
+    killpg(0, SIGKILL);
+  }
+}
+
+// The guardian's end when the launcher died: every process below it, then its whole group.
+[[noreturn]] void guardian_kill_everything() {
+  proc::kill_descendants();
+  killpg(0, SIGKILL);
+  _exit(128 + SIGKILL);
+}
+
+int relay_exit_of(pid_t prog) {
+  int status = 0;
+  // Also reaps the orphans re-parented here as they end, so that none lingers as a zombie.
+  for (pid_t pid; (pid = waitpid(-1, &status, 0)) != prog;) {
+    if (pid < 0 && errno != EINTR) return 126;
+  }
+  if (g_launcher_died) guardian_kill_everything();
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    rlimit no_core{0, 0};
+    setrlimit(RLIMIT_CORE, &no_core);
+    signal(sig, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    kill(getpid(), sig);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 126;
+}
+
+// The guardian (Note [Guardian]), in the child of the launcher's fork: it leads the worker's own
+// process group (teardown signals the group whole), dies with the launcher, starts the program
+// and exits as it did. `pid_fd` tells the launcher the program's pid.
+[[noreturn]] void run_guardian(pid_t launcher, int out_fd, int err_fd, int pid_fd, char** argv,
+                               char** envp) {
+  setpgid(0, 0);
+  dup2(out_fd, STDOUT_FILENO);
+  dup2(err_fd, STDERR_FILENO);
+  signal(SIGCHLD, SIG_DFL);
+  signal(SIGINT, SIG_IGN);  // the group's SIGINT/SIGTERM are for the program
+  signal(SIGTERM, SIG_IGN);
+  struct sigaction sa {};
+  sa.sa_handler = on_launcher_death;  // no SA_RESTART: it interrupts waitpid
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGUSR2, &sa, nullptr);
+  sigset_t usr2, none;
+  sigemptyset(&usr2);
+  sigaddset(&usr2, SIGUSR2);
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &usr2, nullptr);  // until g_program is known
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+  prctl(PR_SET_PDEATHSIG, SIGUSR2);
+  pid_t prog = fork();
+  if (prog == 0) {
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGUSR2, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execvpe(argv[0], argv, envp);
+    dprintf(STDERR_FILENO, "cannot execute '%s': %s\n", argv[0], strerror(errno));
+    _exit(127);
+  }
+  g_program = prog;
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  if (getppid() != launcher) on_launcher_death(SIGUSR2);
+  // Tell the launcher which pid the program has: that is the one its summary names.
+  [[maybe_unused]] auto n = write(pid_fd, &prog, sizeof(prog));
+  close(pid_fd);
+  _exit(prog < 0 ? 126 : relay_exit_of(prog));
+}
+
+}  // namespace
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+// Note [Output lines]: a worker's output is cut into segments at '\n' and at '\r' (a progress
+// bar redraws its line with '\r' and may never print '\n'); each segment reaches the terminal
+// with its rank's prefix and its own ending, so a bar still redraws in place. A segment longer
+// than kMaxLineBytes is cut there (the cut is marked) and goes on as the next one: the launcher
+// holds at most one such piece per pipe, however long a line is. --log-dir files get the bytes
+// as they came. The failure summary quotes at most tail_lines lines of kQuoteBytes each, and at
+// most kSummaryQuoteBytes in all.
+constexpr size_t kMaxLineBytes = 64 * 1024;
+constexpr size_t kQuoteBytes = 512;
+constexpr size_t kSummaryQuoteBytes = 8 * 1024;
+constexpr char kCut = 0;  // a segment's ending when kMaxLineBytes cut it
+// Note [Root cause]: the longest a failed group waits for its other workers to exit on their own.
+constexpr double kSettleMaxSeconds = 1.5;
+constexpr const char* kCutMark = " [line cut at 64 KiB, it goes on in the next line]";
+
+bool Worker::failed() const { return exited && !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+
+std::vector<std::string> Group::worker_env(const Worker& w) const {
+  const int world = o_.nproc_per_node * w_.nnodes;
+  std::vector<std::pair<std::string, std::string>> set = {
+      {"RANK", std::to_string(w.rank)},
+      {"LOCAL_RANK", std::to_string(w.local_rank)},
+      {"WORLD_SIZE", std::to_string(world)},
+      {"LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(w_.node_rank)},
+      {"ROLE_RANK", std::to_string(w.rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(world)},
+      {"MASTER_ADDR", w_.master_addr},
+      {"MASTER_PORT", std::to_string(w_.master_port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(w_.restarts)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", o_.run_id},
+      {"GROUP_WORLD_SIZE", std::to_string(w_.nnodes)},
+      {"SCALETRAIN_NNODES", std::to_string(w_.nnodes)},
+      {"SCALETRAIN_RDZV_TIMEOUT", fmt::format("{}", o_.rdzv_timeout_s)},
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    std::string key = kv.substr(0, kv.find('='));
+    bool overridden = false;
+    for (auto& [k, v] : set) overridden |= (k == key);
+    if (!overridden) env.push_back(kv);
+  }
+  for (auto& [k, v] : set) env.push_back(k + "=" + v);
+  // Like torchrun, keep several workers from each starting a full-size thread pool.
+  if (!std::getenv("OMP_NUM_THREADS")) {
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    env.push_back(fmt::format("OMP_NUM_THREADS={}",
+                              std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node))));
+  }
+  return env;
+}
+
+void Group::spawn(Worker& w) {
+  int out[2], err[2], pid_pipe[2];
+  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0 || pipe2(pid_pipe, O_CLOEXEC) != 0) {
+    throw Error(fmt::format("cannot create pipes for rank {}: {}", w.rank, strerror(errno)));
+  }
+  std::vector<std::string> env = worker_env(w);
+  std::vector<char*> envp, argv;
+  for (auto& s : env) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> cmd = o_.command;
+  for (auto& s : cmd) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t parent = getpid();
+
+  pid_t pid = fork();
+  if (pid < 0) throw Error(fmt::format("fork failed for rank {}: {}", w.rank, strerror(errno)));
+  if (pid == 0) run_guardian(parent, out[1], err[1], pid_pipe[1], argv.data(), envp.data());
+  setpgid(pid, pid);  // also from the parent, so that kill_all never misses it
+  close(out[1]);
+  close(err[1]);
+  close(pid_pipe[1]);
+  pid_t prog = -1;
+  ssize_t got;
+  while ((got = read(pid_pipe[0], &prog, sizeof(prog))) < 0 && errno == EINTR) {
+  }
+  close(pid_pipe[0]);
+  w.program_pid = got == static_cast<ssize_t>(sizeof(prog)) ? prog : -1;
+  w.pid = pid;
+  w.out.fd = out[0];
+  w.err.fd = err[0];
+  w.err.is_err = true;
+}
+
+void Group::start() {
+  std::string dir;
+  if (!o_.log_dir.empty()) {
+    dir = fmt::format("{}/attempt_{}", o_.log_dir, w_.log_index);
+    fs::create_directories(dir);
+  }
+  workers_.resize(static_cast<size_t>(o_.nproc_per_node));
+  for (int i = 0; i < o_.nproc_per_node; ++i) {
+    Worker& w = workers_[static_cast<size_t>(i)];
+    w.local_rank = i;
+    w.rank = w_.node_rank * o_.nproc_per_node + i;
+    w.shown = !o_.quiet;
+    if (w.shown && !o_.show_ranks.empty()) {
+      w.shown =
+          std::find(o_.show_ranks.begin(), o_.show_ranks.end(), w.rank) != o_.show_ranks.end();
+    }
+    if (!dir.empty()) {
+      w.out.log = std::make_unique<std::ofstream>(fmt::format("{}/rank_{}.stdout", dir, w.rank));
+      w.err.log = std::make_unique<std::ofstream>(fmt::format("{}/rank_{}.stderr", dir, w.rank));
+    }
+    spawn(w);
+    // A SIGINT/SIGTERM while workers are still being started: start no more; supervise() stops
+    // the ones that run.
+    if (g_stop_signal.load() != 0) {
+      workers_.resize(static_cast<size_t>(i) + 1);
+      return;
+    }
+  }
+}
+
+// A line of a C++ backtrace, as LibTorch's errors print some 25 under their message.
+static bool is_backtrace_frame(std::string_view text) {
+  const size_t start = text.find_first_not_of(" \t");
+  return start != std::string_view::npos && text.substr(start, 7) == "frame #";
+}
+
+void Group::remember(Worker& w, std::string_view text, char end) {
+  // A backtrace counts as one line, so that it does not push its error message out of the tail.
+  if (is_backtrace_frame(text)) {
+    if (w.backtrace_frames == 0) w.err_tail.emplace_back();
+    w.err_tail.back() = fmt::format("[{} backtrace frame(s) left out]", ++w.backtrace_frames);
+    w.tail_redraws = false;
+    return;
+  }
+  w.backtrace_frames = 0;
+  std::string line(text.substr(0, kQuoteBytes));
+  if (text.size() > kQuoteBytes)
+    line += fmt::format(" [... {} bytes more]", text.size() - kQuoteBytes);
+  if (w.tail_redraws && !w.err_tail.empty()) {
+    w.err_tail.back() = std::move(line);
+  } else {
+    w.err_tail.push_back(std::move(line));
+  }
+  w.tail_redraws = end == '\r';
+  while (static_cast<int>(w.err_tail.size()) > o_.tail_lines) w.err_tail.pop_front();
+}
+
+// One segment of a worker's output (Note [Output lines]), ended by '\n', '\r' or a cut.
+void Group::emit(Worker& w, const Stream& s, std::string_view text, char end) {
+  if (text.empty() && end == '\r') return;  // a bar's leading '\r'
+  if (s.is_err) remember(w, text, end);
+  if (!w.shown) return;
+  std::string out = fmt::format("[rank{}]:", w.rank);
+  out.append(text);
+  out += end == kCut ? std::string(kCutMark) + "\n" : std::string(1, end);
+  const int fd = s.is_err ? STDERR_FILENO : STDOUT_FILENO;
+  for (size_t done = 0; done < out.size();) {
+    const ssize_t n = write(fd, out.data() + done, out.size() - done);
+    if (n <= 0 && errno != EINTR) break;
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+}
+
+// Emits every complete segment of `s.partial`; at EOF the rest too.
+void Group::split(Worker& w, Stream& s, bool at_eof) {
+  const std::string& p = s.partial;
+  size_t start = 0, i = 0;
+  while (i < p.size()) {
+    const char c = p[i];
+    if (c == '\n' || c == '\r') {
+      if (c == '\r' && i + 1 == p.size() && !at_eof) break;  // "\r\n" split between reads
+      const bool crlf = c == '\r' && i + 1 < p.size() && p[i + 1] == '\n';
+      emit(w, s, std::string_view(p).substr(start, i - start), crlf ? '\n' : c);
+      i += crlf ? 2 : 1;
+      start = i;
+    } else if (i + 1 - start >= kMaxLineBytes) {
+      emit(w, s, std::string_view(p).substr(start, kMaxLineBytes), kCut);
+      start = ++i;
+    } else {
+      ++i;
+    }
+  }
+  s.partial.erase(0, start);
+  if (at_eof && !s.partial.empty()) {
+    emit(w, s, s.partial, '\n');
+    s.partial.clear();
+  }
+}
+
+void Group::close_stream(Worker& w, Stream& s) {
+  if (s.fd < 0) return;
+  split(w, s, /*at_eof=*/true);
+  close(s.fd);
+  s.fd = -1;
+}
+
+void Group::read_from(Worker& w, Stream& s) {
+  char buf[8192];
+  const ssize_t n = read(s.fd, buf, sizeof(buf));
+  if (n < 0 && errno == EINTR) return;
+  if (n <= 0) {  // EOF (or error): flush what is left and stop watching this pipe
+    close_stream(w, s);
+    return;
+  }
+  if (s.log) s.log->write(buf, n).flush();
+  s.partial.append(buf, static_cast<size_t>(n));
+  split(w, s, /*at_eof=*/false);
+}
+
+// Waits up to `timeout_ms` for output or a signal and reads what came. Returns how many pipes
+// (the signal pipe included) were ready.
+int Group::poll_pipes(int timeout_ms) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Worker*, Stream*>> owners;
+  for (auto& w : workers_) {
+    for (Stream* s : {&w.out, &w.err}) {
+      if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0}), owners.push_back({&w, s});
+    }
+  }
+  fds.push_back({g_signal_pipe[0], POLLIN, 0});
+  const int ready = poll(fds.data(), fds.size(), timeout_ms);
+  if (ready < 0 && errno != EINTR) throw Error(fmt::format("poll failed: {}", strerror(errno)));
+  for (size_t i = 0; ready > 0 && i + 1 < fds.size(); ++i) {
+    if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+      read_from(*owners[i].first, *owners[i].second);
+  }
+  if (ready > 0 && (fds.back().revents & POLLIN)) {
+    char buf[64];
+    [[maybe_unused]] auto n = read(g_signal_pipe[0], buf, sizeof(buf));
+  }
+  return std::max(ready, 0);
+}
+
+void Group::reap() {
+  int status = 0;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    for (auto& w : workers_) {
+      if (w.pid != pid) continue;  // else: a worker's orphan, re-parented here (Note [Descendants])
+      w.exited = true;
+      w.status = status;
+      w.exit_time = Clock::now();
+      if (w.failed() && phase_ == Phase::kRunning) {
+        // Note [Root cause]: the others get a moment to exit on their own before SIGTERM.
+        phase_ = Phase::kSettling;
+        const double settle_s = std::min(kSettleMaxSeconds, o_.grace_period_s / 2);
+        settle_deadline_ =
+            Clock::now() + std::chrono::milliseconds(static_cast<long>(settle_s * 1000));
+      }
+    }
+  }
+}
+
+// A worker stopped by a signal (SIGSTOP, a debugger) neither runs nor exits: its peers wait for it
+// until their collective timeout, which then names it (Note [Heartbeats]). Said as it happens,
+// once a second at most, and again when it goes on. When every worker left is stopped, nothing
+// can time out any more: past --stopped-timeout the group counts as failed.
+void Group::watch_stops() {
+  if (Clock::now() < next_stop_check_) return;
+  next_stop_check_ = Clock::now() + std::chrono::seconds(1);
+  bool all = phase_ == Phase::kRunning;
+  for (auto& w : workers_) {
+    if (w.exited) continue;
+    const bool now = proc::is_stopped(w.program_pid);
+    all = all && now;
+    if (now && !w.signal_stopped) {
+      spdlog::warn(
+          "scaletrain run: rank {} (pid {}) is stopped by a signal; its peers wait for it until "
+          "their collective timeout (--timeout). `kill -CONT {}` lets it go on.",
+          w.rank, w.program_pid, w.program_pid);
+    } else if (!now && w.signal_stopped) {
+      spdlog::info("scaletrain run: rank {} (pid {}) goes on", w.rank, w.program_pid);
+    }
+    w.signal_stopped = now;
+  }
+  if (!all) {
+    all_stopped_since_ = {};
+    return;
+  }
+  if (all_stopped_since_ == Clock::time_point{}) all_stopped_since_ = Clock::now();
+  const std::chrono::duration<double> stuck = Clock::now() - all_stopped_since_;
+  if (stuck.count() < o_.stopped_timeout_s) return;
+  spdlog::error(
+      "scaletrain run: every worker left is stopped by a signal for {:.0f} s (--stopped-timeout): "
+      "nothing can time out; the group counts as failed",
+      stuck.count());
+  all_stopped_ = true;
+  stop_running(SIGTERM);  // kill_all continues them into it
+}
+
+void Group::stop_running(int sig) {
+  phase_ = Phase::kStopping;
+  kill_deadline_ =
+      Clock::now() + std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
+  for (auto& w : workers_) w.stopped = w.stopped || !w.exited;
+  kill_all(sig);
+}
+
+void Group::advance_teardown() {
+  const int stop = g_stop_signal.load();
+  if (stop != 0 && !stopped_by_signal_) {
+    stopped_by_signal_ = true;
+    stop_running(stop);
+  }
+  // The rendezvous forms a new world (Note [Elastic rendezvous]): what failed meanwhile most
+  // likely failed because a peer left, so the group stops as recalled, not as failed.
+  if (recall_ && !recalled_ && !stopped_by_signal_ && phase_ != Phase::kStopping && recall_()) {
+    recalled_ = true;
+    stop_running(SIGTERM);
+  }
+  if (phase_ == Phase::kSettling && Clock::now() >= settle_deadline_) stop_running(SIGTERM);
+  if (phase_ == Phase::kStopping && Clock::now() > kill_deadline_) kill_all(SIGKILL);
+}
+
+void Group::kill_all(int sig) {
+  for (auto& w : workers_) {
+    if (w.pid <= 0 || w.exited) continue;
+    killpg(w.pid, sig);
+    // A stopped process takes SIGTERM only once continued: else it would wait for SIGKILL.
+    if (sig != SIGKILL) killpg(w.pid, SIGCONT);
+  }
+}
+
+// Every worker has exited: nothing it started outlives the attempt (Note [Descendants]), and
+// what the workers wrote before they died is read to the end.
+void Group::finish_output() {
+  for (auto& w : workers_) {
+    if (w.pid > 0) killpg(w.pid, SIGKILL);  // a shell's background job ignores SIGINT
+  }
+  proc::kill_descendants(not_ours_);
+  // The pipes now reach EOF, unless a process outside the tree holds them: bounded wait.
+  const auto deadline = Clock::now() + std::chrono::seconds(2);
+  bool open = true;
+  while (open && Clock::now() < deadline) {
+    open = false;
+    for (auto& w : workers_) open = open || w.out.fd >= 0 || w.err.fd >= 0;
+    if (open && poll_pipes(200) == 0) break;
+  }
+  for (auto& w : workers_) {
+    close_stream(w, w.out);
+    close_stream(w, w.err);
+  }
+}
+
+int Group::supervise() {
+  while (true) {
+    reap();
+    watch_stops();
+    advance_teardown();
+    bool all_exited = true;
+    for (auto& w : workers_) all_exited = all_exited && w.exited;
+    if (all_exited) break;
+    poll_pipes(100);
+  }
+  finish_output();
+  if (stopped_by_signal_) return report_interrupted();
+  if (recalled_) return kRecalled;
+  if (all_stopped_) {
+    const std::string msg = fmt::format(
+        "scaletrain run: worker group failed (attempt {} of {}): every worker was stopped by a "
+        "signal for --stopped-timeout {} s\n",
+        w_.restarts + 1, o_.max_restarts + 1, o_.stopped_timeout_s);
+    [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
+    return 1;
+  }
+  if (const Worker* root = root_cause()) {
+    report_failure(*root);
+    return 1;
+  }
+  return 0;
+}
+
+int Group::report_interrupted() const {
+  const int sig = g_stop_signal.load();
+  const std::string msg =
+      fmt::format("scaletrain run: interrupted by {}: stopped the {} worker(s) of attempt {}{}\n",
+                  signal_name(sig), workers_.size(), w_.restarts + 1,
+                  static_cast<int>(workers_.size()) < o_.nproc_per_node
+                      ? fmt::format(" ({} of {} had started)", workers_.size(), o_.nproc_per_node)
+                      : "");
+  [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
+  return 128 + sig;
+}
+
+// Whether a worker's last error lines say it failed because another rank did (Note [Root cause]).
+static bool reads_as_consequence(const std::deque<std::string>& tail) {
+  static const char* const kMarks[] = {
+      "left the group",    "exited before joining", "by peer",       "connection reset",
+      "connection closed", "connection refused",    "broken pipe",   "peer closed",
+      "peer left",         "never joined",          "never arrived", "remote process exited",
+      "socket timeout"};
+  const size_t from = tail.size() > 5 ? tail.size() - 5 : 0;
+  for (size_t i = from; i < tail.size(); ++i) {
+    std::string lower = tail[i];
+    std::transform(lower.begin(), lower.end(), lower.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    for (const char* mark : kMarks) {
+      if (lower.find(mark) != std::string::npos) return true;
+    }
+  }
+  return false;
+}
+
+// Note [Root cause]: when one rank fails, the others soon fail too (their peer is gone), and one
+// of them may even exit first. The launcher names the worker that failed on its own (before it
+// was signalled) and whose error does not read as a consequence of another's, the earliest such;
+// when every error reads as a consequence, the earliest failure.
+const Worker* Group::root_cause() const {
+  const Worker *first = nullptr, *first_own = nullptr;
+  for (const auto& w : workers_) {
+    if (!w.failed() || w.stopped) continue;
+    if (first == nullptr || w.exit_time < first->exit_time) first = &w;
+    if (!reads_as_consequence(w.err_tail) &&
+        (first_own == nullptr || w.exit_time < first_own->exit_time)) {
+      first_own = &w;
+    }
+  }
+  return first_own != nullptr ? first_own : first;
+}
+
+// A worker's last non-blank error line that is not a backtrace, for a one-line mention.
+static std::string last_words(const std::deque<std::string>& tail) {
+  for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
+    if (it->find_first_not_of(" \t") == std::string::npos || (*it)[0] == '[') continue;
+    return ": " + it->substr(0, 200);
+  }
+  return "";
+}
+
+static std::string how_it_ended(int status) {
+  return WIFSIGNALED(status) ? fmt::format("was killed by {}", signal_name(WTERMSIG(status)))
+                             : fmt::format("exited with code {}", WEXITSTATUS(status));
+}
+
+// The other workers, one line each: those that failed too (with their last error line), and
+// how many the launcher stopped.
+std::string Group::others_summary(const Worker& root) const {
+  std::string msg;
+  int listed = 0, more = 0, stopped = 0;
+  for (const auto& w : workers_) {
+    if (&w == &root || !w.exited) continue;
+    if (w.stopped) {
+      stopped += 1;
+      continue;
+    }
+    if (!w.failed()) continue;
+    if (listed == 8) {
+      more += 1;
+      continue;
+    }
+    listed += 1;
+    const bool earlier = w.exit_time < root.exit_time;
+    msg += fmt::format(
+        "  rank {} (pid {}) {} {}{}{}\n", w.rank, w.program_pid > 0 ? w.program_pid : w.pid,
+        how_it_ended(w.status), earlier ? "before it" : "after it",
+        reads_as_consequence(w.err_tail) ? ", as a consequence" : "", last_words(w.err_tail));
+  }
+  if (more > 0) msg += fmt::format("  and {} more rank(s) failed after it\n", more);
+  if (stopped > 0) msg += fmt::format("  {} other worker(s) were stopped\n", stopped);
+  return msg;
+}
+
+void Group::report_failure(const Worker& w) const {
+  std::string msg = fmt::format(
+      "scaletrain run: worker group failed (attempt {} of {})\n"
+      "  rank {} (local rank {}, node {}, pid {}) {}\n",
+      w_.restarts + 1, o_.max_restarts + 1, w.rank, w.local_rank, w_.node_rank,
+      w.program_pid > 0 ? w.program_pid : w.pid, how_it_ended(w.status));
+  size_t from = 0, bytes = 0;
+  for (size_t i = w.err_tail.size();
+       i > 0 && bytes + w.err_tail[i - 1].size() <= kSummaryQuoteBytes; --i) {
+    bytes += w.err_tail[i - 1].size();
+    from = i - 1;
+  }
+  if (w.err_tail.empty()) {
+    msg += "  it printed nothing on its error output.\n";
+  } else {
+    msg += fmt::format("  last {} lines of its error output:\n", w.err_tail.size() - from);
+    for (size_t i = from; i < w.err_tail.size(); ++i) msg += "    " + w.err_tail[i] + "\n";
+  }
+  msg += others_summary(w);
+  if (!o_.log_dir.empty()) {
+    msg += fmt::format("  full logs: {}/attempt_{}/rank_{}.stderr\n", o_.log_dir, w_.log_index,
+                       w.rank);
+  }
+  [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
+}
+
+SignalScope::SignalScope() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw Error(fmt::format("cannot create the signal pipe: {}", strerror(errno)));
+  }
+  g_stop_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+  sigaction(SIGCHLD, &sa, &old_chld_);
+}
+
+SignalScope::~SignalScope() {
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+  sigaction(SIGCHLD, &old_chld_, nullptr);
+  close(g_signal_pipe[0]);
+  close(g_signal_pipe[1]);
+  g_signal_pipe[0] = g_signal_pipe[1] = -1;
+}
+
+// Note [Descendants]: for one launch() the launcher is a child subreaper, so that what a worker
+// leaves behind when it exits (a double fork, a `setsid` daemon outside its process group) is
+// re-parented to the launcher (from the worker's guardian, Note [Guardian]) instead of to init.
+// When an attempt ends, the launcher kills every process below itself but the children it had
+// before launch() (and their subtrees): nothing a worker started outlives its attempt.
+SubreaperScope::SubreaperScope() {
+  int was = 0;
+  prctl(PR_GET_CHILD_SUBREAPER, &was);
+  was_ = was;
+  prctl(PR_SET_CHILD_SUBREAPER, 1);
+}
+
+SubreaperScope::~SubreaperScope() { prctl(PR_SET_CHILD_SUBREAPER, was_); }
+
+}  // namespace scaletrain::launch_detail

@@ -1,0 +1,559 @@
+#include "launch/rendezvous.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <sstream>
+
+#include "launch/net.h"
+#include "scaletrain/error.h"
+
+namespace scaletrain::launch_detail {
+
+// Note [Elastic rendezvous]: torchrun's `--nnodes MIN:MAX`, without a store in LibTorch. The
+// launchers of an elastic job all connect to one address (--master-addr:--master-port); the one
+// whose machine holds that address binds it first and hosts the server, as torchrun's c10d
+// rendezvous does (its host must stay for the job's length: when it goes, the others say so and
+// stop). The protocol is lines over TCP:
+//   launcher -> server: JOIN <run id> <nproc> <port> <host:pid> <hosting 0|1>  (join)
+//                       FAILED                                (this node's workers failed)
+//                       DONE                                  (this node's workers all exited 0)
+//                       BEAT                                  (every 0.5 s)
+//   server -> launcher: ROUND <round> <node rank> <nnodes> <master addr> <master port> <restarts>
+//                       RESTART <round> <reason>   (the round ended: stop the workers, join again)
+//                       WAITING <joined> <min>     (a join's progress, for its timeout's message)
+//                       CLOSED <reason> | ABORT <reason> | REFUSED <reason>
+//                       BEAT                       (every 0.5 s)
+// A round's world is its nodes' workers, node 0's port (sent with its JOIN, free on its machine
+// a moment before) on node 0's address being the workers' store (MASTER_ADDR, MASTER_PORT). The
+// trainer, restarted at the new world size, resumes from the newest checkpoint (every strategy
+// reshards). A launcher that goes silent (killed, its link down) has left once node_timeout_s
+// passes without a line from it; one that closes its connection has left at once.
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kBeatSeconds = 0.5;
+constexpr double kFailureSettleSeconds = 1.0;
+
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string this_host() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "unknown";
+  for (char* c = name; *c != '\0'; ++c) {
+    if (*c == ' ') *c = '_';
+  }
+  return std::string(name) + ":" + std::to_string(getpid());  // one host may run several
+}
+
+bool is_loopback(const std::string& addr) { return addr.rfind("127.", 0) == 0; }
+
+// Splits `buf` into complete lines (taken out of it).
+std::vector<std::string> take_lines(std::string& buf) {
+  std::vector<std::string> lines;
+  for (size_t end; (end = buf.find('\n')) != std::string::npos;) {
+    lines.push_back(buf.substr(0, end));
+    buf.erase(0, end + 1);
+  }
+  return lines;
+}
+
+// Reads what `fd` has. Returns false when the peer closed or the socket failed.
+bool read_into(int fd, std::string& buf) {
+  char chunk[4096];
+  while (true) {
+    const ssize_t n = recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (n > 0) {
+      buf.append(chunk, static_cast<size_t>(n));
+      if (buf.size() > 64 * 1024) return false;  // not our protocol
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+}
+
+}  // namespace
+
+// The server's rounds (Note [Elastic rendezvous]): its connections and what each node is in.
+struct RendezvousServer::State {
+  struct Conn {
+    int fd = -1;
+    int id = 0;
+    std::string addr, host, buf;
+    int nproc = 0, port = 0;
+    bool hosting = false;
+    bool joined = false, member = false, done = false, closed = false;
+    std::string why_closed;
+    Clock::time_point heard = Clock::now();
+    std::string name() const {
+      return fmt::format("node {} ({})", host.empty() ? "?" : host, addr);
+    }
+    void say(const std::string& line) {
+      if (!closed && !net::send_all(fd, line + "\n")) {
+        closed = true;
+        why_closed = "its connection failed";
+      }
+    }
+  };
+
+  explicit State(const RendezvousOptions& options) : o(options) {}
+
+  void accept_from(int listener);
+  void read_all();
+  void drop_closed();
+  void settle_failure();
+  void try_form();
+  void beat();
+  int members_busy() const;
+
+  RendezvousOptions o;
+  std::vector<Conn> conns;
+  int next_id = 0;
+  int round = 0;
+  bool running = false, finished = false;
+  std::string end_reason;
+  int failures = 0;
+  std::optional<Clock::time_point> enough_since, pending_failure, last_leave;
+  Clock::time_point next_beat = Clock::now();
+  int last_waiting = -1;
+  std::mutex mu;
+  std::condition_variable cv;
+
+ private:
+  void handle(Conn& c, const std::string& line);
+  void join(Conn& c, std::istringstream& in);
+  void recall(const std::string& reason);
+  void finish(const std::string& kind, const std::string& reason);
+  void form(const std::vector<Conn*>& joined);
+};
+
+std::unique_ptr<RendezvousServer> RendezvousServer::try_host(const RendezvousOptions& options) {
+  const int fd = net::listen_on(options.host, options.port);
+  if (fd < 0) return nullptr;
+  return std::unique_ptr<RendezvousServer>(new RendezvousServer(options, fd));
+}
+
+RendezvousServer::RendezvousServer(const RendezvousOptions& options, int listener)
+    : listener_(listener), state_(std::make_unique<State>(options)) {
+  if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    close(listener_);
+    throw Error(fmt::format("cannot create the rendezvous's wake pipe: {}", strerror(errno)));
+  }
+  thread_ = std::thread([this] { serve(); });
+}
+
+RendezvousServer::~RendezvousServer() {
+  stop_ = true;
+  [[maybe_unused]] auto n = write(wake_[1], "x", 1);
+  if (thread_.joinable()) thread_.join();
+  for (auto& c : state_->conns) close(c.fd);
+  close(listener_);
+  close(wake_[0]);
+  close(wake_[1]);
+}
+
+void RendezvousServer::wait_for_members(double timeout_s) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->cv.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                      [this] { return members_busy_.load() == 0; });
+}
+
+void RendezvousServer::serve() {
+  State& s = *state_;
+  while (!stop_) {
+    std::vector<pollfd> fds{{listener_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    for (auto& c : s.conns) fds.push_back({c.fd, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    if (fds[0].revents & POLLIN) s.accept_from(listener_);
+    s.read_all();
+    s.drop_closed();
+    s.settle_failure();
+    s.try_form();
+    s.beat();
+    rounds_ = s.round;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      members_busy_ = s.members_busy();
+    }
+    s.cv.notify_all();
+  }
+}
+
+void RendezvousServer::State::accept_from(int listener) {
+  const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) return;
+  Conn c;
+  c.fd = fd;
+  c.id = next_id++;
+  c.addr = net::peer_address(fd);
+  conns.push_back(std::move(c));
+}
+
+void RendezvousServer::State::read_all() {
+  for (auto& c : conns) {
+    if (c.closed) continue;
+    const size_t had = c.buf.size();
+    if (!read_into(c.fd, c.buf)) {
+      c.closed = true;
+      c.why_closed = "its connection closed (its launcher ended)";
+    }
+    if (c.buf.size() != had) c.heard = Clock::now();
+    for (const auto& line : take_lines(c.buf)) handle(c, line);
+    if (!c.closed && since(c.heard) > o.node_timeout_s) {
+      c.closed = true;
+      c.why_closed = fmt::format("no word from it for {:.1f} s", since(c.heard));
+    }
+  }
+}
+
+// A closed connection is a node that left: the round it was in ends.
+void RendezvousServer::State::drop_closed() {
+  for (auto it = conns.begin(); it != conns.end();) {
+    if (!it->closed) {
+      ++it;
+      continue;
+    }
+    if ((it->member || it->joined) && !it->done) {
+      spdlog::info("scaletrain run: rendezvous: {} left: {}", it->name(), it->why_closed);
+    }
+    if (it->member && !it->done) {
+      last_leave = Clock::now();
+      it->member = false;
+      if (!finished) recall(it->name() + " left: " + it->why_closed);
+    }
+    close(it->fd);
+    it = conns.erase(it);
+  }
+}
+
+void RendezvousServer::State::handle(Conn& c, const std::string& line) {
+  std::istringstream in(line);
+  std::string verb;
+  in >> verb;
+  if (verb == "JOIN") return join(c, in);
+  if (verb == "FAILED") {
+    if (c.member && running) {
+      pending_failure = Clock::now();
+      recall("the workers of " + c.name() + " failed");
+    }
+    c.member = false;
+  } else if (verb == "DONE") {
+    c.done = true;
+    c.member = false;
+    if (!finished) {
+      spdlog::info("scaletrain run: rendezvous: {} finished; the job is done", c.name());
+      finish("CLOSED", "the job has finished");
+    }
+  }
+}
+
+void RendezvousServer::State::join(Conn& c, std::istringstream& in) {
+  std::string run_id;
+  int hosting = 0;
+  in >> run_id >> c.nproc >> c.port >> c.host >> hosting;
+  c.hosting = hosting == 1;
+  if (run_id != o.run_id) {
+    return c.say(fmt::format(
+        "REFUSED its --run-id '{}' differs from the rendezvous host's '{}': give every node the "
+        "same",
+        run_id, o.run_id));
+  }
+  for (const auto& other : conns) {
+    if (&other != &c && (other.joined || other.member) && other.nproc != c.nproc) {
+      return c.say(
+          fmt::format("REFUSED it has --nproc-per-node {} and {} has {}: give every node the same",
+                      c.nproc, other.name(), other.nproc));
+    }
+  }
+  if (finished) return c.say(end_reason);
+  const bool was_member = c.member;
+  c.member = false;
+  c.joined = true;
+  int members = 0;
+  for (const auto& m : conns) members += m.member ? 1 : 0;
+  if (was_member) {
+    recall(c.name() + " left the round");
+  } else if (running && members < o.max_nodes) {
+    recall(c.name() + " joined");
+  }
+}
+
+void RendezvousServer::State::recall(const std::string& reason) {
+  if (!running) return;
+  running = false;
+  spdlog::info("scaletrain run: rendezvous: round {} ends: {}", round, reason);
+  for (auto& c : conns) {
+    if (c.member) c.say(fmt::format("RESTART {} {}", round, reason));
+  }
+}
+
+void RendezvousServer::State::finish(const std::string& kind, const std::string& reason) {
+  finished = true;
+  running = false;
+  end_reason = kind + " " + reason;
+  for (auto& c : conns) {
+    if (c.joined || (kind == "ABORT" && c.member)) c.say(end_reason);
+  }
+}
+
+// A failure counts against max_restarts unless a member left within a second of it.
+void RendezvousServer::State::settle_failure() {
+  if (!pending_failure || since(*pending_failure) < kFailureSettleSeconds) return;
+  const auto at = *pending_failure;
+  pending_failure.reset();
+  const auto window = std::chrono::milliseconds(static_cast<int>(kFailureSettleSeconds * 1000));
+  if (last_leave && *last_leave > at - window) {
+    spdlog::info(
+        "scaletrain run: rendezvous: a failure right after a node left counts as the leave's "
+        "consequence, not as a restart");
+    return;
+  }
+  failures += 1;
+  if (failures > o.max_restarts) {
+    finish("ABORT", fmt::format("the worker group failed {} time(s), more than --max-restarts {}",
+                                failures, o.max_restarts));
+  }
+}
+
+void RendezvousServer::State::try_form() {
+  if (running || finished || pending_failure) return;
+  for (const auto& c : conns) {
+    if (c.member) return;  // a member of the last round is still stopping its workers
+  }
+  std::vector<Conn*> joined;
+  for (auto& c : conns) {
+    if (c.joined) joined.push_back(&c);
+  }
+  std::stable_sort(joined.begin(), joined.end(),
+                   [](const Conn* x, const Conn* y) { return x->hosting && !y->hosting; });
+  const int n = static_cast<int>(joined.size());
+  if (n != last_waiting) {
+    last_waiting = n;
+    for (auto* c : joined) c->say(fmt::format("WAITING {} {}", n, o.min_nodes));
+  }
+  if (n < o.min_nodes) {
+    enough_since.reset();
+    return;
+  }
+  if (!enough_since) enough_since = Clock::now();
+  if (n < o.max_nodes && since(*enough_since) < o.last_call_s) return;
+  joined.resize(static_cast<size_t>(std::min(n, o.max_nodes)));
+  form(joined);
+}
+
+void RendezvousServer::State::form(const std::vector<Conn*>& members) {
+  round += 1;
+  running = true;
+  enough_since.reset();
+  last_waiting = -1;
+  const int k = static_cast<int>(members.size());
+  // Node 0's address as the others reach it: the rendezvous's own where it joined by loopback.
+  std::string addr = members[0]->addr;
+  for (int i = 1; i < k && is_loopback(addr); ++i) {
+    if (!is_loopback(members[static_cast<size_t>(i)]->addr)) addr = o.host;
+  }
+  std::string names;
+  for (int i = 0; i < k; ++i) {
+    Conn& c = *members[static_cast<size_t>(i)];
+    c.joined = false;
+    c.member = true;
+    names += (i ? ", " : "") + c.name();
+    c.say(fmt::format("ROUND {} {} {} {} {} {}", round, i, k, addr, members[0]->port, failures));
+  }
+  spdlog::info("scaletrain run: rendezvous: round {} formed: {} node(s): {}", round, k, names);
+}
+
+void RendezvousServer::State::beat() {
+  if (Clock::now() < next_beat) return;
+  next_beat = Clock::now() + std::chrono::milliseconds(static_cast<int>(kBeatSeconds * 1000));
+  for (auto& c : conns) c.say("BEAT");
+}
+
+int RendezvousServer::State::members_busy() const {
+  int busy = 0;
+  for (const auto& c : conns) busy += c.member && !c.done ? 1 : 0;
+  return busy;
+}
+
+RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hosting,
+                                   const std::atomic<int>* stop_signal)
+    : o_(options), hosting_(hosting), stop_signal_(stop_signal) {
+  const auto start = Clock::now();
+  while ((fd_ = net::connect_to(o_.host, o_.port, 1000)) < 0) {
+    if (stop_signal_ && stop_signal_->load() != 0) {
+      throw Error("scaletrain run: interrupted while waiting for the rendezvous");
+    }
+    if (since(start) > o_.join_timeout_s) {
+      throw Error(fmt::format(
+          "cannot reach the rendezvous at {}:{} for {:.0f} s (--rdzv-timeout): start the "
+          "launcher of the machine that has address {} (it hosts the rendezvous), or check "
+          "--master-addr/--master-port",
+          o_.host, o_.port, o_.join_timeout_s, o_.host));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    close(fd_);
+    throw Error(fmt::format("cannot create the rendezvous's wake pipe: {}", strerror(errno)));
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+RendezvousClient::~RendezvousClient() {
+  stop_ = true;
+  [[maybe_unused]] auto n = write(wake_[1], "x", 1);
+  if (thread_.joinable()) thread_.join();
+  close(fd_);
+  close(wake_[0]);
+  close(wake_[1]);
+}
+
+void RendezvousClient::send_line(const std::string& line) {
+  std::lock_guard<std::mutex> lock(send_mu_);
+  net::send_all(fd_, line + "\n");  // a failure shows as a lost connection in run()
+}
+
+void RendezvousClient::run() {
+  std::string buf;
+  auto heard = Clock::now(), next_beat = Clock::now();
+  auto lost = [&](const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    inbox_.push_back("LOST " + why);
+    cv_.notify_all();
+  };
+  while (!stop_) {
+    pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    poll(fds, 2, 100);
+    const size_t had = buf.size();
+    const bool open = read_into(fd_, buf);
+    if (buf.size() != had) heard = Clock::now();
+    for (auto& line : take_lines(buf)) {
+      if (line == "BEAT") continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      inbox_.push_back(std::move(line));
+      cv_.notify_all();
+    }
+    if (!open) {
+      return lost(
+          fmt::format("the rendezvous host {}:{} closed the connection (its launcher ended)",
+                      o_.host, o_.port));
+    }
+    if (since(heard) > o_.node_timeout_s) {
+      return lost(
+          fmt::format("no word from the rendezvous host {}:{} for {:.1f} s (--node-timeout)",
+                      o_.host, o_.port, since(heard)));
+    }
+    if (Clock::now() >= next_beat) {
+      next_beat = Clock::now() + std::chrono::milliseconds(static_cast<int>(kBeatSeconds * 1000));
+      send_line("BEAT");
+    }
+  }
+}
+
+namespace {
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+std::string rest_after(const std::string& line, int words) {
+  size_t at = 0;
+  for (int i = 0; i < words && at != std::string::npos; ++i) {
+    at = line.find(' ', at);
+    if (at != std::string::npos) at += 1;
+  }
+  return at == std::string::npos ? "" : line.substr(at);
+}
+
+}  // namespace
+
+Round RendezvousClient::join(int nproc, int port) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<std::string> kept;  // the last round's RESTART and progress are stale now
+    for (auto& m : inbox_) {
+      if (!starts_with(m, "RESTART") && !starts_with(m, "WAITING")) kept.push_back(std::move(m));
+    }
+    inbox_.swap(kept);
+  }
+  send_line(
+      fmt::format("JOIN {} {} {} {} {}", o_.run_id, nproc, port, this_host(), hosting_ ? 1 : 0));
+  const auto start = Clock::now();
+  int joined = 0;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    while (!inbox_.empty()) {
+      const std::string m = inbox_.front();
+      inbox_.pop_front();
+      std::istringstream in(m);
+      std::string verb;
+      in >> verb;
+      Round r;
+      if (verb == "ROUND") {
+        in >> r.round >> r.node_rank >> r.nnodes >> r.master_addr >> r.master_port >> r.restarts;
+        return r;
+      }
+      if (verb == "WAITING") in >> joined;
+      if (verb == "CLOSED" || verb == "ABORT") {
+        r.kind = verb == "CLOSED" ? Round::kClosed : Round::kAborted;
+        r.reason = rest_after(m, 1);
+        return r;
+      }
+      if (verb == "REFUSED") {
+        throw UsageError("the rendezvous at " + o_.host + ":" + std::to_string(o_.port) +
+                         " refused this node: " + rest_after(m, 1));
+      }
+      if (verb == "LOST") throw Error("scaletrain run: " + rest_after(m, 1));
+    }
+    if (stop_signal_ && stop_signal_->load() != 0) {
+      Round r;
+      r.kind = Round::kAborted;
+      r.reason = "interrupted";
+      return r;
+    }
+    if (since(start) > o_.join_timeout_s) {
+      throw Error(fmt::format(
+          "scaletrain run: no round formed at the rendezvous {}:{} within {:.0f} s "
+          "(--rdzv-timeout): {} node(s) there, --nnodes asks for at least {}; start the others",
+          o_.host, o_.port, o_.join_timeout_s, joined, o_.min_nodes));
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+}
+
+bool RendezvousClient::recalled() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& m : inbox_) {
+    if (starts_with(m, "RESTART") || starts_with(m, "ABORT") || starts_with(m, "LOST")) return true;
+  }
+  return false;
+}
+
+std::string RendezvousClient::take_recall() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
+    if (starts_with(*it, "RESTART") || starts_with(*it, "ABORT") || starts_with(*it, "LOST")) {
+      std::string m = *it;
+      inbox_.erase(it);
+      return m;
+    }
+  }
+  return "";
+}
+
+void RendezvousClient::report_failed() { send_line("FAILED"); }
+void RendezvousClient::report_done() { send_line("DONE"); }
+
+}  // namespace scaletrain::launch_detail

@@ -1,0 +1,186 @@
+// The elastic launchers' rendezvous (src/launch/rendezvous.h, Note [Elastic rendezvous]): a
+// server and its clients in one process, on loopback. The launcher around it is tested from the
+// command line in multinode_test.cpp (MultiNode.ElasticJob...).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "launch/rendezvous.h"
+#include "scaletrain/error.h"
+#include "support/subprocess.h"
+
+namespace scaletrain::launch_detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+RendezvousOptions options(int min_nodes, int max_nodes) {
+  RendezvousOptions o;
+  o.port = testing::free_port();
+  o.min_nodes = min_nodes;
+  o.max_nodes = max_nodes;
+  o.last_call_s = 0.3;
+  o.node_timeout_s = 3;
+  o.join_timeout_s = 10;
+  return o;
+}
+
+// Waits up to `seconds` for the client's round to end.
+bool recalled_within(RendezvousClient& c, double seconds) {
+  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+    if (c.recalled()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+TEST(Rendezvous, FormsOnceMinHaveJoinedAndAgainWhenANodeLeavesOrJoins) {
+  const auto o = options(1, 2);
+  auto server = RendezvousServer::try_host(o);
+  ASSERT_TRUE(server);
+  EXPECT_FALSE(RendezvousServer::try_host(o)) << "a second host on a taken address";
+  RendezvousClient host(o, /*hosting=*/true);
+  auto b = std::make_unique<RendezvousClient>(o);
+  auto joined_b = std::async(std::launch::async, [&] { return b->join(2, 4002); });
+  const Round r1 = host.join(2, 4001);
+  const Round r1b = joined_b.get();
+  ASSERT_EQ(r1.kind, Round::kFormed);
+  EXPECT_EQ(r1.nnodes, 2);
+  EXPECT_EQ(r1.node_rank, 0) << "the host's node is node 0";
+  EXPECT_EQ(r1b.node_rank, 1);
+  EXPECT_EQ(r1b.master_port, 4001) << "node 0's port is the workers' store";
+  EXPECT_EQ(r1b.master_addr, "127.0.0.1");
+
+  b.reset();  // node b's launcher ends: its connection closes
+  ASSERT_TRUE(recalled_within(host, 3));
+  EXPECT_NE(host.take_recall().find("left: its connection closed"), std::string::npos);
+  const Round r2 = host.join(2, 4003);
+  EXPECT_EQ(r2.nnodes, 1);
+  EXPECT_EQ(r2.round, r1.round + 1);
+
+  RendezvousClient c(o);
+  auto joined_c = std::async(std::launch::async, [&] { return c.join(2, 4004); });
+  ASSERT_TRUE(recalled_within(host, 3)) << "a node joining while there is room ends the round";
+  EXPECT_NE(host.take_recall().find("joined"), std::string::npos);
+  const Round r3 = host.join(2, 4005);
+  EXPECT_EQ(r3.nnodes, 2);
+  EXPECT_EQ(joined_c.get().node_rank, 1);
+  EXPECT_EQ(r3.restarts, 0) << "leaves and joins are not restarts";
+  EXPECT_EQ(server->rounds_formed(), 3);
+}
+
+TEST(Rendezvous, NoRoundWhileAMemberOfTheLastOneIsStillStopping) {
+  auto o = options(1, 2);
+  o.max_restarts = 1;
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient host(o, true), b(o);
+  auto joined_b = std::async(std::launch::async, [&] { return b.join(1, 4002); });
+  host.join(1, 4001);
+  joined_b.get();
+  host.report_failed();  // host's workers failed: b is told to restart
+  ASSERT_TRUE(recalled_within(b, 3));
+  auto rejoined = std::async(std::launch::async, [&] { return host.join(1, 4003); });
+  // b is still stopping its workers: the host alone (min 1) must not form a round without it.
+  EXPECT_EQ(rejoined.wait_for(std::chrono::seconds(2)), std::future_status::timeout);
+  b.take_recall();
+  const Round rb = b.join(1, 4004);
+  EXPECT_EQ(rb.nnodes, 2);
+  EXPECT_EQ(rejoined.get().nnodes, 2);
+  EXPECT_EQ(rb.restarts, 1) << "a failure is a restart";
+}
+
+TEST(Rendezvous, FailuresPastMaxRestartsAbortTheJobButOneRightAfterALeaveDoesNotCount) {
+  auto o = options(1, 3);
+  o.max_restarts = 0;
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient host(o, true);
+  auto b = std::make_unique<RendezvousClient>(o);
+  auto joined_b = std::async(std::launch::async, [&] { return b->join(1, 4002); });
+  host.join(1, 4001);
+  joined_b.get();
+  b.reset();
+  host.report_failed();  // its workers failed because b's did: the leave's consequence
+  const Round again = host.join(1, 4003);
+  ASSERT_EQ(again.kind, Round::kFormed) << again.reason;
+  EXPECT_EQ(again.restarts, 0);
+
+  // More than a second after the leave: a failure of its own, past --max-restarts 0.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  host.report_failed();
+  const Round aborted = host.join(1, 4004);
+  ASSERT_EQ(aborted.kind, Round::kAborted);
+  EXPECT_NE(aborted.reason.find("failed 1 time(s), more than --max-restarts 0"), std::string::npos)
+      << aborted.reason;
+}
+
+TEST(Rendezvous, ANodeWithAnotherWorkerCountOrRunIdIsRefusedWithTheFix) {
+  const auto o = options(2, 2);
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient host(o, true);
+  auto waiting = std::async(std::launch::async, [&] { return host.join(2, 4001); });
+  // The first node to join sets the worker count: let the host's JOIN arrive first.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  RendezvousClient b(o);
+  try {
+    b.join(1, 4002);
+    ADD_FAILURE() << "a node with 1 worker joined nodes with 2";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("--nproc-per-node 1 and node"), std::string::npos)
+        << e.what();
+  }
+  auto other = o;
+  other.run_id = "other";
+  RendezvousClient c(other);
+  EXPECT_THROW(c.join(2, 4003), UsageError);
+  RendezvousClient d(o);
+  EXPECT_EQ(d.join(2, 4004).nnodes, 2) << "the refusals left the rendezvous working";
+  EXPECT_EQ(waiting.get().nnodes, 2);
+}
+
+TEST(Rendezvous, AJoinTimesOutNamingHowManyNodesWereThere) {
+  auto o = options(2, 3);
+  o.join_timeout_s = 1;
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient host(o, true);
+  const auto start = Clock::now();
+  try {
+    host.join(1, 4001);
+    ADD_FAILURE() << "a round formed with 1 of at least 2 nodes";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 node(s) there, --nnodes asks for at least 2"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5);
+}
+
+TEST(Rendezvous, ALostHostIsARecallThatSaysSo) {
+  const auto o = options(1, 1);
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient b(o);
+  EXPECT_EQ(b.join(1, 4001).nnodes, 1);
+  server.reset();
+  ASSERT_TRUE(recalled_within(b, 3));
+  EXPECT_NE(b.take_recall().find("closed the connection (its launcher ended)"), std::string::npos);
+}
+
+TEST(Rendezvous, NoServerToReachFailsNamingTheAddress) {
+  auto o = options(1, 1);
+  o.join_timeout_s = 0.5;
+  try {
+    RendezvousClient b(o);
+    ADD_FAILURE() << "connected to nothing";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot reach the rendezvous at 127.0.0.1:"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace scaletrain::launch_detail

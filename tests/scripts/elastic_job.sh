@@ -1,0 +1,56 @@
+#!/bin/bash
+# An elastic job (--nnodes 1:2, one worker per node, --max-restarts 0) on two network-namespace
+# hosts (scripts/lib/netns.sh, each with a /dev/shm of its own); host a hosts the rendezvous.
+# Once the 2-node world has written a checkpoint, every process of host b is killed: the job goes
+# on at a world of 1. Once that world has written two checkpoints, host b's launcher is started
+# again: the world grows back to 2 and the job ends. Then a fixed 2-node job (`--nnodes 2` on
+# loopback) resumes from the checkpoint the elastic job's last world resumed from, into OUT/ref.
+# Prints both hosts' logs ("== a ==", "== b ==", "== b again ==", "== ref ==") and
+# "a exit S", "b exit S", "ref exit S"; exits 77 when the sandbox refuses namespaces.
+# usage: elastic_job.sh SCALETRAIN OUT_DIR
+set -u
+cli=$1; out=$2
+source "$(dirname "$0")/../../scripts/lib/netns.sh"
+trap netns_cleanup EXIT
+netns_hosts "el$$" private > /dev/null || exit 77
+mkdir -p "$out"
+train="train --device cpu --dataset synthetic --limit-train 4096 --limit-test 256 --epochs 3 --batch-size 32 --log-every 1 --no-progress --timeout 20 --checkpoint-every 8 --keep 1000"
+elastic="run --nnodes 1:2 --nproc-per-node 1 --master-addr $NETNS_MASTER --master-port 29417 --rdzv-last-call 2 --node-timeout 5 --max-restarts 0 --grace-period 3"
+checkpoints() { ls "$out/run"/ckpt-*.st 2>/dev/null | wc -l; }
+wait_for() {  # 'CONDITION': evaluated again every 0.1 s, for up to 120 s
+  local i=0
+  while ! eval "$1" && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
+}
+on_host "$NETNS_A" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/a.log" 2>&1 &
+a=$!
+on_host "$NETNS_B" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/b.log" 2>&1 &
+b=$!
+wait_for 'grep -q "world 2," "$out/a.log"'
+wait_for '[ "$(checkpoints)" -ge 1 ]'
+ip netns pids "$NETNS_B" | xargs -r kill -KILL
+wait $b; sb=$?
+echo "host b killed after $(checkpoints) checkpoint(s)"
+wait_for 'grep -A1000 " left: " "$out/a.log" | grep -q "world 1,"'
+n=$(checkpoints)
+wait_for '[ "$(checkpoints)" -ge $((n + 2)) ]'
+echo "host b starts again after $(checkpoints) checkpoint(s)"
+on_host "$NETNS_B" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/b2.log" 2>&1 &
+b2=$!
+wait $a; sa=$?
+wait $b2; sb2=$?
+from=$(grep -h "resumed from" "$out/a.log" | tail -1 | sed 's/.*resumed from \([^ ]*\) .*/\1/')
+echo "the last world resumed from $from"
+port=$(( 29500 + $$ % 400 ))
+fixed="run --nnodes 2 --nproc-per-node 1 --master-port $port --run-id ref-$$"
+"$cli" $fixed --node-rank 1 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref1.log" 2>&1 &
+r1=$!
+"$cli" $fixed --node-rank 0 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref.log" 2>&1
+sr=$?
+wait $r1
+for f in a b b2 ref; do echo "== $f =="; cat "$out/$f.log"; done
+echo "a exit $sa"
+echo "b exit $sb"
+echo "b again exit $sb2"
+echo "ref exit $sr"
+echo "left on host a: $(ip netns pids "$NETNS_A" | wc -l), on host b: $(ip netns pids "$NETNS_B" | wc -l)"
+exit 0

@@ -27,6 +27,7 @@
 #include "scaletrain/ddp.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/trainer.h"
+#include "support/net.h"
 #include "support/ranks.h"
 #include "support/tolerance.h"
 
@@ -35,25 +36,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A model of the test's own, in three blocks.
-struct NetImpl : torch::nn::Module {
-  torch::nn::Linear a{register_module("a", torch::nn::Linear(6, 12))};
-  torch::nn::Linear b{register_module("b", torch::nn::Linear(12, 12))};
-  torch::nn::Linear c{register_module("c", torch::nn::Linear(12, 3))};
-  at::Tensor forward(const at::Tensor& x) { return c(torch::relu(b(torch::relu(a(x))))); }
-};
-
-Model net_model(const std::shared_ptr<NetImpl>& net) {
-  return model_of(net, "net", [net] {
-    return torch::nn::Sequential(
-        {{"a", Block(BlockParts{{"a", net->a.ptr()}},
-                     [net](const at::Tensor& x) { return torch::relu(net->a(x)); })},
-         {"b", Block(BlockParts{{"b", net->b.ptr()}},
-                     [net](const at::Tensor& x) { return torch::relu(net->b(x)); })},
-         {"c", Block(BlockParts{{"c", net->c.ptr()}},
-                     [net](const at::Tensor& x) { return net->c(x); })}});
-  });
-}
+// A model of the test's own, in three blocks, 12 wide.
+using testing::NetImpl;
+constexpr int64_t kWidth = 12;
+Model net_model(const std::shared_ptr<NetImpl>& net) { return testing::model_of_net(net); }
 
 struct Case {
   std::string name;
@@ -95,7 +81,7 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
       // share it: draw the start from a generator of the model's own, or a rank seeding while
       // another draws changes that rank's start (a grid stage then starts elsewhere).
       std::lock_guard<std::mutex> lock(mu);
-      auto net = std::make_shared<NetImpl>();
+      auto net = std::make_shared<NetImpl>(kWidth);
       auto init = at::make_generator<at::CPUGeneratorImpl>(3);
       torch::NoGradGuard no_grad;
       for (auto& p : net->parameters()) p.copy_(at::randn(p.sizes(), init) * 0.3);
@@ -141,9 +127,9 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
   };
   std::vector<at::Tensor> before = start;
   for (int step = 0; step < kSteps; ++step) {
-    auto exact =
-        testing::exact_and_magnitudes([] { return std::make_shared<NetImpl>(); }, forward, before,
-                                      data.images, testing::cross_entropy_gradient(data.labels));
+    auto exact = testing::exact_and_magnitudes([] { return std::make_shared<NetImpl>(kWidth); },
+                                               forward, before, data.images,
+                                               testing::cross_entropy_gradient(data.labels));
     const auto& after = weights[0][static_cast<size_t>(step)];
     ASSERT_EQ(after.size(), before.size());
     double coef = 1;  // PyTorch's clip_grad_norm_ with the exact global norm

@@ -37,93 +37,6 @@ void on_signal(int sig) {
   errno = saved;
 }
 
-// Note [Guardian]: each worker runs under a tiny guardian process, the leader of the worker's
-// process group and a child subreaper (PR_SET_CHILD_SUBREAPER): whatever the program starts and
-// leaves behind — a double fork, a `setsid` daemon that left the group — is re-parented to the
-// guardian while it lives. When the launcher dies, even by SIGKILL, the kernel sends the guardian
-// SIGUSR2 (PR_SET_PDEATHSIG): it kills the program, then every process below itself, then its
-// whole group. Otherwise the guardian waits for the program and exits the way it did; what the
-// program left behind is then re-parented to the launcher (Note [Descendants]).
-volatile sig_atomic_t g_launcher_died = 0;
-volatile sig_atomic_t g_program = -1;  // the guardian's program, once started
-
-void on_launcher_death(int) {
-  g_launcher_died = 1;
-  if (g_program > 0) {
-    kill(static_cast<pid_t>(g_program), SIGKILL);  // the guardian then sweeps the rest
-  } else {
-    killpg(0, SIGKILL);
-  }
-}
-
-// The guardian's end when the launcher died: every process below it, then its whole group.
-[[noreturn]] void guardian_kill_everything() {
-  proc::kill_descendants();
-  killpg(0, SIGKILL);
-  _exit(128 + SIGKILL);
-}
-
-int relay_exit_of(pid_t prog) {
-  int status = 0;
-  // Also reaps the orphans re-parented here as they end, so that none lingers as a zombie.
-  for (pid_t pid; (pid = waitpid(-1, &status, 0)) != prog;) {
-    if (pid < 0 && errno != EINTR) return 126;
-  }
-  if (g_launcher_died) guardian_kill_everything();
-  if (WIFSIGNALED(status)) {
-    int sig = WTERMSIG(status);
-    rlimit no_core{0, 0};
-    setrlimit(RLIMIT_CORE, &no_core);
-    signal(sig, SIG_DFL);
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    kill(getpid(), sig);
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 126;
-}
-
-// The guardian (Note [Guardian]), in the child of the launcher's fork: it leads the worker's own
-// process group (teardown signals the group whole), dies with the launcher, starts the program
-// and exits as it did. `pid_fd` tells the launcher the program's pid.
-[[noreturn]] void run_guardian(pid_t launcher, int out_fd, int err_fd, int pid_fd, char** argv,
-                               char** envp) {
-  setpgid(0, 0);
-  dup2(out_fd, STDOUT_FILENO);
-  dup2(err_fd, STDERR_FILENO);
-  signal(SIGCHLD, SIG_DFL);
-  signal(SIGINT, SIG_IGN);  // the group's SIGINT/SIGTERM are for the program
-  signal(SIGTERM, SIG_IGN);
-  struct sigaction sa {};
-  sa.sa_handler = on_launcher_death;  // no SA_RESTART: it interrupts waitpid
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGUSR2, &sa, nullptr);
-  sigset_t usr2, none;
-  sigemptyset(&usr2);
-  sigaddset(&usr2, SIGUSR2);
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &usr2, nullptr);  // until g_program is known
-  prctl(PR_SET_CHILD_SUBREAPER, 1);
-  prctl(PR_SET_PDEATHSIG, SIGUSR2);
-  pid_t prog = fork();
-  if (prog == 0) {
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
-    signal(SIGUSR2, SIG_DFL);
-    sigprocmask(SIG_SETMASK, &none, nullptr);
-    execvpe(argv[0], argv, envp);
-    dprintf(STDERR_FILENO, "cannot execute '%s': %s\n", argv[0], strerror(errno));
-    _exit(127);
-  }
-  g_program = prog;
-  sigprocmask(SIG_SETMASK, &none, nullptr);
-  if (getppid() != launcher) on_launcher_death(SIGUSR2);
-  // Tell the launcher which pid the program has: that is the one its summary names.
-  [[maybe_unused]] auto n = write(pid_fd, &prog, sizeof(prog));
-  close(pid_fd);
-  _exit(prog < 0 ? 126 : relay_exit_of(prog));
-}
-
 }  // namespace
 
 std::string signal_name(int sig) {
@@ -137,10 +50,9 @@ std::string signal_name(int sig) {
 // than kMaxLineBytes is cut there (the cut is marked) and goes on as the next one: the launcher
 // holds at most one such piece per pipe, however long a line is. --log-dir files get the bytes
 // as they came. The failure summary quotes at most tail_lines lines of kQuoteBytes each, and at
-// most kSummaryQuoteBytes in all.
+// most kSummaryQuoteBytes in all (group_report.cpp).
 constexpr size_t kMaxLineBytes = 64 * 1024;
 constexpr size_t kQuoteBytes = 512;
-constexpr size_t kSummaryQuoteBytes = 8 * 1024;
 constexpr char kCut = 0;  // a segment's ending when kMaxLineBytes cut it
 // Note [Root cause]: the longest a failed group waits for its other workers to exit on their own.
 constexpr double kSettleMaxSeconds = 1.5;
@@ -498,122 +410,6 @@ int Group::supervise() {
     return 1;
   }
   return 0;
-}
-
-int Group::report_interrupted() const {
-  const int sig = g_stop_signal.load();
-  const std::string msg =
-      fmt::format("scaletrain run: interrupted by {}: stopped the {} worker(s) of attempt {}{}\n",
-                  signal_name(sig), workers_.size(), w_.restarts + 1,
-                  static_cast<int>(workers_.size()) < o_.nproc_per_node
-                      ? fmt::format(" ({} of {} had started)", workers_.size(), o_.nproc_per_node)
-                      : "");
-  [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
-  return 128 + sig;
-}
-
-// Whether a worker's last error lines say it failed because another rank did (Note [Root cause]).
-static bool reads_as_consequence(const std::deque<std::string>& tail) {
-  static const char* const kMarks[] = {
-      "left the group",    "exited before joining", "by peer",       "connection reset",
-      "connection closed", "connection refused",    "broken pipe",   "peer closed",
-      "peer left",         "never joined",          "never arrived", "remote process exited",
-      "socket timeout"};
-  const size_t from = tail.size() > 5 ? tail.size() - 5 : 0;
-  for (size_t i = from; i < tail.size(); ++i) {
-    std::string lower = tail[i];
-    std::transform(lower.begin(), lower.end(), lower.begin(),
-                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    for (const char* mark : kMarks) {
-      if (lower.find(mark) != std::string::npos) return true;
-    }
-  }
-  return false;
-}
-
-// Note [Root cause]: when one rank fails, the others soon fail too (their peer is gone), and one
-// of them may even exit first. The launcher names the worker that failed on its own (before it
-// was signalled) and whose error does not read as a consequence of another's, the earliest such;
-// when every error reads as a consequence, the earliest failure.
-const Worker* Group::root_cause() const {
-  const Worker *first = nullptr, *first_own = nullptr;
-  for (const auto& w : workers_) {
-    if (!w.failed() || w.stopped) continue;
-    if (first == nullptr || w.exit_time < first->exit_time) first = &w;
-    if (!reads_as_consequence(w.err_tail) &&
-        (first_own == nullptr || w.exit_time < first_own->exit_time)) {
-      first_own = &w;
-    }
-  }
-  return first_own != nullptr ? first_own : first;
-}
-
-// A worker's last non-blank error line that is not a backtrace, for a one-line mention.
-static std::string last_words(const std::deque<std::string>& tail) {
-  for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
-    if (it->find_first_not_of(" \t") == std::string::npos || (*it)[0] == '[') continue;
-    return ": " + it->substr(0, 200);
-  }
-  return "";
-}
-
-static std::string how_it_ended(int status) {
-  return WIFSIGNALED(status) ? fmt::format("was killed by {}", signal_name(WTERMSIG(status)))
-                             : fmt::format("exited with code {}", WEXITSTATUS(status));
-}
-
-// The other workers, one line each: those that failed too (with their last error line), and
-// how many the launcher stopped.
-std::string Group::others_summary(const Worker& root) const {
-  std::string msg;
-  int listed = 0, more = 0, stopped = 0;
-  for (const auto& w : workers_) {
-    if (&w == &root || !w.exited) continue;
-    if (w.stopped) {
-      stopped += 1;
-      continue;
-    }
-    if (!w.failed()) continue;
-    if (listed == 8) {
-      more += 1;
-      continue;
-    }
-    listed += 1;
-    const bool earlier = w.exit_time < root.exit_time;
-    msg += fmt::format(
-        "  rank {} (pid {}) {} {}{}{}\n", w.rank, w.program_pid > 0 ? w.program_pid : w.pid,
-        how_it_ended(w.status), earlier ? "before it" : "after it",
-        reads_as_consequence(w.err_tail) ? ", as a consequence" : "", last_words(w.err_tail));
-  }
-  if (more > 0) msg += fmt::format("  and {} more rank(s) failed after it\n", more);
-  if (stopped > 0) msg += fmt::format("  {} other worker(s) were stopped\n", stopped);
-  return msg;
-}
-
-void Group::report_failure(const Worker& w) const {
-  std::string msg = fmt::format(
-      "scaletrain run: worker group failed (attempt {} of {})\n"
-      "  rank {} (local rank {}, node {}, pid {}) {}\n",
-      w_.restarts + 1, o_.max_restarts + 1, w.rank, w.local_rank, w_.node_rank,
-      w.program_pid > 0 ? w.program_pid : w.pid, how_it_ended(w.status));
-  size_t from = 0, bytes = 0;
-  for (size_t i = w.err_tail.size();
-       i > 0 && bytes + w.err_tail[i - 1].size() <= kSummaryQuoteBytes; --i) {
-    bytes += w.err_tail[i - 1].size();
-    from = i - 1;
-  }
-  if (w.err_tail.empty()) {
-    msg += "  it printed nothing on its error output.\n";
-  } else {
-    msg += fmt::format("  last {} lines of its error output:\n", w.err_tail.size() - from);
-    for (size_t i = from; i < w.err_tail.size(); ++i) msg += "    " + w.err_tail[i] + "\n";
-  }
-  msg += others_summary(w);
-  if (!o_.log_dir.empty()) {
-    msg += fmt::format("  full logs: {}/attempt_{}/rank_{}.stderr\n", o_.log_dir, w_.log_index,
-                       w.rank);
-  }
-  [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
 }
 
 SignalScope::SignalScope() {

@@ -30,6 +30,12 @@ extern std::atomic<int> g_stop_signal;
 
 std::string signal_name(int sig);
 
+/// The guardian (Note [Guardian] in guardian.cpp), in the child of the launcher's fork: leads the
+/// worker's own process group, dies with the launcher, starts the program with `out_fd`/`err_fd`
+/// as its output, writes its pid to `pid_fd`, and exits as the program did.
+[[noreturn]] void run_guardian(pid_t launcher, int out_fd, int err_fd, int pid_fd, char** argv,
+                               char** envp);
+
 // This node's place in one attempt's world: fixed for launch(), given by the rendezvous round
 // for an elastic one.
 struct GroupWorld {

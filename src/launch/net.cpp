@@ -115,4 +115,27 @@ std::string peer_address(int fd) {
   return text;
 }
 
+std::vector<std::string> take_lines(std::string& buf) {
+  std::vector<std::string> lines;
+  for (size_t end; (end = buf.find('\n')) != std::string::npos;) {
+    lines.push_back(buf.substr(0, end));
+    buf.erase(0, end + 1);
+  }
+  return lines;
+}
+
+bool read_available(int fd, std::string& buf) {
+  char chunk[4096];
+  while (true) {
+    const ssize_t n = recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (n > 0) {
+      buf.append(chunk, static_cast<size_t>(n));
+      if (buf.size() > 64 * 1024) return false;  // no line this long in our protocols
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+}
+
 }  // namespace scaletrain::net

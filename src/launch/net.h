@@ -2,6 +2,7 @@
 // Small socket helpers shared by the launcher and the rendezvous (internal, not public API).
 
 #include <string>
+#include <vector>
 
 namespace scaletrain::net {
 
@@ -24,6 +25,13 @@ int connect_to(const std::string& host, int port, int timeout_ms);
 
 /// Sends all of `s` (MSG_NOSIGNAL: a closed peer is an error, not SIGPIPE); false on failure.
 bool send_all(int fd, const std::string& s);
+
+/// The complete lines at the start of `buf` ('\n' left out), taken out of it.
+std::vector<std::string> take_lines(std::string& buf);
+
+/// Appends what `fd` holds now to `buf`, without waiting. False when the peer closed, the socket
+/// failed, or `buf` grew past 64 KiB without a line's end.
+bool read_available(int fd, std::string& buf);
 
 /// The numeric address of a connected socket's peer ("10.0.0.2"), or "" when unknown.
 std::string peer_address(int fd);

@@ -43,48 +43,9 @@ namespace scaletrain::launch_detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr double kBeatSeconds = 0.5;
 constexpr double kFailureSettleSeconds = 1.0;
 
-double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-std::string this_host() {
-  char name[256] = {0};
-  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "unknown";
-  for (char* c = name; *c != '\0'; ++c) {
-    if (*c == ' ') *c = '_';
-  }
-  return std::string(name) + ":" + std::to_string(getpid());  // one host may run several
-}
-
 bool is_loopback(const std::string& addr) { return addr.rfind("127.", 0) == 0; }
-
-// Splits `buf` into complete lines (taken out of it).
-std::vector<std::string> take_lines(std::string& buf) {
-  std::vector<std::string> lines;
-  for (size_t end; (end = buf.find('\n')) != std::string::npos;) {
-    lines.push_back(buf.substr(0, end));
-    buf.erase(0, end + 1);
-  }
-  return lines;
-}
-
-// Reads what `fd` has. Returns false when the peer closed or the socket failed.
-bool read_into(int fd, std::string& buf) {
-  char chunk[4096];
-  while (true) {
-    const ssize_t n = recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
-    if (n > 0) {
-      buf.append(chunk, static_cast<size_t>(n));
-      if (buf.size() > 64 * 1024) return false;  // not our protocol
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
-  }
-}
 
 }  // namespace
 
@@ -207,15 +168,15 @@ void RendezvousServer::State::read_all() {
   for (auto& c : conns) {
     if (c.closed) continue;
     const size_t had = c.buf.size();
-    if (!read_into(c.fd, c.buf)) {
+    if (!net::read_available(c.fd, c.buf)) {
       c.closed = true;
       c.why_closed = "its connection closed (its launcher ended)";
     }
     if (c.buf.size() != had) c.heard = Clock::now();
-    for (const auto& line : take_lines(c.buf)) handle(c, line);
-    if (!c.closed && since(c.heard) > o.node_timeout_s) {
+    for (const auto& line : net::take_lines(c.buf)) handle(c, line);
+    if (!c.closed && seconds_since(c.heard) > o.node_timeout_s) {
       c.closed = true;
-      c.why_closed = fmt::format("no word from it for {:.1f} s", since(c.heard));
+      c.why_closed = fmt::format("no word from it for {:.1f} s", seconds_since(c.heard));
     }
   }
 }
@@ -312,7 +273,7 @@ void RendezvousServer::State::finish(const std::string& kind, const std::string&
 
 // A failure counts against max_restarts unless a member left within a second of it.
 void RendezvousServer::State::settle_failure() {
-  if (!pending_failure || since(*pending_failure) < kFailureSettleSeconds) return;
+  if (!pending_failure || seconds_since(*pending_failure) < kFailureSettleSeconds) return;
   const auto at = *pending_failure;
   pending_failure.reset();
   const auto window = std::chrono::milliseconds(static_cast<int>(kFailureSettleSeconds * 1000));
@@ -350,7 +311,7 @@ void RendezvousServer::State::try_form() {
     return;
   }
   if (!enough_since) enough_since = Clock::now();
-  if (n < o.max_nodes && since(*enough_since) < o.last_call_s) return;
+  if (n < o.max_nodes && seconds_since(*enough_since) < o.last_call_s) return;
   joined.resize(static_cast<size_t>(std::min(n, o.max_nodes)));
   form(joined);
 }
@@ -379,7 +340,8 @@ void RendezvousServer::State::form(const std::vector<Conn*>& members) {
 
 void RendezvousServer::State::beat() {
   if (Clock::now() < next_beat) return;
-  next_beat = Clock::now() + std::chrono::milliseconds(static_cast<int>(kBeatSeconds * 1000));
+  next_beat =
+      Clock::now() + std::chrono::milliseconds(static_cast<int>(kRendezvousBeatSeconds * 1000));
   for (auto& c : conns) c.say("BEAT");
 }
 
@@ -388,172 +350,5 @@ int RendezvousServer::State::members_busy() const {
   for (const auto& c : conns) busy += c.member && !c.done ? 1 : 0;
   return busy;
 }
-
-RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hosting,
-                                   const std::atomic<int>* stop_signal)
-    : o_(options), hosting_(hosting), stop_signal_(stop_signal) {
-  const auto start = Clock::now();
-  while ((fd_ = net::connect_to(o_.host, o_.port, 1000)) < 0) {
-    if (stop_signal_ && stop_signal_->load() != 0) {
-      throw Error("scaletrain run: interrupted while waiting for the rendezvous");
-    }
-    if (since(start) > o_.join_timeout_s) {
-      throw Error(fmt::format(
-          "cannot reach the rendezvous at {}:{} for {:.0f} s (--rdzv-timeout): start the "
-          "launcher of the machine that has address {} (it hosts the rendezvous), or check "
-          "--master-addr/--master-port",
-          o_.host, o_.port, o_.join_timeout_s, o_.host));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
-    close(fd_);
-    throw Error(fmt::format("cannot create the rendezvous's wake pipe: {}", strerror(errno)));
-  }
-  thread_ = std::thread([this] { run(); });
-}
-
-RendezvousClient::~RendezvousClient() {
-  stop_ = true;
-  [[maybe_unused]] auto n = write(wake_[1], "x", 1);
-  if (thread_.joinable()) thread_.join();
-  close(fd_);
-  close(wake_[0]);
-  close(wake_[1]);
-}
-
-void RendezvousClient::send_line(const std::string& line) {
-  std::lock_guard<std::mutex> lock(send_mu_);
-  net::send_all(fd_, line + "\n");  // a failure shows as a lost connection in run()
-}
-
-void RendezvousClient::run() {
-  std::string buf;
-  auto heard = Clock::now(), next_beat = Clock::now();
-  auto lost = [&](const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    inbox_.push_back("LOST " + why);
-    cv_.notify_all();
-  };
-  while (!stop_) {
-    pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    poll(fds, 2, 100);
-    const size_t had = buf.size();
-    const bool open = read_into(fd_, buf);
-    if (buf.size() != had) heard = Clock::now();
-    for (auto& line : take_lines(buf)) {
-      if (line == "BEAT") continue;
-      std::lock_guard<std::mutex> lock(mu_);
-      inbox_.push_back(std::move(line));
-      cv_.notify_all();
-    }
-    if (!open) {
-      return lost(
-          fmt::format("the rendezvous host {}:{} closed the connection (its launcher ended)",
-                      o_.host, o_.port));
-    }
-    if (since(heard) > o_.node_timeout_s) {
-      return lost(
-          fmt::format("no word from the rendezvous host {}:{} for {:.1f} s (--node-timeout)",
-                      o_.host, o_.port, since(heard)));
-    }
-    if (Clock::now() >= next_beat) {
-      next_beat = Clock::now() + std::chrono::milliseconds(static_cast<int>(kBeatSeconds * 1000));
-      send_line("BEAT");
-    }
-  }
-}
-
-namespace {
-
-bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
-
-std::string rest_after(const std::string& line, int words) {
-  size_t at = 0;
-  for (int i = 0; i < words && at != std::string::npos; ++i) {
-    at = line.find(' ', at);
-    if (at != std::string::npos) at += 1;
-  }
-  return at == std::string::npos ? "" : line.substr(at);
-}
-
-}  // namespace
-
-Round RendezvousClient::join(int nproc, int port) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::deque<std::string> kept;  // the last round's RESTART and progress are stale now
-    for (auto& m : inbox_) {
-      if (!starts_with(m, "RESTART") && !starts_with(m, "WAITING")) kept.push_back(std::move(m));
-    }
-    inbox_.swap(kept);
-  }
-  send_line(
-      fmt::format("JOIN {} {} {} {} {}", o_.run_id, nproc, port, this_host(), hosting_ ? 1 : 0));
-  const auto start = Clock::now();
-  int joined = 0;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    while (!inbox_.empty()) {
-      const std::string m = inbox_.front();
-      inbox_.pop_front();
-      std::istringstream in(m);
-      std::string verb;
-      in >> verb;
-      Round r;
-      if (verb == "ROUND") {
-        in >> r.round >> r.node_rank >> r.nnodes >> r.master_addr >> r.master_port >> r.restarts;
-        return r;
-      }
-      if (verb == "WAITING") in >> joined;
-      if (verb == "CLOSED" || verb == "ABORT") {
-        r.kind = verb == "CLOSED" ? Round::kClosed : Round::kAborted;
-        r.reason = rest_after(m, 1);
-        return r;
-      }
-      if (verb == "REFUSED") {
-        throw UsageError("the rendezvous at " + o_.host + ":" + std::to_string(o_.port) +
-                         " refused this node: " + rest_after(m, 1));
-      }
-      if (verb == "LOST") throw Error("scaletrain run: " + rest_after(m, 1));
-    }
-    if (stop_signal_ && stop_signal_->load() != 0) {
-      Round r;
-      r.kind = Round::kAborted;
-      r.reason = "interrupted";
-      return r;
-    }
-    if (since(start) > o_.join_timeout_s) {
-      throw Error(fmt::format(
-          "scaletrain run: no round formed at the rendezvous {}:{} within {:.0f} s "
-          "(--rdzv-timeout): {} node(s) there, --nnodes asks for at least {}; start the others",
-          o_.host, o_.port, o_.join_timeout_s, joined, o_.min_nodes));
-    }
-    cv_.wait_for(lock, std::chrono::milliseconds(100));
-  }
-}
-
-bool RendezvousClient::recalled() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& m : inbox_) {
-    if (starts_with(m, "RESTART") || starts_with(m, "ABORT") || starts_with(m, "LOST")) return true;
-  }
-  return false;
-}
-
-std::string RendezvousClient::take_recall() {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
-    if (starts_with(*it, "RESTART") || starts_with(*it, "ABORT") || starts_with(*it, "LOST")) {
-      std::string m = *it;
-      inbox_.erase(it);
-      return m;
-    }
-  }
-  return "";
-}
-
-void RendezvousClient::report_failed() { send_line("FAILED"); }
-void RendezvousClient::report_done() { send_line("DONE"); }
 
 }  // namespace scaletrain::launch_detail

@@ -16,6 +16,13 @@
 
 namespace scaletrain::launch_detail {
 
+/// Both sides send a line at least this often; a side silent for node_timeout_s is gone.
+constexpr double kRendezvousBeatSeconds = 0.5;
+
+inline double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
 struct RendezvousOptions {
   std::string host = "127.0.0.1";  // where the server listens / the clients connect
   int port = 29500;

@@ -62,7 +62,7 @@ TEST(Cuda, DdpTwoProcessesShareOneGpuOverGloo_CUDA) {
   auto zoo = testing::zoo_reference("mlp");
   auto exact =
       testing::exact_and_magnitudes(zoo.make, zoo.forward, testing::weights_of(*start.module),
-                                    data.images, testing::cross_entropy_gradient(data.labels));
+                                    data.inputs, testing::cross_entropy_gradient(data.targets));
   // Terms: forward 785 + 257, the loss 18, backward 10, the batch of 64, DDP's average over 2,
   // and the update's four roundings.
   const double terms = 785 + 257 + 18 + 10 + 64 + 3 + 4;

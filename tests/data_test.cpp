@@ -51,13 +51,13 @@ TEST(Data, LoadsASmallFashionMnistFolder) {
     write_idx(dir.path / (std::string(split) + "-labels-idx1-ubyte.gz"), {3}, {7, 0, 9});
   }
   Dataset d = load_fashion_mnist(dir.path.string(), true);
-  EXPECT_EQ(d.images.sizes(), (std::vector<int64_t>{3, 1, 28, 28}));
-  EXPECT_EQ(d.labels[2].item<int64_t>(), 9);
+  EXPECT_EQ(d.inputs.sizes(), (std::vector<int64_t>{3, 1, 28, 28}));
+  EXPECT_EQ(d.targets[2].item<int64_t>(), 9);
   // (x/255 − 0.2860)/0.3530 in float: the two constants and the three operations round once each
   // (Note [Tolerances]).
-  EXPECT_TRUE(testing::within_rounding(d.images[1][0][0][0], (1.0 - 0.2860) / 0.3530,
+  EXPECT_TRUE(testing::within_rounding(d.inputs[1][0][0][0], (1.0 - 0.2860) / 0.3530,
                                        (1.0 + 0.2860) / 0.3530, 5));
-  EXPECT_TRUE(testing::within_rounding(d.images[0][0][0][0], -0.2860 / 0.3530, 0.2860 / 0.3530, 5));
+  EXPECT_TRUE(testing::within_rounding(d.inputs[0][0][0][0], -0.2860 / 0.3530, 0.2860 / 0.3530, 5));
 }
 
 TEST(Data, TruncatedFileIsNamed) {
@@ -91,18 +91,18 @@ TEST(Data, RealFashionMnistFromDebian) {
   }
   Dataset test = load_fashion_mnist(kFashionMnistDir, false);
   EXPECT_EQ(test.size(), 10000);
-  EXPECT_EQ(test.labels.min().item<int64_t>(), 0);
-  EXPECT_EQ(test.labels.max().item<int64_t>(), 9);
-  EXPECT_EQ(at::bincount(test.labels)[3].item<int64_t>(), 1000);  // balanced classes
+  EXPECT_EQ(test.targets.min().item<int64_t>(), 0);
+  EXPECT_EQ(test.targets.max().item<int64_t>(), 9);
+  EXPECT_EQ(at::bincount(test.targets)[3].item<int64_t>(), 1000);  // balanced classes
 }
 
 TEST(Data, SyntheticIsDeterministicPerSeed) {
   auto a = make_synthetic(8, 3, 4, 4, 5, 1), b = make_synthetic(8, 3, 4, 4, 5, 1);
-  EXPECT_TRUE(at::equal(a.images, b.images));
-  EXPECT_TRUE(at::equal(a.labels, b.labels));
-  EXPECT_LT(a.labels.max().item<int64_t>(), 5);
+  EXPECT_TRUE(at::equal(a.inputs, b.inputs));
+  EXPECT_TRUE(at::equal(a.targets, b.targets));
+  EXPECT_LT(a.targets.max().item<int64_t>(), 5);
   auto [x, y] = gather_batch(a, {7, 0});
-  EXPECT_TRUE(at::equal(x[0], a.images[7]));
+  EXPECT_TRUE(at::equal(x[0], a.inputs[7]));
 }
 
 }  // namespace

@@ -75,8 +75,8 @@ TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
   constexpr int kEpochs = 2;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   Dataset data;
-  data.images = at::randn({kSamples, 6}, gen);
-  data.labels = at::arange(kSamples, at::kLong);
+  data.inputs = at::randn({kSamples, 6}, gen);
+  data.targets = at::arange(kSamples, at::kLong);
   data.num_classes = 3;
   TempDir dir("ft_late_replica");
   TestLighthouse lighthouse;
@@ -207,8 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Strategies, LateReplica,
 TEST(FaultTolerantReplicas, AReplicaWithOtherSettingsIsRefusedByName) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   Dataset data;
-  data.images = at::randn({64, 6}, gen);
-  data.labels = at::randint(3, {64}, gen);
+  data.inputs = at::randn({64, 6}, gen);
+  data.targets = at::randint(3, {64}, gen);
   data.num_classes = 3;
   TempDir dir("ft_other_settings");
   TestLighthouse lighthouse;

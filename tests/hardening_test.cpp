@@ -94,8 +94,8 @@ TEST_P(ResumeAtAnotherWorldSize, EachSampleOfTheEpochIsTrainedOnce) {
   constexpr int64_t kSamples = 48;  // 4 steps of 12 at every world size of the cases
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   Dataset data;
-  data.images = at::randn({kSamples, 6}, gen);
-  data.labels = at::arange(kSamples, at::kLong);
+  data.inputs = at::randn({kSamples, 6}, gen);
+  data.targets = at::arange(kSamples, at::kLong);
   data.num_classes = 3;
   TempDir dir("world_" + c.name);
   std::mutex mu;
@@ -167,8 +167,8 @@ INSTANTIATE_TEST_SUITE_P(
 TrainTask small_task(std::mutex& mu) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
   Dataset data;
-  data.images = at::randn({24, 6}, gen);
-  data.labels = at::randint(3, {24}, gen, at::kLong);
+  data.inputs = at::randn({24, 6}, gen);
+  data.targets = at::randint(3, {24}, gen, at::kLong);
   data.num_classes = 3;
   TrainTask task;
   task.train_data = in_memory(data);
@@ -368,12 +368,13 @@ TEST(Misuse, SequenceOutputsTakeTheirClassesFromTheLastDimension) {
   };
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
   Dataset data;
-  data.images = at::randn({8, 5, 5}, gen);
-  data.labels = at::randint(5, {8, 5}, gen, at::kLong);
+  data.inputs = at::randn({8, 5, 5}, gen);
+  data.targets = at::randint(5, {8, 5}, gen, at::kLong);
   auto seq = std::make_shared<SeqImpl>();
-  const double expected = torch::nn::functional::cross_entropy(
-                              seq->forward(data.images).reshape({-1, 5}), data.labels.reshape({-1}))
-                              .item<double>();
+  const double expected =
+      torch::nn::functional::cross_entropy(seq->forward(data.inputs).reshape({-1, 5}),
+                                           data.targets.reshape({-1}))
+          .item<double>();
   TempDir dir("sequence");
   double first = 0;
   auto errors = testing::run_ranks(1, [&](Dist& d) {

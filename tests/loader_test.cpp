@@ -24,8 +24,8 @@ namespace fs = std::filesystem;
 
 std::shared_ptr<Dataset> counting_dataset(int64_t n) {
   auto d = std::make_shared<Dataset>();
-  d->images = at::arange(n, at::kFloat).view({n, 1, 1, 1});
-  d->labels = at::arange(n, at::kLong);
+  d->inputs = at::arange(n, at::kFloat).view({n, 1, 1, 1});
+  d->targets = at::arange(n, at::kLong);
   d->num_classes = n;
   return d;
 }
@@ -55,9 +55,9 @@ TEST(Loader, BatchesComeInOrderWithTheirRows) {
     int64_t expected_index = 0;
     while (auto b = loader.next()) {
       EXPECT_EQ(b->index, expected_index++);
-      for (int64_t r = 0; r < b->labels.size(0); ++r) {
-        EXPECT_EQ(b->labels[r].item<int64_t>(), idx[seen]);
-        EXPECT_EQ(b->images[r].item<float>(), static_cast<float>(idx[seen]));
+      for (int64_t r = 0; r < b->targets.size(0); ++r) {
+        EXPECT_EQ(b->targets[r].item<int64_t>(), idx[seen]);
+        EXPECT_EQ(b->inputs[r].item<float>(), static_cast<float>(idx[seen]));
         ++seen;
       }
     }
@@ -72,7 +72,7 @@ TEST(Loader, DropLastDropsTheShortBatch) {
   Loader loader(batches_of(counting_dataset(10)), shuffled(10), o);
   int n = 0;
   while (auto b = loader.next()) {
-    EXPECT_EQ(b->labels.size(0), 3);
+    EXPECT_EQ(b->targets.size(0), 3);
     ++n;
   }
   EXPECT_EQ(n, 3);
@@ -87,7 +87,7 @@ TEST(Loader, AugmentationSeedsAreRepeatable) {
   auto seeds = [&](int workers, uint64_t loader_seed) {
     Loader loader(seed_of, shuffled(20), opts(4, workers, loader_seed));
     std::vector<int64_t> out;
-    while (auto b = loader.next()) out.push_back(b->images.item<int64_t>());
+    while (auto b = loader.next()) out.push_back(b->inputs.item<int64_t>());
     return out;
   };
   const auto a = seeds(0, 5);
@@ -236,8 +236,8 @@ TEST(ImageFolder, LoaderThreadsGiveTheSameBatches) {
     Loader loader(batches_of(folder), {2, 0, 1}, opts(2, workers, 3));
     std::vector<at::Tensor> out;
     while (auto b = loader.next()) {
-      out.push_back(b->images);
-      out.push_back(b->labels);
+      out.push_back(b->inputs);
+      out.push_back(b->targets);
     }
     return out;
   };

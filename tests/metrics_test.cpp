@@ -88,8 +88,8 @@ TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
   Dataset test_set{at::randint(kVocab, {7, kPositions}, g, at::kLong), targets_with_holes(7, g),
                    kVocab};
   auto table = at::randn({kVocab, kVocab}, g);
-  const auto logits = at::embedding(table, test_set.images);
-  const Expected want = by_hand(logits, test_set.labels);
+  const auto logits = at::embedding(table, test_set.inputs);
+  const Expected want = by_hand(logits, test_set.targets);
   const double bound = loss_bound(logits);
   const fs::path out =
       fs::temp_directory_path() / ("scaletrain_token_metrics_" + std::to_string(getpid()));

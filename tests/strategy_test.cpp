@@ -62,8 +62,8 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
   constexpr double kLr = 0.1;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
   Dataset data;
-  data.images = at::randn({kSamples, 6}, gen);
-  data.labels = at::randint(3, {kSamples}, gen, at::kLong);
+  data.inputs = at::randn({kSamples, 6}, gen);
+  data.targets = at::randint(3, {kSamples}, gen, at::kLong);
   data.num_classes = 3;
   const fs::path out = fs::temp_directory_path() /
                        ("scaletrain_strategy_" + c.name + "_" + std::to_string(getpid()));
@@ -128,8 +128,8 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
   std::vector<at::Tensor> before = start;
   for (int step = 0; step < kSteps; ++step) {
     auto exact = testing::exact_and_magnitudes([] { return std::make_shared<NetImpl>(kWidth); },
-                                               forward, before, data.images,
-                                               testing::cross_entropy_gradient(data.labels));
+                                               forward, before, data.inputs,
+                                               testing::cross_entropy_gradient(data.targets));
     const auto& after = weights[0][static_cast<size_t>(step)];
     ASSERT_EQ(after.size(), before.size());
     double coef = 1;  // PyTorch's clip_grad_norm_ with the exact global norm

@@ -42,7 +42,7 @@ struct TokenTask {
     auto g = at::make_generator<at::CPUGeneratorImpl>(7);
     auto tokens = at::randint(0, 16, {64, 9}, g, at::kLong);
     train = Dataset{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
-    test = Dataset{train.images.narrow(0, 0, 16), train.labels.narrow(0, 0, 16), 16};
+    test = Dataset{train.inputs.narrow(0, 0, 16), train.targets.narrow(0, 0, 16), 16};
     Model m = make_model("gpt-tiny", gpt_options());
     m.module->to(at::kDouble);
     for (const auto& p : m.module->named_parameters()) start[p.key()] = p.value().detach().clone();

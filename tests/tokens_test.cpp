@@ -86,19 +86,19 @@ TEST(Tokens, WindowsAreTheFileShiftedByOne) {
   auto source = token_windows(r.train_path, o);
   EXPECT_EQ(source.size, (1500 - 1) / 16);
   const Batch b = source.batch({0, 5, 9, 40}, 0);
-  ASSERT_EQ(b.images.sizes(), (std::vector<int64_t>{4, 16}));
-  ASSERT_EQ(b.labels.sizes(), (std::vector<int64_t>{4, 16}));
-  EXPECT_EQ(b.images.scalar_type(), at::kLong);
-  EXPECT_EQ(b.labels.scalar_type(), at::kLong);
+  ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{4, 16}));
+  ASSERT_EQ(b.targets.sizes(), (std::vector<int64_t>{4, 16}));
+  EXPECT_EQ(b.inputs.scalar_type(), at::kLong);
+  EXPECT_EQ(b.targets.scalar_type(), at::kLong);
   const at::Tensor all = tokens_of(file);
   for (int64_t row = 0; row < 4; ++row) {
     // x is the file at some start, y the same window one token on.
     int64_t found = -1;
     for (int64_t s = 0; s + 16 < file.size() && found < 0; ++s) {
-      if (at::equal(all.narrow(0, s, 16), b.images[row])) found = s;
+      if (at::equal(all.narrow(0, s, 16), b.inputs[row])) found = s;
     }
     ASSERT_GE(found, 0) << "row " << row << " is no window of the file";
-    EXPECT_TRUE(at::equal(file.window(found + 1, 16), b.labels[row])) << "row " << row;
+    EXPECT_TRUE(at::equal(file.window(found + 1, 16), b.targets[row])) << "row " << row;
   }
 }
 
@@ -118,13 +118,13 @@ TEST(Tokens, RandomWindowsDependOnSeedAndIndexAlone) {
   // A sample is the same in any batch, at any place in it, whatever the loader's seed: any rank
   // of any world size, and a resumed run, read the same windows.
   const Batch together = a.batch({7, 2, 30}, 11);
-  EXPECT_TRUE(at::equal(together.images[0], again.batch({7}, 99).images[0]));
-  EXPECT_TRUE(at::equal(together.images[1], again.batch({30, 2}, 0).images[1]));
-  EXPECT_TRUE(at::equal(together.labels[2], a.batch({30}, 5).labels[0]));
+  EXPECT_TRUE(at::equal(together.inputs[0], again.batch({7}, 99).inputs[0]));
+  EXPECT_TRUE(at::equal(together.inputs[1], again.batch({30, 2}, 0).inputs[1]));
+  EXPECT_TRUE(at::equal(together.targets[2], a.batch({30}, 5).targets[0]));
   // The starts spread over the 3992 possible ones, and another seed draws others.
   std::vector<int64_t> all(static_cast<size_t>(a.size));
   for (int64_t i = 0; i < a.size; ++i) all[static_cast<size_t>(i)] = i;
-  const at::Tensor starts = a.batch(all, 0).images.select(1, 0).contiguous();
+  const at::Tensor starts = a.batch(all, 0).inputs.select(1, 0).contiguous();
   EXPECT_LT(starts.min().item<int64_t>(), 100);
   EXPECT_GT(starts.max().item<int64_t>(), 3992 - 100);
   EXPECT_LE(starts.max().item<int64_t>(), 3991);  // the last window's next token fits
@@ -132,7 +132,7 @@ TEST(Tokens, RandomWindowsDependOnSeedAndIndexAlone) {
   std::set<int64_t> distinct(starts.data_ptr<int64_t>(), starts.data_ptr<int64_t>() + a.size);
   EXPECT_GT(distinct.size(), 440u);
   o.seed = 4;
-  const at::Tensor other = token_windows(path, o).batch(all, 0).images.select(1, 0);
+  const at::Tensor other = token_windows(path, o).batch(all, 0).inputs.select(1, 0);
   EXPECT_LT(at::eq(starts, other).sum().item<int64_t>(), 5);
 }
 
@@ -149,8 +149,8 @@ TEST(Tokens, StridedWindowsCoverTheFile) {
   std::vector<int64_t> all;
   for (int64_t i = 0; i < s.size; ++i) all.push_back(i);
   const Batch b = s.batch(all, 0);
-  EXPECT_TRUE(at::equal(b.images.reshape({-1}), file.window(0, 890)));
-  EXPECT_TRUE(at::equal(b.labels.reshape({-1}), file.window(1, 890)));
+  EXPECT_TRUE(at::equal(b.inputs.reshape({-1}), file.window(0, 890)));
+  EXPECT_TRUE(at::equal(b.targets.reshape({-1}), file.window(1, 890)));
   o.samples = 5;  // the first five
   EXPECT_EQ(token_windows(r.train_path, o).size, 5);
   o.samples = 90;

@@ -92,8 +92,8 @@ Outcome dp_epoch(const Config& c, const std::vector<at::Device>& devices, const 
   int64_t correct = 0;
   for (int64_t start = 0; start < test.size(); start += 256) {
     const int64_t len = std::min<int64_t>(256, test.size() - start);
-    auto out = dp.forward(test.images.narrow(0, start, len).to(devices[0]));
-    correct += out.argmax(1).cpu().eq(test.labels.narrow(0, start, len)).sum().item<int64_t>();
+    auto out = dp.forward(test.inputs.narrow(0, start, len).to(devices[0]));
+    correct += out.argmax(1).cpu().eq(test.targets.narrow(0, start, len)).sum().item<int64_t>();
   }
   r.accuracy = static_cast<double>(correct) / static_cast<double>(test.size());
   return r;
@@ -120,12 +120,12 @@ SuiteResult run_dp_scaling(const SuiteOptions& o) {
   const int reps = o.quick ? 1 : std::min(o.repeats, 3);
   Dataset train = load_fashion_mnist(dir, true), test = load_fashion_mnist(dir, false);
   if (c.limit_train > 0) {
-    train.images = train.images.narrow(0, 0, c.limit_train);
-    train.labels = train.labels.narrow(0, 0, c.limit_train);
+    train.inputs = train.inputs.narrow(0, 0, c.limit_train);
+    train.targets = train.targets.narrow(0, 0, c.limit_train);
   }
   if (c.limit_test > 0) {
-    test.images = test.images.narrow(0, 0, c.limit_test);
-    test.labels = test.labels.narrow(0, 0, c.limit_test);
+    test.inputs = test.inputs.narrow(0, 0, c.limit_test);
+    test.targets = test.targets.narrow(0, 0, c.limit_test);
   }
   for (int n = 1; n <= max_devices; ++n) {
     Sample ddp{"DDP (processes)", std::to_string(n), static_cast<double>(n), {}};

@@ -58,7 +58,7 @@ SuiteResult run_loader(const SuiteOptions& o) {
     Loader loader(batches_of(data), order, lo);
     auto t0 = Clock::now();
     int64_t seen = 0;
-    while (auto b = loader.next()) seen += b->labels.size(0);
+    while (auto b = loader.next()) seen += b->targets.size(0);
     return static_cast<double>(seen) / since(t0);
   };
   for (int rep = 0; rep < o.repeats; ++rep) {
@@ -71,11 +71,11 @@ SuiteResult run_loader(const SuiteOptions& o) {
     int64_t seen = 0;
     for (int s = 0; s < train_steps; ++s) {
       auto b = loader.next();
-      auto loss = torch::nn::functional::cross_entropy(lenet.forward(b->images), b->labels);
+      auto loss = torch::nn::functional::cross_entropy(lenet.forward(b->inputs), b->targets);
       opt.zero_grad();
       loss.backward();
       opt.step();
-      seen += b->labels.size(0);
+      seen += b->targets.size(0);
     }
     training.values.push_back(static_cast<double>(seen) / since(t0));
   }

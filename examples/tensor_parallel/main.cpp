@@ -40,7 +40,7 @@ struct NetImpl : torch::nn::Module {
 
 double accuracy(NetImpl& net, const scaletrain::Dataset& d) {
   torch::NoGradGuard no_grad;
-  return net.forward(d.images).argmax(1).eq(d.labels).to(torch::kDouble).mean().item<double>();
+  return net.forward(d.inputs).argmax(1).eq(d.targets).to(torch::kDouble).mean().item<double>();
 }
 
 int run(int argc, char** argv) {

@@ -1,6 +1,6 @@
 #pragma once
-// Data sets held in memory as two tensors: images [N, C, H, W] (float, normalised) and labels
-// [N] (int64).
+// Data sets held in memory as two tensors: inputs (images [N, C, H, W], float, normalised) and
+// targets (classes [N], int64).
 //
 // Fashion-MNIST is read straight from the IDX .gz files that Debian's dataset-fashion-mnist
 // installs (/usr/share/datasets/fashion-mnist): train-images-idx3-ubyte.gz,
@@ -15,10 +15,10 @@
 namespace scaletrain {
 
 struct Dataset {
-  at::Tensor images;  // float32 [N, C, H, W]
-  at::Tensor labels;  // int64 [N]
+  at::Tensor inputs;   // images: float32 [N, C, H, W]; tokens: int64 [N, T]
+  at::Tensor targets;  // classes: int64 [N]; next tokens: int64 [N, T]
   int64_t num_classes = 0;
-  int64_t size() const { return labels.defined() ? labels.size(0) : 0; }
+  int64_t size() const { return targets.defined() ? targets.size(0) : 0; }
 };
 
 constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
@@ -30,7 +30,7 @@ Dataset load_fashion_mnist(const std::string& dir, bool train);
 /// Reads one IDX file (gzip-compressed or not) into a uint8 tensor of its dimensions.
 at::Tensor read_idx(const std::string& path);
 
-/// Random images and labels, as the seeds make them (torch.randn images, random classes).
+/// Random images and classes, as the seeds make them (torch.randn images, random classes).
 Dataset make_synthetic(int64_t n, int64_t channels, int64_t height, int64_t width,
                        int64_t num_classes, uint64_t seed);
 

@@ -4,7 +4,7 @@
 //   LoaderOptions lo;
 //   lo.batch_size = 128;
 //   Loader loader(batches_of(train_set), sampler.remaining(), lo);
-//   while (auto b = loader.next()) step(b->images, b->labels);
+//   while (auto b = loader.next()) step(b->inputs, b->targets);
 //
 // A Loader cuts a list of sample indices into batches and has `workers` threads build them
 // (gather rows, or decode and augment images) up to `prefetch` batches per worker ahead of the
@@ -28,9 +28,9 @@ struct Dataset;
 class ImageFolder;
 
 struct Batch {
-  at::Tensor images;
-  at::Tensor labels;
-  int64_t index = 0;  // number of the batch in this loader
+  at::Tensor inputs;   // the model's input rows (images, token windows, features)
+  at::Tensor targets;  // what the loss compares the output with (classes, next tokens)
+  int64_t index = 0;   // number of the batch in this loader
 };
 
 /// Builds the batch holding rows `indices`; `seed` drives any random augmentation.

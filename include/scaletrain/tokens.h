@@ -14,8 +14,8 @@
 //   task.test_data = scaletrain::token_windows("data/shakespeare/val.bin", w);
 //
 // A sample is a window of the file and the same window one token on: inputs x = tokens[s, s+T)
-// and targets y = tokens[s+1, s+T+1), both int64 [T] (a batch: Batch::images x [B, T] and
-// Batch::labels y [B, T], as a GPT's forward and the trainer's per-token cross entropy take
+// and targets y = tokens[s+1, s+T+1), both int64 [T] (a batch: Batch::inputs x [B, T] and
+// Batch::targets y [B, T], as a GPT's forward and the trainer's per-token cross entropy take
 // them). What sample i holds depends on (file, options, i) alone — not on the rank, the world
 // size, the batch or the loader thread — so a run resumes exactly and any world size trains on
 // the same samples.

@@ -62,8 +62,8 @@ class ImageFolder;
 // ---- What is trained --------------------------------------------------------------------------
 
 /// One split of a data set as the trainer reads it: how many samples, and the batch of any of
-/// them (loader.h: Batch::images are the inputs, Batch::labels the targets; `seed` drives any
-/// random augmentation, so a batch depends only on its indices and seed).
+/// them (loader.h: Batch::inputs go into the model, Batch::targets into the loss; `seed` drives
+/// any random augmentation, so a batch depends only on its indices and seed).
 struct DataSource {
   int64_t size = 0;
   BatchFn batch;

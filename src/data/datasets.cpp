@@ -57,8 +57,8 @@ Dataset load_fashion_mnist(const std::string& dir, bool train) {
                 std::to_string(labels.size(0)) + " labels");
   }
   Dataset d;
-  d.images = images.unsqueeze(1).to(at::kFloat).div_(255).sub_(0.2860).div_(0.3530);
-  d.labels = labels.to(at::kLong);
+  d.inputs = images.unsqueeze(1).to(at::kFloat).div_(255).sub_(0.2860).div_(0.3530);
+  d.targets = labels.to(at::kLong);
   d.num_classes = 10;
   return d;
 }
@@ -66,8 +66,8 @@ Dataset load_fashion_mnist(const std::string& dir, bool train) {
 Dataset make_synthetic(int64_t n, int64_t c, int64_t h, int64_t w, int64_t classes, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   Dataset d;
-  d.images = at::randn({n, c, h, w}, gen);
-  d.labels = at::randint(classes, {n}, gen, at::kLong);
+  d.inputs = at::randn({n, c, h, w}, gen);
+  d.targets = at::randint(classes, {n}, gen, at::kLong);
   d.num_classes = classes;
   return d;
 }
@@ -75,7 +75,7 @@ Dataset make_synthetic(int64_t n, int64_t c, int64_t h, int64_t w, int64_t class
 std::pair<at::Tensor, at::Tensor> gather_batch(const Dataset& d,
                                                const std::vector<int64_t>& indices) {
   auto idx = at::tensor(indices, at::kLong);
-  return {d.images.index_select(0, idx), d.labels.index_select(0, idx)};
+  return {d.inputs.index_select(0, idx), d.targets.index_select(0, idx)};
 }
 
 }  // namespace scaletrain

@@ -60,8 +60,8 @@ struct Loader::State {
     Batch out = build(part, z ^ (z >> 31));
     out.index = number;
     if (o.pin_memory && at::globalContext().hasCUDA()) {
-      out.images = out.images.pin_memory();
-      out.labels = out.labels.pin_memory();
+      out.inputs = out.inputs.pin_memory();
+      out.targets = out.targets.pin_memory();
     }
     return out;
   }

@@ -14,8 +14,8 @@ namespace scaletrain {
 
 DataSource in_memory(Dataset d, int64_t limit) {
   if (limit > 0 && limit < d.size()) {
-    d.images = d.images.narrow(0, 0, limit);
-    d.labels = d.labels.narrow(0, 0, limit);
+    d.inputs = d.inputs.narrow(0, 0, limit);
+    d.targets = d.targets.narrow(0, 0, limit);
   }
   DataSource s;
   s.size = d.size();

@@ -106,7 +106,7 @@ void Run::train_fault_tolerant() {
 // optimizer steps only when the replica commits (every exchange of every rank succeeded).
 bool Run::replica_step(const Batch& b, const Quorum& q, double* loss) {
   const at::Device dev = strategy_->device();
-  const at::Tensor l = strategy_->step(b.images.to(dev, true), b.labels.to(dev, true), true, 1.0);
+  const at::Tensor l = strategy_->step(b.inputs.to(dev, true), b.targets.to(dev, true), true, 1.0);
   *loss = l.defined() ? l.item<double>() : std::numeric_limits<double>::quiet_NaN();
   std::vector<at::Tensor> grads;
   for (auto& p : strategy_->parameters()) {

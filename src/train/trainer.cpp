@@ -106,13 +106,13 @@ void Run::setup() {
   for (int64_t i = 0; i < n; ++i) first[static_cast<size_t>(i)] = i;
   const Batch sample = task_.train_data.batch(first, 0);
   check_model_takes(sample);
-  targets_per_sample_ = sample.labels.dim() > 1 ? sample.labels[0].numel() : 0;
+  targets_per_sample_ = sample.targets.dim() > 1 ? sample.targets[0].numel() : 0;
   if (o_.tensor_parallel > 1 && model_.output_split && !default_loss_) {
     throw UsageError("tensor parallelism: model '" + model_.name +
                      "' gives outputs split over the tensor-parallel group, which TrainTask::loss "
                      "cannot take; leave it unset (the model's parallel_loss is used)");
   }
-  strategy_ = make_strategy(task_, o_, d_, model_, sample.images);
+  strategy_ = make_strategy(task_, o_, d_, model_, sample.inputs);
   opt_ = task_.optimizer(strategy_->parameters());
   for (auto& g : opt_->param_groups()) first_lrs_.push_back(g.options().get_lr());
   if (task_.scheduler) {
@@ -219,7 +219,7 @@ void Run::check_model_takes(const Batch& sample) {
   torch::NoGradGuard no_grad;
   const bool training = model_.module->is_training();
   model_.module->eval();
-  const at::Tensor x = sample.images.slice(0, 0, 1), y = sample.labels.slice(0, 0, 1);
+  const at::Tensor x = sample.inputs.slice(0, 0, 1), y = sample.targets.slice(0, 0, 1);
   at::Tensor out;
   try {
     out = model_.forward(x);
@@ -332,9 +332,9 @@ LoaderOptions Run::loader_options(int64_t batch, uint64_t seed, int64_t first_ba
 
 double Run::step(const Batch& b, bool last_micro, int64_t epoch) {
   const at::Device dev = strategy_->device();
-  auto x = b.images.to(dev, true);
+  auto x = b.inputs.to(dev, true);
   if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-  auto y = b.labels.to(dev, true);
+  auto y = b.targets.to(dev, true);
   const double weight = o_.accumulate > 1 ? 1.0 / o_.accumulate : 1.0;
   const at::Tensor loss = strategy_->step(x, y, last_micro, weight);
   const double value = loss.defined() ? loss.item<double>()  // one device sync per step
@@ -370,10 +370,10 @@ void Run::epoch(int64_t e) {
   while (auto b = loader.next()) {
     const bool last_micro = (done + 1) % o_.accumulate == 0 || done + 1 == batches;
     double loss = step(*b, last_micro, e);
-    sampler_->advance(b->labels.size(0));
+    sampler_->advance(b->targets.size(0));
     ++done;
     ++state_.global_step;
-    samples_ += b->labels.size(0) * strategy_->data_replicas();
+    samples_ += b->targets.size(0) * strategy_->data_replicas();
     if (std::isfinite(loss)) loss_sum_ += loss, ++loss_n_;
     StepReport report{e + 1, done, state_.global_step, loss, false, grad_norm_};
     if (o_.log_every > 0 && state_.global_step % o_.log_every == 0)
@@ -430,14 +430,14 @@ std::map<std::string, double> Run::evaluate() {
   int64_t position = 0;
   const at::Device dev = strategy_->device();
   while (auto b = loader.next()) {
-    auto x = b->images.to(dev, true);
+    auto x = b->inputs.to(dev, true);
     if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     const at::Tensor outputs = strategy_->predict(x);
-    const int64_t rows = b->labels.size(0);
+    const int64_t rows = b->targets.size(0);
     if (outputs.defined()) {
       auto keep = at::empty({rows}, at::kDouble);  // padded duplicates count once
       for (int64_t i = 0; i < rows; ++i) keep[i] = s.is_padding(position + i) ? 0.0 : 1.0;
-      const auto y = b->labels.to(outputs.device());
+      const auto y = b->targets.to(outputs.device());
       for (int64_t m = 0; m < k; ++m) {
         const auto& metric = task_.metrics[static_cast<size_t>(m)];
         auto w = metric.weight ? metric.weight(outputs, y).to(at::kCPU, at::kDouble) * keep : keep;

@@ -177,8 +177,8 @@ Data load(const TrainOptions& o) {
     test = make_synthetic(o.limit_test > 0 ? o.limit_test : 512, 1, 28, 28, 10, o.seed + 2);
   }
   d.model.num_classes = train.num_classes;
-  d.model.in_channels = train.images.size(1);
-  d.model.in_features = train.images[0].numel();
+  d.model.in_channels = train.inputs.size(1);
+  d.model.in_features = train.inputs[0].numel();
   d.train = in_memory(std::move(train), o.limit_train);
   d.test = in_memory(std::move(test), o.limit_test);
   return d;

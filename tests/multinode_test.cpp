@@ -245,6 +245,32 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
                             << r.output;
 }
 
+// An elastic job whose node b is cut off (tests/scripts/elastic_link_down.sh: its link goes down
+// for good, --node-timeout 4): the rendezvous counts b as gone once it has been silent 4 s, and
+// the job goes on at world 1 and ends; b's launcher, hearing nothing from the host as long, stops
+// its workers and exits 1, saying why. Nothing is left on either host.
+TEST(MultiNode, ElasticNodeCutOffIsLeftOutAfterTheNodeTimeoutAndTheJobEndsWithoutIt) {
+  const auto out = std::filesystem::temp_directory_path() /
+                   ("scaletrain_elastic_cut_" + std::to_string(getpid()));
+  std::filesystem::remove_all(out);
+  auto r =
+      run_command(script_path("elastic_link_down.sh") + " " + cli_path() + " " + out.string(), 200);
+  std::filesystem::remove_all(out);
+  if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto b_at = r.output.find("== b ==");
+  ASSERT_NE(b_at, std::string::npos) << r.output;
+  const std::string host_a = r.output.substr(0, b_at), host_b = r.output.substr(b_at);
+  EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "b exit 1")) << r.output;
+  EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;
+  EXPECT_TRUE(std::regex_search(host_a, std::regex("left: no word from it for [0-9.]+ s")))
+      << r.output;
+  EXPECT_EQ(worlds_of(host_a), (std::vector<int>{2, 1})) << r.output;
+  EXPECT_TRUE(contains(host_a, "resumed from")) << r.output;
+  EXPECT_TRUE(contains(host_b, "no word from the rendezvous host")) << r.output;
+}
+
 TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {
   const int port = testing::free_port();
   std::string error;

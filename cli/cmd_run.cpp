@@ -109,7 +109,9 @@ void add_run_command(CLI::App& app, Action& action) {
   cmd->add_option("--run-id,--run_id", o.run_id,
                   "Job id checked at rendezvous (default: random on one node, 'none' on several)");
   cmd->add_option("--rdzv-timeout,--rdzv_timeout", o.rdzv_timeout_s,
-                  "Seconds the workers wait for every rank at rendezvous")
+                  "Seconds the workers wait for every rank at rendezvous (elastic: also the "
+                  "launchers' wait to connect and to join a world, and the host's for the others "
+                  "at the end)")
       ->capture_default_str();
   cmd->add_option("--log-dir,--log_dir", o.log_dir,
                   "Keep each rank's output in DIR/attempt_K/rank_R.{stdout,stderr}");

@@ -118,21 +118,23 @@ TEST(Rendezvous, FailuresPastMaxRestartsAbortTheJobButOneRightAfterALeaveDoesNot
       << aborted.reason;
 }
 
+// The host's worker count is the job's, whoever joins first (a node with another count never
+// makes the host the one refused).
 TEST(Rendezvous, ANodeWithAnotherWorkerCountOrRunIdIsRefusedWithTheFix) {
-  const auto o = options(2, 2);
+  auto o = options(2, 2);
+  o.nproc = 2;
   auto server = RendezvousServer::try_host(o);
-  RendezvousClient host(o, true);
-  auto waiting = std::async(std::launch::async, [&] { return host.join(2, 4001); });
-  // The first node to join sets the worker count: let the host's JOIN arrive first.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   RendezvousClient b(o);
   try {
     b.join(1, 4002);
-    ADD_FAILURE() << "a node with 1 worker joined nodes with 2";
+    ADD_FAILURE() << "a node with 1 worker joined a job of 2 per node";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("--nproc-per-node 1 and node"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("--nproc-per-node 1 and the rendezvous host has 2"),
+              std::string::npos)
         << e.what();
   }
+  RendezvousClient host(o, true);
+  auto waiting = std::async(std::launch::async, [&] { return host.join(2, 4001); });
   auto other = o;
   other.run_id = "other";
   RendezvousClient c(other);
@@ -140,6 +142,25 @@ TEST(Rendezvous, ANodeWithAnotherWorkerCountOrRunIdIsRefusedWithTheFix) {
   RendezvousClient d(o);
   EXPECT_EQ(d.join(2, 4004).nnodes, 2) << "the refusals left the rendezvous working";
   EXPECT_EQ(waiting.get().nnodes, 2);
+}
+
+// A node arriving when the world is full waits as a spare, and says so if nothing frees a place.
+TEST(Rendezvous, ANodePastTheMostWaitsAsASpare) {
+  auto o = options(1, 1);
+  o.join_timeout_s = 1;
+  auto server = RendezvousServer::try_host(o);
+  RendezvousClient host(o, true);
+  EXPECT_EQ(host.join(1, 4001).nnodes, 1);
+  RendezvousClient spare(o);
+  try {
+    spare.join(1, 4002);
+    ADD_FAILURE() << "a second node joined a world of at most 1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("as a spare: the world is full (1 nodes"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(host.recalled()) << "a spare does not end a full world's round";
 }
 
 TEST(Rendezvous, AJoinTimesOutNamingHowManyNodesWereThere) {

@@ -17,6 +17,7 @@ RendezvousOptions rendezvous_options(const LaunchOptions& o) {
   r.host = o.master_addr;
   r.port = o.master_port;
   r.run_id = o.run_id;
+  r.nproc = o.nproc_per_node;
   r.min_nodes = o.min_nodes;
   r.max_nodes = o.nnodes;
   r.max_restarts = o.max_restarts;
@@ -39,27 +40,26 @@ int after_recall(RendezvousClient& client) {
   return 1;
 }
 
-}  // namespace
-
-int launch_elastic(const LaunchOptions& o) {
-  SignalScope signals;
-  SubreaperScope subreaper;
-  const std::vector<pid_t> not_ours = proc::children_of_self();
-  const RendezvousOptions ro = rendezvous_options(o);
-  // The server outlives this node's client: declared first, destroyed last.
-  std::unique_ptr<RendezvousServer> server = RendezvousServer::try_host(ro);
-  if (server) {
-    spdlog::info("scaletrain run: hosting the rendezvous on {}:{} ({} to {} nodes)", ro.host,
-                 ro.port, ro.min_nodes, ro.max_nodes);
+// The host's launcher returns only once the other nodes of the last world have ended too (or
+// --rdzv-timeout passed, or a signal came): its rendezvous is theirs.
+struct HostStays {
+  RendezvousServer* server;
+  double timeout_s;
+  ~HostStays() {
+    if (server) server->wait_for_members(timeout_s, &g_stop_signal);
   }
-  RendezvousClient client(ro, server != nullptr, &g_stop_signal);
+};
+
+// Rounds until the job ends; `client` is this node's connection to the rendezvous.
+int run_rounds(const LaunchOptions& o, RendezvousClient& client) {
+  const std::vector<pid_t> not_ours = proc::children_of_self();
   bool last_failed = false;
-  for (int rounds = 0;; ++rounds) {
+  while (true) {
     const Round r = client.join(o.nproc_per_node, pick_free_port());
     if (g_stop_signal.load() != 0) return 128 + g_stop_signal.load();
     if (r.kind == Round::kClosed) {
       spdlog::info("scaletrain run: {}", r.reason);
-      return last_failed ? 1 : 0;
+      return last_failed ? 1 : 0;  // this node's own last world failed: it says so
     }
     if (r.kind == Round::kAborted) {
       spdlog::error("scaletrain run: the job stops: {}", r.reason);
@@ -70,7 +70,8 @@ int launch_elastic(const LaunchOptions& o) {
         "'{}', {} of {} restarts used)",
         r.round, r.node_rank, r.nnodes, o.nproc_per_node, o.nproc_per_node * r.nnodes,
         r.master_addr, r.master_port, o.run_id, r.restarts, o.max_restarts);
-    GroupWorld world{r.node_rank, r.nnodes, r.master_addr, r.master_port, r.restarts, rounds};
+    // --log-dir's attempt_<k> is the round's number, the same on every node.
+    GroupWorld world{r.node_rank, r.nnodes, r.master_addr, r.master_port, r.restarts, r.round};
     int status;
     {
       Group group(o, world, not_ours, [&client] { return client.recalled(); });
@@ -80,7 +81,6 @@ int launch_elastic(const LaunchOptions& o) {
     last_failed = status == 1;
     if (status == 0) {
       client.report_done();
-      if (server) server->wait_for_members(o.rdzv_timeout_s);
       return 0;
     }
     if (status >= 128) return status;
@@ -89,6 +89,34 @@ int launch_elastic(const LaunchOptions& o) {
       continue;
     }
     client.report_failed();  // the host counts it against --max-restarts
+  }
+}
+
+}  // namespace
+
+int launch_elastic(const LaunchOptions& o) {
+  SignalScope signals;
+  SubreaperScope subreaper;
+  const RendezvousOptions ro = rendezvous_options(o);
+  // The server outlives this node's client: declared first, destroyed last.
+  std::unique_ptr<RendezvousServer> server = RendezvousServer::try_host(ro);
+  if (server) {
+    spdlog::info("scaletrain run: hosting the rendezvous on {}:{} ({} to {} nodes)", ro.host,
+                 ro.port, ro.min_nodes, ro.max_nodes);
+  }
+  if (ro.host.rfind("127.", 0) == 0 || ro.host == "localhost") {
+    spdlog::warn(
+        "scaletrain run: --master-addr {} is this machine's loopback: only launchers of this "
+        "machine meet there (on several machines, give the host's address)",
+        ro.host);
+  }
+  HostStays stays{server.get(), o.rdzv_timeout_s};
+  try {
+    RendezvousClient client(ro, server != nullptr, &g_stop_signal);
+    return run_rounds(o, client);
+  } catch (const Error&) {
+    if (g_stop_signal.load() != 0) return 128 + g_stop_signal.load();
+    throw;
   }
 }
 

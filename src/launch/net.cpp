@@ -41,25 +41,24 @@ int listen_on(const std::string& host, int port) {
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) {
     errno = EADDRNOTAVAIL;
     return -1;
   }
-  int fd = -1;
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
-      const int err = errno;
-      close(fd);
-      fd = -1;
-      errno = err;
-    }
+  // `host` is this machine's when one of its addresses can be bound (on a port of the kernel's).
+  bool ours = false;
+  for (addrinfo* a = found; a != nullptr && !ours; a = a->ai_next) {
+    const int probe = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (probe < 0) break;
+    ours = bind(probe, a->ai_addr, a->ai_addrlen) == 0;
+    close(probe);
   }
   freeaddrinfo(found);
-  return fd;
+  if (!ours) {
+    errno = EADDRNOTAVAIL;
+    return -1;
+  }
+  return bind_tcp(port, /*loopback_only=*/false, /*listen=*/true);
 }
 
 int connect_to(const std::string& host, int port, int timeout_ms) {

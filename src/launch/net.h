@@ -14,9 +14,10 @@ int bind_tcp(int port, bool loopback_only, bool listen);
 /// The local port a bound socket holds, or -1.
 int bound_port(int fd);
 
-/// A listening TCP socket on `host`:`port` exactly (an address of this machine), close-on-exec;
-/// -1 with errno set when `host` is not one of this machine's addresses (EADDRNOTAVAIL), the
-/// port is taken (EADDRINUSE) or the name does not resolve.
+/// When `host` names an address of this machine: a TCP socket listening on `port` of every
+/// interface (a name that this machine's /etc/hosts maps to 127.0.1.1 is still reached by the
+/// others through their own resolution), close-on-exec. -1 with errno set when `host` is another
+/// machine's (EADDRNOTAVAIL), the port is taken (EADDRINUSE) or the name does not resolve.
 int listen_on(const std::string& host, int port);
 
 /// A TCP connection to host:port within `timeout_ms` (non-blocking, close-on-exec); -1 when

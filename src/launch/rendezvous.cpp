@@ -32,6 +32,7 @@ namespace scaletrain::launch_detail {
 //   server -> launcher: ROUND <round> <node rank> <nnodes> <master addr> <master port> <restarts>
 //                       RESTART <round> <reason>   (the round ended: stop the workers, join again)
 //                       WAITING <joined> <min>     (a join's progress, for its timeout's message)
+//                       SPARE <max>                (the world is full: it waits for a place)
 //                       CLOSED <reason> | ABORT <reason> | REFUSED <reason>
 //                       BEAT                       (every 0.5 s)
 // A round's world is its nodes' workers, node 0's port (sent with its JOIN, free on its machine
@@ -127,10 +128,12 @@ RendezvousServer::~RendezvousServer() {
   close(wake_[1]);
 }
 
-void RendezvousServer::wait_for_members(double timeout_s) {
+void RendezvousServer::wait_for_members(double timeout_s, const std::atomic<int>* stop) {
+  const auto end = Clock::now() + std::chrono::duration<double>(timeout_s);
   std::unique_lock<std::mutex> lock(state_->mu);
-  state_->cv.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                      [this] { return members_busy_.load() == 0; });
+  while (members_busy_.load() != 0 && Clock::now() < end && !(stop && stop->load() != 0)) {
+    state_->cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
 }
 
 void RendezvousServer::serve() {
@@ -206,12 +209,11 @@ void RendezvousServer::State::handle(Conn& c, const std::string& line) {
   std::string verb;
   in >> verb;
   if (verb == "JOIN") return join(c, in);
-  if (verb == "FAILED") {
+  if (verb == "FAILED") {  // it stays a member until it joins again (or leaves)
     if (c.member && running) {
       pending_failure = Clock::now();
       recall("the workers of " + c.name() + " failed");
     }
-    c.member = false;
   } else if (verb == "DONE") {
     c.done = true;
     c.member = false;
@@ -233,12 +235,11 @@ void RendezvousServer::State::join(Conn& c, std::istringstream& in) {
         "same",
         run_id, o.run_id));
   }
-  for (const auto& other : conns) {
-    if (&other != &c && (other.joined || other.member) && other.nproc != c.nproc) {
-      return c.say(
-          fmt::format("REFUSED it has --nproc-per-node {} and {} has {}: give every node the same",
-                      c.nproc, other.name(), other.nproc));
-    }
+  if (o.nproc > 0 && c.nproc != o.nproc) {
+    return c.say(fmt::format(
+        "REFUSED it has --nproc-per-node {} and the rendezvous host has {}: give every node the "
+        "same",
+        c.nproc, o.nproc));
   }
   if (finished) return c.say(end_reason);
   const bool was_member = c.member;
@@ -250,6 +251,8 @@ void RendezvousServer::State::join(Conn& c, std::istringstream& in) {
     recall(c.name() + " left the round");
   } else if (running && members < o.max_nodes) {
     recall(c.name() + " joined");
+  } else if (running) {
+    c.say(fmt::format("SPARE {}", o.max_nodes));  // it joins when a node of the full world leaves
   }
 }
 

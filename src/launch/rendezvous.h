@@ -27,6 +27,7 @@ struct RendezvousOptions {
   std::string host = "127.0.0.1";  // where the server listens / the clients connect
   int port = 29500;
   std::string run_id = "none";  // every launcher must give the same
+  int nproc = 0;                // the host's --nproc-per-node: every node's must equal it
   int min_nodes = 1;
   int max_nodes = 1;
   int max_restarts = 0;         // failed rounds allowed (the host's value counts)
@@ -52,8 +53,9 @@ class RendezvousServer {
   RendezvousServer(const RendezvousServer&) = delete;
   RendezvousServer& operator=(const RendezvousServer&) = delete;
 
-  /// Waits (at most `timeout_s`) until every member of the last round said it is done or left.
-  void wait_for_members(double timeout_s);
+  /// Waits (at most `timeout_s`, and not once `stop` is set) until every member of the last
+  /// round said it is done or left.
+  void wait_for_members(double timeout_s, const std::atomic<int>* stop = nullptr);
   int rounds_formed() const { return rounds_.load(); }
 
   struct State;  // the server thread's own (rendezvous.cpp)

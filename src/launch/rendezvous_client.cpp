@@ -71,7 +71,9 @@ RendezvousClient::~RendezvousClient() {
 
 void RendezvousClient::send_line(const std::string& line) {
   std::lock_guard<std::mutex> lock(send_mu_);
-  net::send_all(fd_, line + "\n");  // a failure shows as a lost connection in run()
+  // A line sent in part would run into the next one: the connection is given up instead, and
+  // run() reports it lost.
+  if (!net::send_all(fd_, line + "\n")) shutdown(fd_, SHUT_RDWR);
 }
 
 void RendezvousClient::run() {
@@ -116,6 +118,11 @@ namespace {
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
+// A message that ends the current round.
+bool is_recall(const std::string& m) {
+  return starts_with(m, "RESTART") || starts_with(m, "ABORT") || starts_with(m, "LOST");
+}
+
 std::string rest_after(const std::string& line, int words) {
   size_t at = 0;
   for (int i = 0; i < words && at != std::string::npos; ++i) {
@@ -132,14 +139,15 @@ Round RendezvousClient::join(int nproc, int port) {
     std::lock_guard<std::mutex> lock(mu_);
     std::deque<std::string> kept;  // the last round's RESTART and progress are stale now
     for (auto& m : inbox_) {
-      if (!starts_with(m, "RESTART") && !starts_with(m, "WAITING")) kept.push_back(std::move(m));
+      if (!starts_with(m, "RESTART") && !starts_with(m, "WAITING") && !starts_with(m, "SPARE"))
+        kept.push_back(std::move(m));
     }
     inbox_.swap(kept);
   }
   send_line(
       fmt::format("JOIN {} {} {} {} {}", o_.run_id, nproc, port, this_host(), hosting_ ? 1 : 0));
   const auto start = Clock::now();
-  int joined = 0;
+  int joined = 0, spare_of = 0;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     while (!inbox_.empty()) {
@@ -154,6 +162,7 @@ Round RendezvousClient::join(int nproc, int port) {
         return r;
       }
       if (verb == "WAITING") in >> joined;
+      if (verb == "SPARE") in >> spare_of;
       if (verb == "CLOSED" || verb == "ABORT") {
         r.kind = verb == "CLOSED" ? Round::kClosed : Round::kAborted;
         r.reason = rest_after(m, 1);
@@ -171,6 +180,12 @@ Round RendezvousClient::join(int nproc, int port) {
       r.reason = "interrupted";
       return r;
     }
+    if (seconds_since(start) > o_.join_timeout_s && spare_of > 0) {
+      throw Error(fmt::format(
+          "scaletrain run: this node waited {:.0f} s (--rdzv-timeout) at the rendezvous {}:{} as "
+          "a spare: the world is full ({} nodes, the most --nnodes allows) and no node left",
+          o_.join_timeout_s, o_.host, o_.port, spare_of));
+    }
     if (seconds_since(start) > o_.join_timeout_s) {
       throw Error(fmt::format(
           "scaletrain run: no round formed at the rendezvous {}:{} within {:.0f} s "
@@ -184,7 +199,7 @@ Round RendezvousClient::join(int nproc, int port) {
 bool RendezvousClient::recalled() {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& m : inbox_) {
-    if (starts_with(m, "RESTART") || starts_with(m, "ABORT") || starts_with(m, "LOST")) return true;
+    if (is_recall(m)) return true;
   }
   return false;
 }
@@ -192,7 +207,7 @@ bool RendezvousClient::recalled() {
 std::string RendezvousClient::take_recall() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
-    if (starts_with(*it, "RESTART") || starts_with(*it, "ABORT") || starts_with(*it, "LOST")) {
+    if (is_recall(*it)) {
       std::string m = *it;
       inbox_.erase(it);
       return m;

@@ -1,8 +1,9 @@
 #pragma once
 // Sharded data parallelism (ZeRO stages 1-3, FSDP-style parameter sharding) for any world size:
 // every rank runs forward and backward on its own slice of the batch, as with DDP, but each rank
-// keeps only 1/N of the model state that DDP replicates. Note [Units] and Note [Unit life cycle]
-// in src/zero/sharded.cpp; docs/zero.md has the algorithm, bytes on the wire and measurements.
+// keeps only 1/N of the model state that DDP replicates. Note [Units] in src/zero/units.cpp and
+// Note [Unit life cycle] in src/zero/sharded_step.cpp; docs/zero.md has the algorithm, bytes on the
+// wire and measurements.
 //
 //   auto dist = scaletrain::init_process_group();
 //   torch::nn::Sequential chain = my_model_as_blocks();             // stage 3: a chain (blocks.h)
@@ -70,12 +71,13 @@ struct ShardOptions {
   /// Stage 3: start gathering the next unit while the current one computes (forward and
   /// backward), on a process group of its own.
   bool prefetch = true;
-  /// Mixed precision (FSDP's MixedPrecisionPolicy), Note [Mixed precision] in sharded.cpp.
-  /// param_dtype: the dtype the module's parameters compute in (e.g. at::kBFloat16): gathers
-  /// move it, forward and backward run in it, gradients arrive in it. The shards — the
-  /// optimizer's master weights, its state and the shards' .grad — keep the dtype the parameters
-  /// had at construction. The chain's forward(x) casts a floating-point input to it; callers of
-  /// forward(fn) cast their own. gather_full_parameters() gives the module the master values.
+  /// Mixed precision (FSDP's MixedPrecisionPolicy), Note [Mixed precision] in
+  /// src/zero/sharded_step.cpp. param_dtype: the dtype the module's parameters compute in (e.g.
+  /// at::kBFloat16): gathers move it, forward and backward run in it, gradients arrive in it. The
+  /// shards — the optimizer's master weights, its state and the shards' .grad — keep the dtype the
+  /// parameters had at construction. The chain's forward(x) casts a floating-point input to it;
+  /// callers of forward(fn) cast their own. gather_full_parameters() gives the module the master
+  /// values.
   std::optional<at::ScalarType> param_dtype;
   /// The dtype gradients are reduced in (mixed precision's reduce dtype): e.g. at::kBFloat16
   /// halves the bytes on the wire; unset: the gradients' own dtype (param_dtype when given). The
@@ -199,7 +201,7 @@ class ShardedDataParallel {
   void load_full_optimizer_state(torch::optim::Optimizer& opt,
                                  const std::map<std::string, at::Tensor>& state);
 
-  struct Impl;  // src/zero/sharded.cpp
+  struct Impl;  // src/zero/impl.h
 
  private:
   std::shared_ptr<torch::nn::Module> module_;

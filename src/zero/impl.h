@@ -1,5 +1,5 @@
 #pragma once
-// ShardedDataParallel's state (internal). Note [Unit life cycle] in sharded.cpp.
+// ShardedDataParallel's state (internal). Note [Unit life cycle] in sharded_step.cpp.
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/modules/container/any.h>
@@ -14,6 +14,12 @@
 #include "scaletrain/zero.h"
 
 namespace scaletrain {
+
+/// A tensor over `flat`'s storage from element `offset` with `sizes` (contiguous), not an
+/// autograd view (sharded.cpp).
+at::Tensor zero_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes);
+/// "12.5 MB".
+std::string zero_mb(int64_t bytes);
 
 struct ShardedDataParallel::Impl {
   struct Unit {

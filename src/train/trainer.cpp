@@ -154,63 +154,6 @@ void Run::setup() {
   r_.metrics_path = o_.out_dir + "/metrics.jsonl";
 }
 
-void Run::resume() {
-  // Every rank planned before the strategy's first collective, so no rank has written yet.
-  if (!start_.resume_from && !start_.resume_sharded) {
-    state_.run_id = agreed_run_id(start_.run_id);
-  } else {
-    std::string from;
-    if (start_.resume_sharded) {  // every rank reads the shards it needs, at any world size
-      state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_);
-      state_.optimizer_restored = true;
-      from = "the sharded checkpoint of step " + std::to_string(*start_.resume_sharded) + " in " +
-             o_.out_dir;
-    } else {
-      from = *start_.resume_from;
-      torch::optim::Optimizer* standard =
-          strategy_->saved_optimizer_is_standard() ? opt_.get() : nullptr;
-      state_ = load_checkpoint(from, *model_.module, standard, model_.name);
-      strategy_->weights_loaded();
-    }
-    report_differences(state_);
-    if (state_.values.erase("scaletrain/sampler_position_per_rank") > 0) {
-      state_.sampler.position *= strategy_->data_replicas();  // an older file: exact at its world
-    }
-    sampler_->load_state(state_.sampler);
-    const bool restored = state_.optimizer_restored || strategy_->restore_optimizer(*opt_, state_);
-    if (auto* scaler = strategy_->scaler()) {
-      std::map<std::string, at::Tensor> scaler_state;  // fp16's loss scale: an exact resume
-      for (const auto& [k, t] : state_.tensors) {
-        if (k.rfind("scaler/", 0) == 0) scaler_state[k.substr(7)] = t;
-      }
-      scaler->load_state(scaler_state);
-    }
-    restore_rank_state();
-    if (state_.run_id.empty()) state_.run_id = start_.run_id.empty() ? "resumed" : start_.run_id;
-    r_.last_checkpoint = from;
-    if (d_.rank() == 0) {
-      drop_metrics_after(r_.metrics_path, state_.global_step);
-      std::cout << "resumed from " << from << " (epoch " << state_.epoch + 1 << ", step "
-                << state_.step_in_epoch << " of it)"
-                << (restored ? ""
-                             : "; its optimizer state was saved by another strategy: the "
-                               "weights go on, the optimizer starts afresh")
-                << std::endl;
-    }
-    // The options' learning rates win over the file's (a resume with a lower --lr is how a
-    // diverged run goes on); a scheduler replays its steps from them to this epoch.
-    for (size_t i = 0; i < first_lrs_.size(); ++i)
-      opt_->param_groups()[i].options().set_lr(first_lrs_[i]);
-    if (scheduler_) {
-      for (int64_t e = 0; e < state_.epoch; ++e) scheduler_->step();
-    }
-  }
-  state_.model_name = model_.name;
-  record_options();
-  if (d_.rank() == 0) begin_run(o_, start_, state_.run_id, model_.name);
-  reporter_ = std::make_unique<Reporter>(o_, d_.rank() == 0);
-}
-
 // Note [Model against data]: one sample through the model on the CPU before any work, and its
 // output against the default loss's shapes, so that a model built for other inputs (LeNet on
 // 32x32 images, an MLP of another width, a toy model on images) fails here with both shapes
@@ -240,48 +183,6 @@ void Run::check_model_takes(const Batch& sample) {
   }
 }
 
-// What this run's options say that the resumed one's said otherwise, and which wins: the seed
-// fixes the epoch's data order, so the checkpoint's goes on (each sample of the epoch once);
-// learning rates and the batch size are the options'.
-void Run::report_differences(const TrainingState& saved) {
-  std::vector<std::string> notes;
-  auto it = saved.values.find("trainer/seed");
-  if (it != saved.values.end() && std::stoull(it->second) != o_.seed) {
-    notes.push_back("seed " + std::to_string(o_.seed) + " is not the checkpoint's " + it->second +
-                    ": the checkpoint's goes on (it fixes the data order; start "
-                    "afresh for another seed)");
-    seed_ = std::stoull(it->second);
-    const bool whole = o_.fault_tolerant.has_value();  // the whole permutation
-    SamplerOptions so{task_.train_data.size,
-                      whole ? 1 : strategy_->data_replicas(),
-                      whole ? 0 : strategy_->data_rank(),
-                      true,
-                      seed_,
-                      false};
-    sampler_ = std::make_unique<DistributedSampler>(so);
-  }
-  it = saved.values.find("trainer/lr");
-  if (it != saved.values.end()) {
-    std::ostringstream now;
-    now << std::setprecision(17);
-    for (double lr : first_lrs_) now << (now.tellp() > 0 ? "," : "") << lr;
-    if (now.str() != it->second) {
-      std::ostringstream shown;
-      shown << first_lrs_[0];
-      notes.push_back("learning rate " + shown.str() +
-                      " differs from the checkpoint's: " + shown.str() + " goes on");
-    }
-  }
-  it = saved.values.find("trainer/batch_size");
-  if (it != saved.values.end() && std::stoll(it->second) != o_.batch_size) {
-    notes.push_back("batch size " + std::to_string(o_.batch_size) + " is not the checkpoint's " +
-                    it->second + ": the epoch goes on from the same sample in batches of " +
-                    std::to_string(o_.batch_size));
-  }
-  if (d_.rank() != 0) return;
-  for (const auto& n : notes) std::cout << "resume: " << n << std::endl;
-}
-
 // The options a resume compares against (report_differences()).
 void Run::record_options() {
   std::ostringstream lrs;
@@ -300,23 +201,6 @@ std::string Run::agreed_run_id(const std::string& mine) {
 
 at::Device Run::collective_device() const {
   return d_.backend_name == "nccl" ? strategy_->device() : at::Device(at::kCPU);
-}
-
-// Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the
-// world they were saved at, each rank takes its own; at another, rank 0 carries the loss sums
-// and every rank starts a stream of its own from the step.
-void Run::restore_rank_state() {
-  auto sums = state_.tensors.find("trainer/epoch_loss");
-  if (sums != state_.tensors.end() && state_.step_in_epoch > 0) {
-    const at::Tensor rows = sums->second.to(at::kDouble).reshape({-1, 2});
-    const at::Tensor mine =
-        rows.size(0) == d_.size() ? rows[d_.rank()] : (d_.rank() == 0 ? rows.sum(0) : rows[0] * 0);
-    loss_sum_ = mine[0].item<double>();
-    loss_n_ = static_cast<int64_t>(mine[1].item<double>());
-  }
-  if (!restore_rng_states(state_.tensors, d_)) {
-    torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), d_.rank()));
-  }
 }
 
 LoaderOptions Run::loader_options(int64_t batch, uint64_t seed, int64_t first_batch) const {
@@ -457,46 +341,6 @@ std::map<std::string, double> Run::evaluate() {
     out[metric.name] = metric.finish ? metric.finish(mean) : mean;
   }
   return out;
-}
-
-void Run::save(int64_t epoch, int64_t step_in_epoch) {
-  const auto t0 = Clock::now();
-  save_now(epoch, step_in_epoch);
-  r_.checkpoint_seconds += since(t0);
-  ++r_.checkpoints;
-}
-
-void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
-  const bool sharded = o_.checkpoint_format == CheckpointFormat::kSharded;
-  if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
-  if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
-    diverged("the weights hold NaN or inf", state_.global_step, epoch, r_.final_loss);
-  }
-  state_.epoch = epoch;
-  state_.step_in_epoch = step_in_epoch;
-  state_.sampler = sampler_->state();
-  state_.tensors.clear();
-  // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
-  state_.tensors = gather_rng_states(d_, collective_device());
-  auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
-  state_.tensors["trainer/epoch_loss"] =
-      at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
-  if (auto* scaler = strategy_->scaler()) {
-    for (const auto& [k, t] : scaler->state()) state_.tensors["scaler/" + k] = t;
-  }
-  if (sharded) {
-    r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep, writer_.get());
-    return;
-  }
-  const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
-  if (d_.rank() == 0) {
-    if (writer_) {  // --async-checkpoint
-      writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
-    } else {
-      save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
-    }
-  }
-  r_.last_checkpoint = checkpoint_path(o_.out_dir, state_.global_step);
 }
 
 void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double loss) {

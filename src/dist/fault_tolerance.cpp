@@ -37,17 +37,12 @@
 
 #include "scaletrain/fault_tolerance.h"
 
-#include <unistd.h>
-
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <condition_variable>
-#include <future>
-#include <map>
 #include <mutex>
 #include <random>
-#include <set>
 #include <sstream>
 #include <thread>
 
@@ -58,7 +53,6 @@
 namespace scaletrain {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 using dist_text::bytes;

@@ -1,8 +1,6 @@
 // The lighthouse (fault_tolerance.h): the process or thread that forms the replicas' quorums
 // over a c10d TCPStore. Its keys and rules are in Note [Replica groups] (fault_tolerance.cpp).
 
-#include <unistd.h>
-
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
@@ -10,7 +8,6 @@
 #include <future>
 #include <map>
 #include <mutex>
-#include <random>
 #include <set>
 #include <sstream>
 #include <thread>

@@ -3,9 +3,9 @@
 // shards; a checkpoint holds the model's weights, gathered, in the standard place, and the
 // optimizer's state over the whole model, flat, in TrainingState::tensors ("zero/optimizer/..."),
 // so it resumes at any world size and with any of the three stages. --amp bf16 is the sharded
-// mixed-precision policy (Note [Mixed precision] in src/zero/sharded_step.cpp): parameters and buffers
-// compute in bf16, gradients are reduced in fp32 into fp32 master shards; the loss is taken in
-// fp32, and checkpoints hold the fp32 master weights.
+// mixed-precision policy (Note [Mixed precision] in src/zero/sharded_step.cpp): parameters and
+// buffers compute in bf16, gradients are reduced in fp32 into fp32 master shards; the loss is taken
+// in fp32, and checkpoints hold the fp32 master weights.
 
 #include <ATen/ops/full.h>
 

@@ -10,23 +10,8 @@
 # usage: elastic_job.sh SCALETRAIN OUT_DIR
 set -u
 cli=$1; out=$2
-source "$(dirname "$0")/../../scripts/lib/netns.sh"
-trap netns_cleanup EXIT
-netns_hosts "el$$" private > /dev/null || exit 77
-mkdir -p "$out"
-train="train --device cpu --dataset synthetic --limit-train 4096 --limit-test 256 --epochs 3 --batch-size 32 --log-every 1 --no-progress --timeout 20 --checkpoint-every 8 --keep 1000"
-elastic="run --nnodes 1:2 --nproc-per-node 1 --master-addr $NETNS_MASTER --master-port 29417 --rdzv-last-call 2 --node-timeout 5 --max-restarts 0 --grace-period 3"
-checkpoints() { ls "$out/run"/ckpt-*.st 2>/dev/null | wc -l; }
-wait_for() {  # 'CONDITION': evaluated again every 0.1 s, for up to 120 s
-  local i=0
-  while ! eval "$1" && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
-}
-on_host "$NETNS_A" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/a.log" 2>&1 &
-a=$!
-on_host "$NETNS_B" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/b.log" 2>&1 &
-b=$!
-wait_for 'grep -q "world 2," "$out/a.log"'
-wait_for '[ "$(checkpoints)" -ge 1 ]'
+source "$(dirname "$0")/elastic_hosts.sh"
+elastic_start el 29417 5
 ip netns pids "$NETNS_B" | xargs -r kill -KILL
 wait $b; sb=$?
 echo "host b killed after $(checkpoints) checkpoint(s)"
@@ -34,7 +19,7 @@ wait_for 'grep -A1000 " left: " "$out/a.log" | grep -q "world 1,"'
 n=$(checkpoints)
 wait_for '[ "$(checkpoints)" -ge $((n + 2)) ]'
 echo "host b starts again after $(checkpoints) checkpoint(s)"
-on_host "$NETNS_B" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/b2.log" 2>&1 &
+elastic_node "$NETNS_B" "$out/b2.log"
 b2=$!
 wait $a; sa=$?
 wait $b2; sb2=$?

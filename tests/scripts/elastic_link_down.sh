@@ -7,22 +7,8 @@
 # usage: elastic_link_down.sh SCALETRAIN OUT_DIR
 set -u
 cli=$1; out=$2
-source "$(dirname "$0")/../../scripts/lib/netns.sh"
-trap netns_cleanup EXIT
-netns_hosts "ec$$" private > /dev/null || exit 77
-mkdir -p "$out"
-train="train --device cpu --dataset synthetic --limit-train 4096 --limit-test 256 --epochs 3 --batch-size 32 --log-every 1 --no-progress --timeout 20 --checkpoint-every 8"
-elastic="run --nnodes 1:2 --nproc-per-node 1 --master-addr $NETNS_MASTER --master-port 29419 --rdzv-last-call 2 --node-timeout 4 --max-restarts 0 --grace-period 3"
-wait_for() {  # 'CONDITION': evaluated again every 0.1 s, for up to 120 s
-  local i=0
-  while ! eval "$1" && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
-}
-on_host "$NETNS_A" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/a.log" 2>&1 &
-a=$!
-on_host "$NETNS_B" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$out/b.log" 2>&1 &
-b=$!
-wait_for 'grep -q "world 2," "$out/a.log"'
-wait_for 'ls "$out/run"/ckpt-*.st > /dev/null 2>&1'
+source "$(dirname "$0")/elastic_hosts.sh"
+elastic_start ec 29419 4
 ip -n "$NETNS_B" link set "${NETNS_TAG}y" down
 echo "link of host b down"
 wait $b; sb=$?

@@ -5,12 +5,15 @@
 # replicas, stops the lighthouse, and prints every log, then "replica R exit S" for each. A
 # worker stopped while its replica starts holds the others in the rendezvous: --rdzv-timeout 20
 # bounds that; a replica whose workers are all stopped fails by --stopped-timeout 8 (the
-# defaults, 5 minutes each, would outlast the test).
+# defaults, 5 minutes each, would outlast the test). A killed worker's replica restarts within
+# about a second on an idle machine: the lighthouse's --heartbeat-timeout 0.5 (the default 1.5)
+# sees it gone before its new process beats, so the other replica goes on alone meanwhile
+# whatever the machine's load.
 #   ft_job.sh CLI DIR PORT none|KILL|STOP [train flags...]
 cli=$1 dir=$2 port=$3 sig=$4
 shift 4
 here=$(cd "$(dirname "$0")" && pwd)
-"$cli" lighthouse --port "$port" --join-timeout 3 --replicas 2 > "$dir/lighthouse.log" 2>&1 &
+"$cli" lighthouse --port "$port" --join-timeout 3 --heartbeat-timeout 0.5 --replicas 2 > "$dir/lighthouse.log" 2>&1 &
 lighthouse=$!
 pids=""
 for r in 0 1; do

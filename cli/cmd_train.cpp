@@ -295,8 +295,9 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_option(
          "--tp", a.o.tensor_parallel,
-         "ddp, zero1, zero2: ranks per tensor-parallel group, each splitting one replica's model "
-         "(gpt-tiny, gpt2-small); the rest of the world is data parallel")
+         "ddp, zero1, zero2, grid: ranks per tensor-parallel group, each splitting one replica's "
+         "model (grid: one stage's; gpt-tiny, gpt2-small); the rest of the world is data "
+         "parallel")
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
@@ -381,7 +382,8 @@ int launch_ranks(Args& a) {
   const auto s = a.o.strategy;
   const bool per_device =
       s == Strategy::kDDP || s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp;
-  const int automatic = s == Strategy::kGrid ? a.o.pipeline_stages
+  const int automatic = s == Strategy::kGrid
+                            ? a.o.pipeline_stages * std::max(a.o.tensor_parallel, 1)
                         : per_device ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
                                      : 1;  // dp, pipeline: one process
   lo.nproc_per_node = parse_nproc_per_node(a.nproc, automatic);

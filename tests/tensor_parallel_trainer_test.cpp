@@ -251,17 +251,23 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
   expect_close(ends.at(4), ends.at(1), "clipped, tp 4 with sequence parallelism");
 }
 
+// The single rank's run clipped at 0.05, which its first step's norm is well above.
+Normed clipped_single_rank(const TokenTask& data, const fs::path& out) {
+  auto o = options(out, 1);
+  o.max_grad_norm = 0.05;
+  Normed r = run_with_norms(1, data.task(), o);
+  EXPECT_GT(r.norms.at(0), 0.5) << "the case must clip";
+  return r;
+}
+
 // 2D, ZeRO × TP: zero1 and zero2 over dp 2, the model split over tp 2, equal the single rank,
 // clipped by the whole model's norm (the shards' squares over every rank, a replicated
 // parameter's elements counted once): the first step's norm is the single rank's.
 TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
   const TokenTask data;
   TempDir one("tpz_one");
-  auto o1 = options(one.path, 1);
-  o1.max_grad_norm = 0.05;
-  const Normed r1 = run_with_norms(1, data.task(), o1);
+  const Normed r1 = clipped_single_rank(data, one.path);
   ASSERT_EQ(r1.norms.size(), 8u);
-  EXPECT_GT(r1.norms[0], 0.5) << "the case must clip";
   const auto w1 = final_weights(r1.result.weights_path);
   const int64_t whole = parameter_count(*make_model("gpt-tiny", gpt_options()).module);
   for (Strategy s : {Strategy::kZero1, Strategy::kZero2}) {
@@ -346,6 +352,93 @@ TEST(TrainTensorParallel, Bf16AutocastLearnsAtTp2) {
   EXPECT_FALSE(at::equal(w["none"].at("lm_head.weight"), w["bf16"].at("lm_head.weight")));
 }
 
+// 3D from the trainer (Note [Grid with tensor parallelism] in src/train/grid.cpp): a grid of 2
+// stages whose stages are each split over tp 2 (4 ranks), with sequence parallelism and
+// clipping; the same interleaved (4 stages of one block) and under zero bubble H1 (its weight
+// gradients apart from its input gradients); and 2 such pipelines in data parallel (8 ranks,
+// dp 2 x pp 2 x tp 2). Each trains to the single rank's weights, with its
+// loss and its gradient norm.
+struct GridCase {
+  std::string name;
+  int world;
+  bool sequence_parallel;
+  PipelineSchedule schedule;
+  int stages_per_device;
+};
+
+TEST(TrainTensorParallel, GridTimesTensorParallelEqualsTheSingleRank) {
+  const TokenTask data;
+  TempDir one("tpg_one");
+  const Normed r1 = clipped_single_rank(data, one.path);
+  ASSERT_EQ(r1.norms.size(), 8u);
+  const auto w1 = final_weights(r1.result.weights_path);
+  const int64_t whole = parameter_count(*make_model("gpt-tiny", gpt_options()).module);
+  for (const GridCase& c :
+       {GridCase{"pp 2 x tp 2, sequence parallel", 4, true, PipelineSchedule::k1F1B, 1},
+        GridCase{"pp 2 x tp 2, interleaved", 4, false, PipelineSchedule::kInterleaved1F1B, 2},
+        GridCase{"pp 2 x tp 2, zero bubble", 4, true, PipelineSchedule::kZeroBubbleH1, 1},
+        GridCase{"dp 2 x pp 2 x tp 2", 8, false, PipelineSchedule::kGPipe, 1}}) {
+    TempDir dir("tpg");
+    auto o = options(dir.path, 2);
+    o.strategy = Strategy::kGrid;
+    o.pipeline_stages = 2;
+    o.sequence_parallel = c.sequence_parallel;
+    o.schedule = c.schedule;
+    o.stages_per_device = c.stages_per_device;
+    o.chunks = 4;
+    o.max_grad_norm = 0.05;
+    ASSERT_NO_THROW(validate(o, c.world)) << c.name;
+    const Normed r = run_with_norms(c.world, data.task(), o);
+    EXPECT_EQ(r.result.global_step, r1.result.global_step) << c.name;
+    ASSERT_EQ(r.norms.size(), 8u) << c.name;
+    EXPECT_NEAR(r.norms[0], r1.norms[0], 1e-9 * r1.norms[0]) << c.name;
+    expect_close(final_weights(r.result.weights_path), w1, c.name);
+    EXPECT_NEAR(r.result.final_loss, r1.result.final_loss, 1e-9 * r1.result.final_loss) << c.name;
+    EXPECT_NEAR(r.result.test_accuracy, r1.result.test_accuracy, 1e-12) << c.name;
+    // Rank 0 holds its stage's half of the split layers: under a half of the model.
+    EXPECT_LT(r.result.devices.at(0).parameters, whole / 2) << c.name;
+  }
+}
+
+// pp 2 x tp 2 stopped after step 5 and resumed at the same mesh: bit for bit the uninterrupted
+// run (each stage's tp ranks' optimizer states are in rank 0's file). The same checkpoint,
+// whole weights under the GPT's names, resumes under ddp on one rank and under tp 2 alike.
+TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStrategies) {
+  const TokenTask data;
+  TempDir full("tpg_full"), cut("tpg_cut"), other("tpg_other");
+  auto grid = [](const fs::path& dir) {
+    auto o = options(dir, 2);
+    o.strategy = Strategy::kGrid;
+    o.pipeline_stages = 2;
+    o.schedule = PipelineSchedule::k1F1B;
+    o.chunks = 2;
+    o.sequence_parallel = true;
+    return o;
+  };
+  auto straight = run(4, data.task(), grid(full.path));
+  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(4, data.task(), grid(cut.path)));
+  fs::copy(cut.path, other.path,
+           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  auto o = grid(cut.path);
+  o.resume = "auto";
+  auto resumed = run(4, data.task(), o);
+  EXPECT_EQ(resumed.global_step, 8);
+  const auto a = final_weights(straight.weights_path), b = final_weights(resumed.weights_path);
+  for (const auto& [name, v] : a) EXPECT_TRUE(at::equal(v, b.at(name))) << name;
+  std::map<int, std::map<std::string, at::Tensor>> ends;
+  for (int tp : {1, 2}) {
+    TempDir again("tpg_again" + std::to_string(tp));
+    fs::copy(other.path, again.path,
+             fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    auto o2 = options(again.path, tp);
+    o2.resume = "auto";
+    auto r = run(tp, data.task(), o2);
+    EXPECT_EQ(r.global_step, 8) << "tp " << tp;
+    ends[tp] = final_weights(r.weights_path);
+  }
+  expect_close(ends.at(2), ends.at(1), "resumed under ddp at tp 2 against tp 1");
+}
+
 TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   auto o = options("/tmp", 2);
   auto expect = [&](const TrainerOptions& bad, int world, const std::string& part) {
@@ -358,7 +451,16 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   };
   auto b = o;
   b.strategy = Strategy::kFsdp;
-  expect(b, 2, "--tp 2 goes with --strategy ddp, zero1 or zero2");
+  expect(b, 2, "--tp 2 goes with --strategy ddp, zero1, zero2 or grid");
+  b = o;
+  b.strategy = Strategy::kGrid;
+  expect(b, 6,
+         "--strategy grid needs --pipeline-stages of at least 2 dividing the world with "
+         "--tp 2: 6 processes");
+  expect(b, 2, "dividing the world with --tp 2: 2 processes");
+  b.schedule = PipelineSchedule::kZeroBubbleH1;
+  b.chunks = 4;
+  expect(b, 8, "as many processes as --pipeline-stages times --tp, here 4, not 8");
   b = o;
   b.strategy = Strategy::kZero2;
   b.sequence_parallel = true;

@@ -174,6 +174,16 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero2_tp2", 4,
                "--strategy zero2 --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
                "gpt-tiny"},
+        // 3D: a grid whose stages are split over tp (pp 2 x tp 2, and dp 2 x pp 2 x tp 2),
+        // each stage's tp ranks' optimizer states in rank 0's file.
+        Resume{"grid_tp2", 4,
+               "--strategy grid --pipeline-stages 2 --tp 2 --sequence-parallel --chunks 2 "
+               "--model gpt-tiny --dataset text --data-dir {text} --optimizer adam",
+               "gpt-tiny"},
+        Resume{"dp2_pp2_tp2", 8,
+               "--strategy grid --pipeline-stages 2 --tp 2 --schedule 1f1b --chunks 2 "
+               "--model gpt-tiny --dataset text --data-dir {text}",
+               "gpt-tiny"},
         // Checkpoints written in the background: the kill at step 9 may come while step 8's
         // file is still being written (then the resume starts from step 6), and either way
         // the run ends as the straight one.
@@ -332,8 +342,6 @@ TEST(Train, ReusedOutputFolderNeverLosesOrMixesRuns) {
       << fresh.output;
 }
 
-// A launcher's restart of the same run that died before its first checkpoint is that run
-// starting over, not another run: it is not refused, and its metrics start again.
 // Regression (TimeBalanceChangedOnResume): a grid started with one split and resumed with
 // --balance auto (measured) keeps the checkpoint's split, so its stages keep their optimizer
 // state: the final weights are those of the run never stopped. ("3,1" puts LeNet's three
@@ -356,6 +364,21 @@ TEST(Train, GridResumeKeepsTheCheckpointsBalance) {
       << c.output;
 }
 
+// Regression (GridProgressLineShowedNaN): rank 0 of a grid is its first stage, which computes
+// no loss; its progress lines printed "loss nan". They show the last stage's running mean.
+TEST(Train, GridProgressLinesShowTheLastStagesLoss) {
+  TempDir dir("grid_progress");
+  auto r = run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 -- " + cli_path() +
+                       " train --device cpu --dataset synthetic --limit-train 384 --limit-test 64 "
+                       "--epochs 1 --batch-size 64 --strategy grid --pipeline-stages 2 --out " +
+                       dir.path.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("6/6 batches, loss "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loss nan"), std::string::npos) << r.output;
+}
+
+// A launcher's restart of the same run that died before its first checkpoint is that run
+// starting over, not another run: it is not refused, and its metrics start again.
 TEST(Train, RestartBeforeTheFirstCheckpointStartsOver) {
   TempDir dir("restart_early");
   auto r = run_command("SCALETRAIN_KILL_AT_STEP=2 " + cli_path() +

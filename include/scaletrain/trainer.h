@@ -249,9 +249,11 @@ struct TrainerOptions {
   int pipeline_stages = 2;                                        // grid: ranks per pipeline
   int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
                               // (grid of one replica); --balance then lists that many times more
-  // ddp: ranks per tensor-parallel group (tensor_parallel.h). The world is the mesh
-  // {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
-  // (Model::parallelize) over its tp ranks, and DDP averages over dp. 1: no split.
+  // ddp, zero1, zero2: ranks per tensor-parallel group (tensor_parallel.h). The world is the
+  // mesh {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
+  // (Model::parallelize) over its tp ranks, and DDP (or ZeRO) works over dp. grid: the mesh
+  // {dp, pp: pipeline_stages, tp: tensor_parallel}, each stage split over its tp ranks. 1: no
+  // split.
   int tensor_parallel = 1;
   bool sequence_parallel = false;  // with tensor_parallel > 1: LayerNorms etc. on a sequence slice
   // The peak FLOP/s of one device, for TrainResult::mfu (flops.h): the data sheet's dense figure

@@ -1,15 +1,32 @@
 // The grid strategy (Note [Strategies] in strategy.cpp): `stages` ranks form a pipeline
-// (DistPipeline), world / stages such pipelines train on their own slices of the data, and each
-// stage's parameters are averaged over its replicas by DDP in a group of its own.
+// (DistPipeline), the pipelines train on their own slices of the data, and each stage's
+// parameters are averaged over its replicas by DDP in a group of its own. With
+// TrainerOptions::tensor_parallel = t > 1 each stage is split over t ranks besides (3D: the mesh
+// {dp, pp, tp}, Note [Grid with tensor parallelism]).
 //
-//   rank = replica × stages + stage        e.g. 4 ranks, 2 stages:   stage 0   stage 1
-//   (the DeviceMesh {dp, pp}, mesh.h)
+//   rank = (replica × stages + stage) × t + tp     e.g. 4 ranks, 2 stages:   stage 0   stage 1
+//   (the DeviceMesh {dp, pp, tp}, mesh.h)
 //                                                          replica 0   rank 0    rank 1
 //                                                          replica 1   rank 2    rank 3
 //
 // Every rank builds the whole model and trains its stage's blocks; checkpoints gather the
 // stages' weights from replica 0 onto every rank (the file holds the whole model under PyTorch's
 // names) and each stage's optimizer state onto rank 0.
+//
+// Note [Grid with tensor parallelism]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// As in the tensor-parallel strategy (Note [Tensor-parallel strategy] in tp_strategy.cpp), the
+// trainer's Model stays whole on the CPU for checkpoints, and a second build of it, given rank
+// 0's weights and split over the rank's tp group (Model::parallelize), is the one cut into
+// stages and trained. A stage's tp ranks run the same pipeline tasks in step (their stage_ranks
+// differ only in the tp coordinate), so the split layers' collectives meet; activations go from
+// a stage's tp rank k to the next stage's tp rank k. The last stage takes the model's parallel
+// loss (vocabulary-parallel cross entropy). Sequence parallelism's sum of the replicated
+// gradients over tp runs after the step's last backward: it commutes with DDP's average over
+// dp. gather_weights() assembles each stage's slices over tp and broadcasts them from replica
+// 0; weights_loaded() cuts a checkpoint's whole weights again, so a checkpoint moves between
+// any grid, tp degree and strategy. The optimizer state is per (stage, tp rank), and is reused
+// at the same stages, balance and degree only.
 
 #include <optional>
 #include <set>
@@ -17,33 +34,52 @@
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
 #include "scaletrain/error.h"
+#include "scaletrain/mesh.h"
+#include "scaletrain/tensor_parallel.h"
 #include "train/balance.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
 namespace {
 
-constexpr int kOptimizerTag = 1 << 20;  // point-to-point tags of the optimizer gather
+constexpr int kOptimizerTag = 1 << 20;            // point-to-point tags of the optimizer gather
+const char* kDegreeKey = "grid/tensor_parallel";  // the tp degree of the optimizer states
 
-std::string optimizer_key(int stage) { return "grid/optimizer/stage" + std::to_string(stage); }
+// A stage's optimizer state; with tensor parallelism, its tp rank's.
+std::string optimizer_key(int stage, int tp, int degree) {
+  return "grid/optimizer/stage" + std::to_string(stage) +
+         (degree > 1 ? "/tp" + std::to_string(tp) : "");
+}
 
 class GridStrategy : public TrainStrategy {
  public:
   GridStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                const at::Tensor& sample)
       : TrainStrategy(d),
-        model_(model),
+        whole_(model),
         loss_(task.loss),
         stages_(o.pipeline_stages),
-        replica_(d.rank() / o.pipeline_stages),  // the mesh's coordinates (below)
-        stage_(d.rank() % o.pipeline_stages),
+        degree_(std::max(o.tensor_parallel, 1)),
+        mesh_({{"dp", d.size() / (o.pipeline_stages * degree_)},
+               {"pp", o.pipeline_stages},
+               {"tp", degree_}},
+              d.size()),
+        replica_(mesh_.coordinate(d.rank(), "dp")),
+        stage_(mesh_.coordinate(d.rank(), "pp")),
         dev_(rank_device(o.device, d)) {
-    torch::nn::Sequential chain = chain_of(model);
+    // The mesh {dp, pp, tp}: DDP over this stage's replicas (its "dp" group), the pipeline along
+    // this replica's stages (its "pp" group), the split over "tp".
+    groups_ = mesh_groups(
+        d, mesh_, "grid",
+        degree_ > 1 ? std::vector<std::string>{"dp", "tp"} : std::vector<std::string>{"dp"});
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
     const int v = v_ = o.stages_per_device;
-    const auto balance = resolve_balance(o.balance, chain, stages_ * v, sample, d, dev_);
+    const auto balance = resolve_balance(o.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
+    if (degree_ > 1) split(task, o.sequence_parallel);
+    Model& trained = degree_ > 1 ? split_ : whole_;
+    torch::nn::Sequential chain = chain_of(trained);
     stage_params_.resize(static_cast<size_t>(stages_));
     size_t begin = 0;
     for (int k = 0; k < stages_ * v; ++k) {
@@ -54,16 +90,14 @@ class GridStrategy : public TrainStrategy {
       if (k % stages_ == stage_) chunks_.push_back(part);
       begin = end;
     }
-    for (auto& params : stage_params_) params = in_model_order(params);
+    for (auto& params : stage_params_) params = in_model_order(params, *trained.module);
     stage_module_ = chunks_.front();
-    // The mesh {dp, pp}: DDP over this stage's replicas (its "dp" group), the pipeline along
-    // this replica's stages (its "pp" group).
-    const DeviceMesh mesh({{"dp", d.size() / stages_}, {"pp", stages_}}, d.size());
-    group_ = mesh_groups(d, mesh, "grid", {"dp"}).at("dp");
     for (auto& c : chunks_) c->to(dev_);
-    if (d.size() > stages_) ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, group_);
+    if (mesh_.size("dp") > 1) {
+      ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, groups_.at("dp"));
+    }
     DistPipelineOptions po;
-    po.stage_ranks = mesh.group(d.rank(), "pp");
+    po.stage_ranks = mesh_.group(d.rank(), "pp");
     po.chunks = o.chunks > 0 ? o.chunks : 2 * stages_;
     po.schedule = o.schedule;
     po.device = dev_;
@@ -76,7 +110,7 @@ class GridStrategy : public TrainStrategy {
     return stage_params_[static_cast<size_t>(stage_)];
   }
   int data_rank() const override { return replica_; }
-  int data_replicas() const override { return dist_.size() / stages_; }
+  int data_replicas() const override { return mesh_.size("dp"); }
   at::Device device() const override { return dev_; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
@@ -88,47 +122,72 @@ class GridStrategy : public TrainStrategy {
         return loss_(out, t) * weight;
       };
     }
-    return pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
+    auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
+    // Once per step, after its last backward: over what the step accumulated.
+    if (sync && split_.after_backward) split_.after_backward();
+    return out;
   }
 
   at::Tensor predict(const at::Tensor& x) override {
-    return pipe_->forward(first() ? x : at::Tensor());
+    at::Tensor out = pipe_->forward(first() ? x : at::Tensor());
+    return out.defined() && split_.output_split ? gather_from_region(out, tp(), -1) : out;
   }
 
   // Each rank holds its stages' gradients, the same in each of the replicas: the world's sum
-  // counts every stage once per replica.
+  // counts every stage once per replica. Split parameters hold a slice on each tp rank,
+  // replicated ones the whole gradient on each (counted 1/t there).
   double gradient_square_sum() override {
-    return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_) / data_replicas();
+    std::vector<at::Tensor> split, replicated;
+    for (const auto& p : parameters()) {
+      (replicated_.count(p.unsafeGetTensorImpl()) ? replicated : split).push_back(p.grad());
+    }
+    const double mine = square_sum(split) + square_sum(replicated) / degree_;
+    return sum_over(dist_, mine, dev_) / data_replicas();
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
     return on_every_rank(dist_, TrainStrategy::gradients_finite(), dev_);
   }
 
   void gather_weights() override {
+    if (degree_ > 1) {  // this stage's slices assembled over tp into the whole model
+      auto full = gather_full_state(*split_.module, tp());
+      torch::NoGradGuard no_grad;
+      for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
+    }
+    auto stages = whole_stage_parameters();
     torch::NoGradGuard no_grad;
-    for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s, rank s
-      auto& params = stage_params_[static_cast<size_t>(s)];
+    for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s (its tp rank 0)
+      auto& params = stages[static_cast<size_t>(s)];
       auto flat = flat_copy(params, dev_);
-      dist_.broadcast(flat, s);
+      dist_.broadcast(flat, mesh_.rank_at({0, s, 0}));
       copy_from_flat(flat, params);
     }
+  }
+  void weights_loaded() override {
+    if (degree_ > 1) load_full_state(*split_.module, tp(), named_values(*whole_.module));
   }
 
   double reported_loss(double local) override {  // from replica 0's last stage
     auto t = at::full({1}, last() ? local : 0.0, at::kDouble).to(dev_);
-    dist_.broadcast(t, stages_ - 1);
+    dist_.broadcast(t, mesh_.rank_at({0, stages_ - 1, 0}));
     return t.item<double>();
   }
 
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
     if (replica_ != 0) return nullptr;
-    // Replica 0's stages are ranks 0 … stages − 1.
-    auto all = bytes_to_rank_zero(dist_, optimizer_bytes(opt), stages_, kOptimizerTag, at::kCPU);
-    for (size_t s = 0; s < all.size(); ++s) {
-      state.tensors[optimizer_key(static_cast<int>(s))] = all[s];
+    // Replica 0's stages (and their tp ranks) are ranks 0 … stages · t − 1.
+    auto all =
+        bytes_to_rank_zero(dist_, optimizer_bytes(opt), stages_ * degree_, kOptimizerTag, at::kCPU);
+    for (size_t r = 0; r < all.size(); ++r) {
+      const int s = mesh_.coordinate(static_cast<int>(r), "pp");
+      const int t = mesh_.coordinate(static_cast<int>(r), "tp");
+      state.tensors[optimizer_key(s, t, degree_)] = all[r];
     }
-    if (stage_ == 0) state.values["grid/stages"] = layout();
+    if (dist_.rank() == 0) {
+      state.values["grid/stages"] = layout();
+      if (degree_ > 1) state.values[kDegreeKey] = std::to_string(degree_);
+    }
     return nullptr;  // the stages' states travel in `state`
   }
 
@@ -136,7 +195,12 @@ class GridStrategy : public TrainStrategy {
 
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
     auto stages = state.values.find("grid/stages");
-    auto bytes = state.tensors.find(optimizer_key(stage_));
+    auto degree = state.values.find(kDegreeKey);  // absent: 1
+    if ((degree == state.values.end() ? "1" : degree->second) != std::to_string(degree_)) {
+      return false;
+    }
+    auto bytes =
+        state.tensors.find(optimizer_key(stage_, mesh_.coordinate(dist_.rank(), "tp"), degree_));
     if (stages == state.values.end() || stages->second != layout() ||
         bytes == state.tensors.end()) {
       return false;
@@ -145,7 +209,7 @@ class GridStrategy : public TrainStrategy {
     return true;
   }
 
-  void train_mode(bool on) override { model_.module->train(on); }
+  void train_mode(bool on) override { (degree_ > 1 ? split_ : whole_).module->train(on); }
   std::vector<DeviceReport> devices() const override {
     int64_t n = 0;
     for (auto& p : stage_params_[static_cast<size_t>(stage_)]) n += p.numel();
@@ -163,29 +227,69 @@ class GridStrategy : public TrainStrategy {
     }
     return s;
   }
+
+  // A second build of the task's model with rank 0's weights, split over this rank's tp group.
+  void split(const TrainTask& task, bool sequence_parallel) {
+    split_ = task.model();
+    if (!split_.parallelize) {
+      throw UsageError("tensor parallelism: model '" + split_.name +
+                       "' cannot be split (its Model has no parallelize; build its linear layers "
+                       "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
+    }
+    broadcast_parameters(*whole_.module, dist_, dev_);
+    copy_parameters(*whole_.module, *split_.module);
+    split_.parallelize(tp(), sequence_parallel);
+    if (split_.parallel_loss) loss_ = split_.parallel_loss;
+    for (const auto& p : replicated_parameters(*split_.module)) {
+      replicated_.insert(p.unsafeGetTensorImpl());
+    }
+  }
+
+  // The whole model's parameters of each stage, in the model's order.
+  std::vector<std::vector<at::Tensor>> whole_stage_parameters() const {
+    if (degree_ == 1) return stage_params_;
+    torch::nn::Sequential chain = chain_of(whole_);
+    std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(stages_));
+    size_t begin = 0;
+    for (size_t k = 0; k < balance_.size(); ++k) {
+      const size_t end = begin + static_cast<size_t>(balance_[k]);
+      for (auto& p : slice(chain, begin, end)->parameters()) {
+        out[k % static_cast<size_t>(stages_)].push_back(p);
+      }
+      begin = end;
+    }
+    for (auto& params : out) params = in_model_order(params, *whole_.module);
+    return out;
+  }
+  const Dist& tp() const { return groups_.at("tp"); }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
 
   // `params` (a stage's) in the order the model lists them.
-  std::vector<at::Tensor> in_model_order(const std::vector<at::Tensor>& params) const {
+  static std::vector<at::Tensor> in_model_order(const std::vector<at::Tensor>& params,
+                                                const torch::nn::Module& model) {
     std::set<const void*> mine;
     for (const auto& p : params) mine.insert(p.unsafeGetTensorImpl());
     std::vector<at::Tensor> out;
-    for (const auto& p : model_.module->parameters()) {
+    for (const auto& p : model.parameters()) {
       if (mine.count(p.unsafeGetTensorImpl())) out.push_back(p);
     }
     return out;
   }
 
-  Model& model_;
+  Model& whole_;                      // the task's model: on every rank, whole, for checkpoints
+  Model split_;                       // tp > 1: the trained build, split over tp
+  std::set<const void*> replicated_;  // tp > 1: the split build's parameters whole on each
   LossFn loss_;
-  int stages_, replica_, stage_, v_ = 1;
+  int stages_, degree_;
+  DeviceMesh mesh_;
+  int replica_, stage_, v_ = 1;
   std::vector<int64_t> balance_;  // blocks per pipeline stage
   at::Device dev_;
   std::vector<std::vector<at::Tensor>> stage_params_;  // per stage, in the model's order
   torch::nn::Sequential stage_module_{nullptr};        // chunks_[0]: the stage (no interleaving)
   std::vector<torch::nn::Sequential> chunks_;          // this rank's stages, in the model's order
-  Dist group_;
+  std::map<std::string, Dist> groups_;                 // "dp", and "tp" when split
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;
 };

@@ -6,6 +6,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -43,6 +44,7 @@ class Run {
   void resume();
   void epoch(int64_t e);
   // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
+  double running_loss(int64_t done, int64_t batches);
   void end_epoch(int64_t e, double seconds);
   // Fault-tolerant replicas (fault_loop.cpp, Note [Fault-tolerant loop]).
   void train_fault_tolerant();
@@ -88,8 +90,9 @@ class Run {
   double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
   double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
   int64_t loss_n_ = 0;
-  std::unique_ptr<ReplicaGroup> replicas_;  // --fault-tolerant
-  bool left_behind_ = false;                // the other replicas finished while this one was away
+  double reported_mean_ = std::numeric_limits<double>::quiet_NaN();  // running_loss()
+  std::unique_ptr<ReplicaGroup> replicas_;                           // --fault-tolerant
+  bool left_behind_ = false;  // the other replicas finished while this one was away
   // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
   std::unique_ptr<AsyncCheckpointer> writer_;
 };

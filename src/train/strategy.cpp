@@ -191,6 +191,26 @@ void copy_from_flat(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
   }
 }
 
+void broadcast_parameters(torch::nn::Module& module, const Dist& dist, const at::Device& device) {
+  std::vector<at::Tensor> params = module.parameters();
+  auto flat = flat_copy(params, device);
+  dist.broadcast(flat, 0);
+  torch::NoGradGuard no_grad;
+  copy_from_flat(flat, params);
+}
+
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  auto source = from.named_parameters();
+  for (auto& p : to.named_parameters()) p.value().copy_(source[p.key()]);
+}
+
+std::map<std::string, at::Tensor> named_values(torch::nn::Module& module) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : module.named_parameters()) out[p.key()] = p.value().detach();
+  return out;
+}
+
 double TrainStrategy::gradient_square_sum() {
   std::vector<at::Tensor> grads;
   for (auto& p : parameters()) grads.push_back(p.grad());

@@ -4,6 +4,7 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -121,5 +122,14 @@ bool on_every_rank(const Dist& dist, bool mine, const at::Device& device);
 /// copy_from_flat() puts such a tensor's pieces back, in the same order.
 at::Tensor flat_copy(const std::vector<at::Tensor>& tensors, const at::Device& device);
 void copy_from_flat(const at::Tensor& flat, std::vector<at::Tensor>& tensors);
+
+/// Collective over `dist`: every rank's `module` takes rank 0's parameter values (one broadcast,
+/// through `device`).
+void broadcast_parameters(torch::nn::Module& module, const Dist& dist, const at::Device& device);
+/// `to`'s parameters take the values of `from`'s of the same names (a whole model's into a
+/// second build of it, before that one is split).
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to);
+/// The parameters by name, detached (not copied).
+std::map<std::string, at::Tensor> named_values(torch::nn::Module& module);
 
 }  // namespace scaletrain

@@ -41,18 +41,6 @@ std::string optimizer_key(int rank) {
   return "tensor_parallel/optimizer/rank" + std::to_string(rank);
 }
 
-void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
-  torch::NoGradGuard no_grad;
-  auto source = from.named_parameters();
-  for (auto& p : to.named_parameters()) p.value().copy_(source[p.key()]);
-}
-
-std::map<std::string, at::Tensor> whole_state(torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters()) out[p.key()] = p.value().detach();
-  return out;
-}
-
 class TensorParallelStrategy : public TrainStrategy {
  public:
   TensorParallelStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d,
@@ -69,21 +57,8 @@ class TensorParallelStrategy : public TrainStrategy {
                        "' cannot be split (its Model has no parallelize; build its linear layers "
                        "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
     }
-    {  // rank 0's weights everywhere, then this rank's slices of them
-      std::vector<at::Tensor> params = whole_.module->parameters();
-      auto flat = at::cat([&] {
-        std::vector<at::Tensor> v;
-        for (auto& p : params) v.push_back(p.detach().reshape({-1}));
-        return v;
-      }());
-      dist_.broadcast(flat, 0);
-      torch::NoGradGuard no_grad;
-      int64_t at = 0;
-      for (auto& p : params) {
-        p.copy_(flat.narrow(0, at, p.numel()).view_as(p));
-        at += p.numel();
-      }
-    }
+    // Rank 0's weights everywhere, then this rank's slices of them.
+    broadcast_parameters(*whole_.module, dist_, collective());
     copy_parameters(*whole_.module, *split_.module);
     split_.parallelize(tp(), o.sequence_parallel);
     split_.module->to(dev_);
@@ -175,7 +150,7 @@ class TensorParallelStrategy : public TrainStrategy {
     for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
   }
   void weights_loaded() override {
-    load_full_state(*split_.module, tp(), whole_state(*whole_.module));
+    load_full_state(*split_.module, tp(), named_values(*whole_.module));
     if (zero_) zero_->scatter_full_parameters();
   }
 
@@ -278,9 +253,10 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
   }
   if (o.tensor_parallel == 1) return;
   const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2;
-  if (o.strategy != Strategy::kDDP && !zero) {
+  const bool grid = o.strategy == Strategy::kGrid;
+  if (o.strategy != Strategy::kDDP && !zero && !grid) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
-                     " goes with --strategy ddp, zero1 or zero2 (" + to_string(o.strategy) +
+                     " goes with --strategy ddp, zero1, zero2 or grid (" + to_string(o.strategy) +
                      " does not split layers yet)");
   }
   if (zero && o.sequence_parallel) {
@@ -303,7 +279,11 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
                      " with --amp fp16 is not supported yet (no loss scaling there); use --amp "
                      "bf16 or none");
   }
-  const int replicas = world / o.tensor_parallel;
+  // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
+  // so, in the grid's words).
+  const int per_replica = o.tensor_parallel * (grid ? std::max(o.pipeline_stages, 1) : 1);
+  if (world % per_replica != 0) return;
+  const int replicas = world / per_replica;
   if (o.batch_size % replicas != 0) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " does not split over the " +
                      std::to_string(replicas) + " data-parallel replicas of --tp " +

@@ -262,8 +262,8 @@ void Run::epoch(int64_t e) {
     StepReport report{e + 1, done, state_.global_step, loss, false, grad_norm_};
     if (o_.log_every > 0 && state_.global_step % o_.log_every == 0)
       loss = strategy_->reported_loss(loss);
-    reporter_->step(e, done, batches, state_.global_step, loss,
-                    loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : loss, lr(), since(t0));
+    reporter_->step(e, done, batches, state_.global_step, loss, running_loss(done, batches), lr(),
+                    since(t0));
     if (o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0 && last_micro) {
       save(e, done);
       report.checkpointed = true;
@@ -274,6 +274,20 @@ void Run::epoch(int64_t e) {
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
   strategy_->end_epoch();
   end_epoch(e, since(t0));
+}
+
+// The epoch's running mean loss for the progress line: this rank's, or where it computes no
+// loss (a grid's first stages, rank 0 among them), the one the strategy reports, asked on the
+// steps whose line is printed without a terminal (every rank asks on the same steps: the
+// question is collective).
+// Regression (GridProgressLineShowedNaN): rank 0 of a grid printed "loss nan" there.
+double Run::running_loss(int64_t done, int64_t batches) {
+  const double mine =
+      loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : std::numeric_limits<double>::quiet_NaN();
+  if (done == batches || done % std::max<int64_t>(1, batches / 4) == 0) {
+    reported_mean_ = strategy_->reported_loss(mine);
+  }
+  return loss_n_ ? mine : reported_mean_;
 }
 
 void Run::end_epoch(int64_t e, double seconds) {

@@ -59,8 +59,8 @@ int replicas(const TrainerOptions& o, int world) {
       return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
     case Strategy::kFsdp:
       return world;
-    case Strategy::kGrid:
-      return world / std::max(o.pipeline_stages, 1);
+    case Strategy::kGrid:  // the mesh {dp, pp, tp}'s dp
+      return world / std::max(o.pipeline_stages * std::max(o.tensor_parallel, 1), 1);
     default:
       return 1;
   }
@@ -186,17 +186,21 @@ void validate_grid(const TrainerOptions& o, const Family& f, int world) {
     if (o.pipeline_stages != 2) refuse("--pipeline-stages is for --strategy grid");
     return;
   }
-  if (o.pipeline_stages < 2 || world % o.pipeline_stages != 0) {
-    refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world: " +
+  const int tp = std::max(o.tensor_parallel, 1);
+  if (o.pipeline_stages < 2 || world % (o.pipeline_stages * tp) != 0) {
+    refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world" +
+           std::string(tp > 1 ? " with --tp " + std::to_string(tp) : "") + ": " +
            std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
-           " stages; e.g. 4 processes = 2 replicas x 2 stages");
+           " stages; e.g. 4 processes = 2 replicas x 2 stages" +
+           (tp > 1 ? ", 8 = 2 replicas x 2 stages x tp 2" : ""));
   }
-  if (world > o.pipeline_stages && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
-                                    o.schedule == PipelineSchedule::kInterleaved1F1B)) {
+  if (world > o.pipeline_stages * tp && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
+                                         o.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
                                                                      : "--schedule interleaved") +
-           " across processes runs one pipeline (as many processes as --pipeline-stages, here " +
-           std::to_string(o.pipeline_stages) + ", not " + std::to_string(world) +
+           " across processes runs one pipeline (as many processes as --pipeline-stages times "
+           "--tp, here " +
+           std::to_string(o.pipeline_stages * tp) + ", not " + std::to_string(world) +
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }

@@ -31,11 +31,11 @@
 #include "scaletrain/blocks.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
-#include "scaletrain/models.h"
-#include "scaletrain/zero.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
+#include "scaletrain/models.h"
 #include "scaletrain/tensor_parallel.h"
+#include "scaletrain/zero.h"
 #include "support/ranks.h"
 
 namespace scaletrain {
@@ -49,7 +49,9 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
   EXPECT_LE(err, bound) << what << ": off by " << err << " (bound " << bound << ")";
 }
 
-std::vector<std::string> no_errors(int n) { return std::vector<std::string>(static_cast<size_t>(n)); }
+std::vector<std::string> no_errors(int n) {
+  return std::vector<std::string>(static_cast<size_t>(n));
+}
 
 // ---- The operators, value by value (small integers in float64: every sum exact) --------------
 
@@ -81,16 +83,16 @@ TEST_P(TensorParallelOps, EachOperatorAndItsGradient) {
     }
     auto w = at::arange(2 * n, opts).view({1, 2 * n, 1}) * (r + 1);  // rank-dependent weights
     (y * w).sum().backward();
-    auto want = at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) *
-                (n * (n + 1) / 2.0);
+    auto want =
+        at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) * (n * (n + 1) / 2.0);
     EXPECT_TRUE(at::equal(x.grad(), want.expand({2, 2, 3})));
     // Sequence reduce-scatter; its gradient gathered.
     x = (at::arange(2 * n, opts).view({1, 2 * n, 1}) + r).expand({2, 2 * n, 3}).clone();
     x.requires_grad_();
     y = reduce_scatter_to_sequence(x, d, 1);
     ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 2, 3}));
-    auto mine = at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) * n +
-                n * (n - 1) / 2.0;
+    auto mine =
+        at::arange(2 * n, opts).narrow(0, 2 * d.rank(), 2).view({1, 2, 1}) * n + n * (n - 1) / 2.0;
     EXPECT_TRUE(at::equal(y, mine.expand({2, 2, 3})));
     (y * (r + 1)).sum().backward();
     for (int i = 0; i < n; ++i) {
@@ -210,8 +212,8 @@ TEST(TensorParallel, AUsersBlockSplitByAPlanEqualsTheWholeBlock) {
           EXPECT_TRUE(at::equal(state.at(p.key()), p.value())) << p.key();
         }
       });
-      EXPECT_EQ(errors, no_errors(n)) << "tp " << n << (sp ? " with" : " without")
-                                      << " sequence parallelism";
+      EXPECT_EQ(errors, no_errors(n))
+          << "tp " << n << (sp ? " with" : " without") << " sequence parallelism";
     }
   }
 }
@@ -376,38 +378,46 @@ TEST(TensorParallel, DataParallelTimesTensorParallelEqualsTheSingleProcess) {
   }
 }
 
-// 2D with sharded data parallelism: ZeRO stage 1 and 2 over dp (the optimizer state and gradients
-// of each tensor-parallel slice sharded over its replicas), the GPT split over tp. The weights
-// after every step are the single process's.
+// 2D with sharded data parallelism: ZeRO stages 1 and 2 over dp (the optimizer state and
+// gradients of each tensor-parallel slice sharded over its replicas), and stage 3 (FSDP × TP: the
+// slices themselves sharded, each block's gathered over dp for its forward and backward), the
+// GPT (untied: FSDP's units cannot share a weight) split over tp. The weights after every step
+// are the single process's.
 TEST(TensorParallel, ShardedDataParallelTimesTensorParallelEqualsTheSingleProcess) {
-  GPT whole(small_gpt());
+  GPT whole(small_gpt(false));
   whole->to(at::kDouble);
-  GPT start(small_gpt());
+  GPT start(small_gpt(false));
   start->to(at::kDouble);
   copy_state(*start, *whole);
   auto ids = at::randint(0, 16, {4, 8}, at::kLong);
   auto targets = at::randint(0, 16, {4, 8}, at::kLong);
   const Trajectory want = whole_run(whole, ids, targets, 2);
-  for (int stage : {1, 2}) {
+  for (int stage : {1, 2, 3}) {
     auto errors = testing::run_ranks(4, [&](Dist& d) {
       const DeviceMesh mesh({{"dp", 2}, {"tp", 2}}, 4);
       auto groups = mesh_groups(d, mesh, "zero_tp");
       const int replica = mesh.coordinate(d.rank(), "dp");
-      GPT m(small_gpt());
+      GPT m(small_gpt(false));
       m->to(at::kDouble);
       copy_state(*m, *start);
       m->parallelize(groups.at("tp"), false);
       ShardOptions so;
       so.stage = stage;
-      ShardedDataParallel zero(m, groups.at("dp"), so);
-      torch::optim::SGD opt(zero.parameters(), torch::optim::SGDOptions(0.5));
+      so.unit_cap_mb = 0.001;  // a unit per block (stage 3 gathers them one by one)
+      // Stage 3 (FSDP) gathers the model unit by unit: it takes the model as its chain.
+      auto zero = stage == 3
+                      ? std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so)
+                      : std::make_unique<ShardedDataParallel>(m, groups.at("dp"), so);
+      torch::optim::SGD opt(zero->parameters(), torch::optim::SGDOptions(0.5));
       auto x = ids.narrow(0, 2 * replica, 2);
       auto y = targets.narrow(0, 2 * replica, 2);
       for (int s = 0; s < 2; ++s) {
         opt.zero_grad();
-        auto loss = m->loss(zero.forward([&] { return m->forward(x); }), y);
+        auto out = stage == 3 ? zero->forward(x) : zero->forward([&] { return m->forward(x); });
+        auto loss = m->loss(out, y);
         loss.backward();
-        zero.step(opt);
+        zero->step(opt);
+        zero->gather_full_parameters();  // stage 3: the module's parameters are the units' again
         auto w = gather_full_state(*m, groups.at("tp"));
         for (const auto& [name, v] : want.weights[s]) {
           expect_close(w.at(name), v, "step " + std::to_string(s + 1) + ": " + name);
@@ -460,10 +470,9 @@ TEST_P(ThreeDimensions, PipelineTimesTensorParallelEqualsTheSingleProcess) {
     DistPipeline pipe(mine, o, d);
     auto x = ids.narrow(0, 4 * replica, 4);
     auto y = targets.narrow(0, 4 * replica, 4);
-    auto loss = pipe.train_step(stage == 0 ? x : at::Tensor(), stage == 1 ? y : at::Tensor(),
-                                [&](const at::Tensor& out, const at::Tensor& t) {
-                                  return m->loss(out, t);
-                                });
+    auto loss = pipe.train_step(
+        stage == 0 ? x : at::Tensor(), stage == 1 ? y : at::Tensor(),
+        [&](const at::Tensor& out, const at::Tensor& t) { return m->loss(out, t); });
     if (stage == 1 && dp == 1) expect_close(loss.detach(), want.losses[0], "loss");
     std::set<std::string> held;
     for (const auto& p : m->named_parameters()) {
@@ -472,8 +481,8 @@ TEST_P(ThreeDimensions, PipelineTimesTensorParallelEqualsTheSingleProcess) {
     auto grads = gather_full_state(*m, groups.at("tp"), true);
     ASSERT_FALSE(held.empty());
     for (const auto& name : held) {
-      expect_close(grads.at(name), want.grads[0].at(name), "stage " + std::to_string(stage) +
-                                                               ": " + name + "'s gradient");
+      expect_close(grads.at(name), want.grads[0].at(name),
+                   "stage " + std::to_string(stage) + ": " + name + "'s gradient");
     }
   });
   EXPECT_EQ(errors, no_errors(world));

@@ -260,9 +260,9 @@ Normed clipped_single_rank(const TokenTask& data, const fs::path& out) {
   return r;
 }
 
-// 2D, ZeRO × TP: zero1 and zero2 over dp 2, the model split over tp 2, equal the single rank,
-// clipped by the whole model's norm (the shards' squares over every rank, a replicated
-// parameter's elements counted once): the first step's norm is the single rank's.
+// 2D, ZeRO × TP and FSDP × TP: zero1, zero2 and fsdp over dp 2, the model split over tp 2,
+// equal the single rank, clipped by the whole model's norm (the shards' squares over every rank,
+// a replicated parameter's elements counted once): the first step's norm is the single rank's.
 TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
   const TokenTask data;
   TempDir one("tpz_one");
@@ -270,7 +270,7 @@ TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
   ASSERT_EQ(r1.norms.size(), 8u);
   const auto w1 = final_weights(r1.result.weights_path);
   const int64_t whole = parameter_count(*make_model("gpt-tiny", gpt_options()).module);
-  for (Strategy s : {Strategy::kZero1, Strategy::kZero2}) {
+  for (Strategy s : {Strategy::kZero1, Strategy::kZero2, Strategy::kFsdp}) {
     TempDir dir("tpz_" + to_string(s));
     auto o = options(dir.path, 2);
     o.strategy = s;
@@ -450,8 +450,8 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
     }
   };
   auto b = o;
-  b.strategy = Strategy::kFsdp;
-  expect(b, 2, "--tp 2 goes with --strategy ddp, zero1, zero2 or grid");
+  b.strategy = Strategy::kPipeline;
+  expect(b, 2, "--tp 2 goes with --strategy ddp, zero1, zero2, fsdp or grid");
   b = o;
   b.strategy = Strategy::kGrid;
   expect(b, 6,

@@ -174,6 +174,10 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero2_tp2", 4,
                "--strategy zero2 --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
                "gpt-tiny"},
+        Resume{"fsdp_tp2", 4,
+               "--strategy fsdp --tp 2 --model gpt-tiny --dataset text --data-dir {text} "
+               "--optimizer adam",
+               "gpt-tiny"},
         // 3D: a grid whose stages are split over tp (pp 2 x tp 2, and dp 2 x pp 2 x tp 2),
         // each stage's tp ranks' optimizer states in rank 0's file.
         Resume{"grid_tp2", 4,

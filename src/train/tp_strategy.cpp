@@ -14,15 +14,17 @@
 // are counted once per rank, so each replica's are counted t times, numerators and denominators
 // alike: their ratios are the replicas' means.
 //
-// zero1 and zero2 (2D, ZeRO × TP): ShardedDataParallel over dp takes DDP's place, over the split
-// model; the optimizer steps its shards of the split parameters (each tp rank's shards are of
-// its own slices). The gradient norm is taken on the shards: an element of a replicated
-// parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's sum of the
-// replicated gradients over tp would have to run between backward and ZeRO's reduce-scatter;
-// it is refused with ZeRO for now, as is fsdp (stage 3 gathers units the plan would cut).
+// zero1, zero2 and fsdp (2D, ZeRO × TP and FSDP × TP): ShardedDataParallel over dp takes DDP's
+// place, over the split model (fsdp: over its chain of blocks, each block's slices gathered over
+// dp for its forward and backward); the optimizer steps its shards of the split parameters (each
+// tp rank's shards are of its own slices). The gradient norm is taken on the shards: an element
+// of a replicated parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's
+// sum of the replicated gradients over tp would have to run between backward and ZeRO's
+// reduce-scatter; it is refused with the sharded strategies for now.
 
 #include <algorithm>
 #include <optional>
+#include <set>
 
 #include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
@@ -30,6 +32,7 @@
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
+#include "train/balance.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -62,17 +65,21 @@ class TensorParallelStrategy : public TrainStrategy {
     copy_parameters(*whole_.module, *split_.module);
     split_.parallelize(tp(), o.sequence_parallel);
     split_.module->to(dev_);
-    const auto same = replicated_parameters(*split_.module);
-    for (const auto& p : split_.module->parameters()) {
-      replicated_.push_back(
-          std::any_of(same.begin(), same.end(), [&](const at::Tensor& r) { return r.is_same(p); }));
+    for (const auto& p : replicated_parameters(*split_.module)) {
+      replicated_.insert(p.unsafeGetTensorImpl());
     }
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
-    if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2) {
+    if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
+        o.strategy == Strategy::kFsdp) {
       ShardOptions so;
-      so.stage = o.strategy == Strategy::kZero1 ? 1 : 2;
+      so.stage = o.strategy == Strategy::kZero1 ? 1 : o.strategy == Strategy::kZero2 ? 2 : 3;
       so.shared_memory = false;  // a dp group is not every rank of its machine
-      zero_ = std::make_unique<ShardedDataParallel>(split_.module, groups_.at("dp"), so);
+      if (so.stage == 3) {       // FSDP gathers the split model's blocks one unit at a time
+        chain_ = chain_of(split_);
+        zero_ = std::make_unique<ShardedDataParallel>(chain_, groups_.at("dp"), so);
+      } else {
+        zero_ = std::make_unique<ShardedDataParallel>(split_.module, groups_.at("dp"), so);
+      }
       zero_->gather_full_parameters();
       layout_ = mesh_.describe() + " " + to_string(o.strategy);
     } else if (mesh_.size("dp") > 1) {
@@ -95,7 +102,10 @@ class TensorParallelStrategy : public TrainStrategy {
       std::optional<Autocast> autocast;  // bf16: the layers' products, and what they send
       if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
       auto forward = [&] { return split_.forward(x); };
-      out = zero_ ? zero_->forward(forward) : ddp_ ? ddp_->forward(forward) : forward();
+      out = chain_  ? zero_->forward(x)
+            : zero_ ? zero_->forward(forward)
+            : ddp_  ? ddp_->forward(forward)
+                    : forward();
     }
     at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
     (weight != 1 ? loss * weight : loss).backward();
@@ -111,7 +121,7 @@ class TensorParallelStrategy : public TrainStrategy {
     auto params = split_.module->parameters();
     std::vector<at::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
-    return sum_over(tp(), weighted_square_sum(grads), collective());
+    return sum_over(tp(), weighted_square_sum(params, grads), collective());
   }
 
   // ZeRO: each rank holds its shards' gradients; the ranks agree on one verdict.
@@ -128,7 +138,7 @@ class TensorParallelStrategy : public TrainStrategy {
   }
 
   at::Tensor predict(const at::Tensor& x) override {
-    at::Tensor out = split_.forward(x);
+    at::Tensor out = chain_ ? zero_->forward(x) : split_.forward(x);
     return split_.output_split ? gather_from_region(out, tp(), -1) : out;
   }
   void zero_grad(torch::optim::Optimizer& opt) override {
@@ -183,12 +193,13 @@ class TensorParallelStrategy : public TrainStrategy {
   }
 
  private:
-  // Tensors of (parts of) the split model's parameters, by parameter index: their square sum
-  // with a replicated parameter's counted 1/t (it is on every tp rank).
-  double weighted_square_sum(const std::vector<at::Tensor>& by_parameter) const {
+  // Tensors of (parts of) `params`' gradients, by parameter: their square sum with a replicated
+  // parameter's counted 1/t (it is on every tp rank).
+  double weighted_square_sum(const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& parts) const {
     std::vector<at::Tensor> split, replicated;
-    for (size_t i = 0; i < by_parameter.size(); ++i) {
-      (replicated_[i] ? replicated : split).push_back(by_parameter[i]);
+    for (size_t i = 0; i < params.size(); ++i) {
+      (replicated_.count(params[i].unsafeGetTensorImpl()) ? replicated : split).push_back(parts[i]);
     }
     return square_sum(split) + square_sum(replicated) / tp().size();
   }
@@ -196,7 +207,8 @@ class TensorParallelStrategy : public TrainStrategy {
   // ZeRO: this rank's shards' part of the square sum (a unit's shard is a range of its
   // parameters laid end to end; each range is cut at the parameters' bounds).
   double shard_square_sum() const {
-    const auto params = split_.module->parameters();
+    // unit_parameters() indexes the parameters of what ZeRO wraps: the chain, for fsdp.
+    const auto params = chain_ ? chain_->parameters() : split_.module->parameters();
     const auto members = zero_->unit_parameters();
     const int64_t dp_rank = groups_.at("dp").rank();
     std::vector<at::Tensor> parts(params.size());  // each parameter's slice here, if any
@@ -212,7 +224,7 @@ class TensorParallelStrategy : public TrainStrategy {
         if (begin < end) parts[i] = g.narrow(0, begin - lo, end - begin);
       }
     }
-    return weighted_square_sum(parts);
+    return weighted_square_sum(params, parts);
   }
 
   const Dist& tp() const { return groups_.at("tp"); }
@@ -228,9 +240,10 @@ class TensorParallelStrategy : public TrainStrategy {
   bool bf16_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
-  std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2: over dp instead of ddp_
+  std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2, fsdp: over dp instead of ddp_
+  torch::nn::Sequential chain_{nullptr};       // fsdp: the split model's blocks, which zero_ wraps
   std::string layout_ = mesh_.describe();      // the optimizer state's: mesh and strategy
-  std::vector<bool> replicated_;  // by split_.module->parameters() index: whole on every tp rank
+  std::set<const void*> replicated_;  // the split model's parameters whole on every tp rank
 };
 
 }  // namespace
@@ -252,12 +265,13 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
         "--tp 2 or more with it");
   }
   if (o.tensor_parallel == 1) return;
-  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2;
+  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
+                    o.strategy == Strategy::kFsdp;
   const bool grid = o.strategy == Strategy::kGrid;
   if (o.strategy != Strategy::kDDP && !zero && !grid) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
-                     " goes with --strategy ddp, zero1, zero2 or grid (" + to_string(o.strategy) +
-                     " does not split layers yet)");
+                     " goes with --strategy ddp, zero1, zero2, fsdp or grid (" +
+                     to_string(o.strategy) + " does not split layers yet)");
   }
   if (zero && o.sequence_parallel) {
     throw UsageError("--sequence-parallel with --strategy " + to_string(o.strategy) +

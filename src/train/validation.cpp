@@ -56,10 +56,9 @@ int replicas(const TrainerOptions& o, int world) {
     case Strategy::kDDP:
     case Strategy::kZero1:
     case Strategy::kZero2:
-      return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
     case Strategy::kFsdp:
-      return world;
-    case Strategy::kGrid:  // the mesh {dp, pp, tp}'s dp
+      return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
+    case Strategy::kGrid:                             // the mesh {dp, pp, tp}'s dp
       return world / std::max(o.pipeline_stages * std::max(o.tensor_parallel, 1), 1);
     default:
       return 1;

@@ -167,20 +167,25 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
 // step, DDP's no_sync between them) at dp 2 x tp 2 with sequence parallelism, the replicated
 // parameters' gradients were summed over tp after every backward, so the first batch's share,
 // already summed, was summed again (counted tp times). They are summed once, after the step's
-// last backward.
+// last backward; under zero2, in the gradient shards.
 TEST(TrainTensorParallel, AccumulatesLikeTheSingleRank) {
   const TokenTask data;
-  TempDir one("tp_acc1"), four("tp_acc4");
+  TempDir one("tp_acc1");
   auto o1 = options(one.path, 1);
   o1.accumulate = 2;
-  auto o4 = options(four.path, 2);
+  auto o4 = options(one.path, 2);
   o4.accumulate = 2;
   o4.sequence_parallel = true;
   auto r1 = run(1, data.task(), o1);
-  auto r4 = run(4, data.task(), o4);
-  EXPECT_EQ(r4.global_step, r1.global_step);
-  expect_close(final_weights(r4.weights_path), final_weights(r1.weights_path),
-               "dp 2 x tp 2, accumulating");
+  const auto w1 = final_weights(r1.weights_path);
+  for (Strategy s : {Strategy::kDDP, Strategy::kZero2}) {  // zero2: the sum in the shards
+    TempDir dir("tp_acc4_" + to_string(s));
+    o4.out_dir = dir.path.string();
+    o4.strategy = s;
+    auto r4 = run(4, data.task(), o4);
+    EXPECT_EQ(r4.global_step, r1.global_step);
+    expect_close(final_weights(r4.weights_path), w1, to_string(s) + ", dp 2 x tp 2, accumulating");
+  }
 }
 
 // Stopped after step 5 (mid-epoch, after its checkpoint), resumed: at the same mesh the final
@@ -260,7 +265,8 @@ Normed clipped_single_rank(const TokenTask& data, const fs::path& out) {
   return r;
 }
 
-// 2D, ZeRO × TP and FSDP × TP: zero1, zero2 and fsdp over dp 2, the model split over tp 2,
+// 2D, ZeRO × TP and FSDP × TP: zero1, zero2 and fsdp over dp 2, the model split over tp 2, with
+// and without sequence parallelism (the replicated gradients summed over tp in the shards),
 // equal the single rank, clipped by the whole model's norm (the shards' squares over every rank,
 // a replicated parameter's elements counted once): the first step's norm is the single rank's.
 TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
@@ -271,19 +277,23 @@ TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
   const auto w1 = final_weights(r1.result.weights_path);
   const int64_t whole = parameter_count(*make_model("gpt-tiny", gpt_options()).module);
   for (Strategy s : {Strategy::kZero1, Strategy::kZero2, Strategy::kFsdp}) {
-    TempDir dir("tpz_" + to_string(s));
-    auto o = options(dir.path, 2);
-    o.strategy = s;
-    o.max_grad_norm = 0.05;
-    const Normed r = run_with_norms(4, data.task(), o);
-    EXPECT_EQ(r.result.global_step, r1.result.global_step);
-    ASSERT_EQ(r.norms.size(), 8u);
-    EXPECT_NEAR(r.norms[0], r1.norms[0], 1e-9 * r1.norms[0]) << to_string(s);
-    expect_close(final_weights(r.result.weights_path), w1, to_string(s) + ", dp 2 x tp 2, clipped");
-    EXPECT_NEAR(r.result.final_loss, r1.result.final_loss, 1e-9 * r1.result.final_loss)
-        << to_string(s);
-    // Each rank holds its shard of its half of the split layers: under a half of the model.
-    EXPECT_LT(r.result.devices.at(0).parameters, whole / 2) << to_string(s);
+    for (bool sp : {false, true}) {
+      const std::string what =
+          to_string(s) + ", dp 2 x tp 2, clipped" + (sp ? ", sequence parallel" : "");
+      TempDir dir("tpz_" + to_string(s));
+      auto o = options(dir.path, 2);
+      o.strategy = s;
+      o.max_grad_norm = 0.05;
+      o.sequence_parallel = sp;
+      const Normed r = run_with_norms(4, data.task(), o);
+      EXPECT_EQ(r.result.global_step, r1.result.global_step);
+      ASSERT_EQ(r.norms.size(), 8u);
+      EXPECT_NEAR(r.norms[0], r1.norms[0], 1e-9 * r1.norms[0]) << what;
+      expect_close(final_weights(r.result.weights_path), w1, what);
+      EXPECT_NEAR(r.result.final_loss, r1.result.final_loss, 1e-9 * r1.result.final_loss) << what;
+      // Each rank holds its shard of its half of the split layers: under a half of the model.
+      EXPECT_LT(r.result.devices.at(0).parameters, whole / 2) << what;
+    }
   }
 }
 
@@ -463,9 +473,6 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   expect(b, 8, "as many processes as --pipeline-stages times --tp, here 4, not 8");
   b = o;
   b.strategy = Strategy::kZero2;
-  b.sequence_parallel = true;
-  expect(b, 4, "--sequence-parallel with --strategy zero2 is not supported yet");
-  b.sequence_parallel = false;
   b.checkpoint_format = CheckpointFormat::kSharded;
   expect(b, 4, "--tp with --checkpoint-format sharded");
   expect(o, 3, "--tp 2 does not divide the world of 3");

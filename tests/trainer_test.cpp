@@ -172,7 +172,8 @@ INSTANTIATE_TEST_SUITE_P(
                "gpt-tiny"},
         // 2D ZeRO x TP: every rank's optimizer shard of its slices in rank 0's file.
         Resume{"zero2_tp2", 4,
-               "--strategy zero2 --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
+               "--strategy zero2 --tp 2 --sequence-parallel --model gpt-tiny --dataset text "
+               "--data-dir {text}",
                "gpt-tiny"},
         Resume{"fsdp_tp2", 4,
                "--strategy fsdp --tp 2 --model gpt-tiny --dataset text --data-dir {text} "

@@ -19,8 +19,9 @@
 // dp for its forward and backward); the optimizer steps its shards of the split parameters (each
 // tp rank's shards are of its own slices). The gradient norm is taken on the shards: an element
 // of a replicated parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's
-// sum of the replicated gradients over tp would have to run between backward and ZeRO's
-// reduce-scatter; it is refused with the sharded strategies for now.
+// sum of the replicated gradients over tp (Model::after_backward on the whole gradients) runs
+// on the shards instead, after the step's last backward: by then ZeRO has reduce-scattered the
+// gradients over dp into the shards, and the two sums commute.
 
 #include <algorithm>
 #include <optional>
@@ -53,7 +54,8 @@ class TensorParallelStrategy : public TrainStrategy {
         mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
         dev_(rank_device(o.device, d)),
-        bf16_(o.amp == "bf16") {
+        bf16_(o.amp == "bf16"),
+        sequence_parallel_(o.sequence_parallel) {
     split_ = task.model();
     if (!split_.parallelize) {
       throw UsageError("tensor parallelism: model '" + split_.name +
@@ -109,8 +111,13 @@ class TensorParallelStrategy : public TrainStrategy {
     }
     at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
     (weight != 1 ? loss * weight : loss).backward();
-    // Once per step, after its last backward: over what the step accumulated.
-    if (sync && split_.after_backward) split_.after_backward();
+    // Once per step, after its last backward: over what the step accumulated (ZeRO: in its
+    // gradient shards, where the gradients are by then).
+    if (sync && zero_ && sequence_parallel_) {
+      sum_replicated_shards_over_tp();
+    } else if (sync && !zero_ && split_.after_backward) {
+      split_.after_backward();
+    }
     return loss.detach();
   }
 
@@ -207,8 +214,36 @@ class TensorParallelStrategy : public TrainStrategy {
   // ZeRO: this rank's shards' part of the square sum (a unit's shard is a range of its
   // parameters laid end to end; each range is cut at the parameters' bounds).
   double shard_square_sum() const {
-    // unit_parameters() indexes the parameters of what ZeRO wraps: the chain, for fsdp.
-    const auto params = chain_ ? chain_->parameters() : split_.module->parameters();
+    const auto params = zero_parameters();
+    return weighted_square_sum(params, shard_parts(params));
+  }
+
+  // Sequence parallelism under ZeRO (Note [Tensor-parallel strategy]): the replicated
+  // parameters' parts of this rank's gradient shards, summed over tp. The tp ranks' split
+  // models have the same shapes, so their units and shards line up part for part.
+  void sum_replicated_shards_over_tp() const {
+    const auto params = zero_parameters();
+    const auto parts = shard_parts(params);
+    std::vector<at::Tensor> replicated;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (parts[i].defined() && replicated_.count(params[i].unsafeGetTensorImpl())) {
+        replicated.push_back(parts[i]);
+      }
+    }
+    if (replicated.empty()) return;
+    auto flat = flat_copy(replicated, collective());
+    tp().all_reduce(flat);
+    torch::NoGradGuard no_grad;
+    copy_from_flat(flat, replicated);  // the parts are views of the shards' gradients
+  }
+
+  // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
+  std::vector<at::Tensor> zero_parameters() const {
+    return chain_ ? chain_->parameters() : split_.module->parameters();
+  }
+
+  // Each parameter's part of this rank's gradient shards (a view), where the shards hold one.
+  std::vector<at::Tensor> shard_parts(const std::vector<at::Tensor>& params) const {
     const auto members = zero_->unit_parameters();
     const int64_t dp_rank = groups_.at("dp").rank();
     std::vector<at::Tensor> parts(params.size());  // each parameter's slice here, if any
@@ -224,7 +259,7 @@ class TensorParallelStrategy : public TrainStrategy {
         if (begin < end) parts[i] = g.narrow(0, begin - lo, end - begin);
       }
     }
-    return weighted_square_sum(params, parts);
+    return parts;
   }
 
   const Dist& tp() const { return groups_.at("tp"); }
@@ -237,7 +272,7 @@ class TensorParallelStrategy : public TrainStrategy {
   DeviceMesh mesh_;
   std::map<std::string, Dist> groups_;
   at::Device dev_;
-  bool bf16_;
+  bool bf16_, sequence_parallel_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2, fsdp: over dp instead of ddp_
@@ -272,11 +307,6 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
                      " goes with --strategy ddp, zero1, zero2, fsdp or grid (" +
                      to_string(o.strategy) + " does not split layers yet)");
-  }
-  if (zero && o.sequence_parallel) {
-    throw UsageError("--sequence-parallel with --strategy " + to_string(o.strategy) +
-                     " is not supported yet (its sum of the replicated gradients over tp would "
-                     "have to run before ZeRO's reduce-scatter); use --strategy ddp with it");
   }
   if (zero && o.checkpoint_format == CheckpointFormat::kSharded) {
     throw UsageError(

@@ -314,7 +314,9 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "Seed of the weights and the data order (rank r's "
                   "dropout draws from a stream of its own)")
       ->capture_default_str();
-  cmd->add_option("--dropout", o.dropout, "mlp: the probability of its dropout")
+  cmd->add_option("--dropout", o.dropout,
+                  "mlp, GPTs: the probability of its dropout (GPTs: attention and residual; "
+                  "with --tp the masks are the unsplit model's)")
       ->capture_default_str();
   cmd->add_flag("--checkpoint-blocks", o.checkpoint_blocks,
                 "GPT, any strategy: recompute each transformer block in backward instead of "

@@ -85,6 +85,21 @@ TEST(MatmulPeak, IsPositiveAndFinite) {
   EXPECT_TRUE(std::isfinite(tiny)) << tiny;
 }
 
+// Regression (MatmulPeakDrewFromTheTrainingStream): the measurement leaves the default
+// generator, the training's random stream, where it was.
+TEST(MatmulPeak, LeavesTheDefaultGeneratorAlone) {
+  torch::manual_seed(3);
+  const auto before = at::randn({4});
+  torch::manual_seed(3);
+  MatmulPeakOptions small;
+  small.min_size = 16;
+  small.max_size = 32;
+  small.repeats = 1;
+  small.budget_s = 0;
+  measure_cpu_matmul_peak(small);
+  EXPECT_TRUE(at::equal(at::randn({4}), before));
+}
+
 TEST(MatmulPeak, BadOptionsAreRefused) {
   for (auto bad : {MatmulPeakOptions{0, 8, 1, 0}, MatmulPeakOptions{16, 8, 1, 0},
                    MatmulPeakOptions{8, 8, 0, 0}, MatmulPeakOptions{8, 8, 1, -1},

@@ -19,6 +19,7 @@
 // on any CPU and summation order.
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
@@ -242,9 +243,10 @@ TEST(TensorParallel, BadPlansAreNamed) {
 
 // ---- The zoo's GPT: transparency over steps ----------------------------------------------------
 
-GPTConfig small_gpt(bool tied = true) {
+GPTConfig small_gpt(bool tied = true, double dropout = 0) {
   GPTConfig c;
   c.tied_head = tied;
+  c.dropout = dropout;
   c.vocab_size = 16;
   c.block_size = 8;
   c.n_layer = 2;
@@ -282,15 +284,24 @@ struct GptCase {
   int tp;
   bool sp;
   bool tied = true;
+  double dropout = 0;
 };
+
+// With dropout: each model draws its masks from a generator of its own (the ranks are threads of
+// one process, which share the default one), every one seeded alike, as the trainer seeds a
+// tensor-parallel group's processes (Note [Coordinated dropout] in src/models/gpt.cpp).
+void seed_dropout(GPT& model, double dropout) {
+  if (dropout > 0) model->set_dropout_generator(at::make_generator<at::CPUGeneratorImpl>(11));
+}
 
 class GptTransparency : public ::testing::TestWithParam<GptCase> {};
 
 TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep) {
-  const auto [n, sp, tied] = GetParam();
+  const auto [n, sp, tied, dropout] = GetParam();
   const int steps = 3;
-  GPT whole(small_gpt(tied));
+  GPT whole(small_gpt(tied, dropout));
   whole->to(at::kDouble);
+  seed_dropout(whole, dropout);
   GPT start(small_gpt(tied));
   start->to(at::kDouble);
   copy_state(*start, *whole);
@@ -298,11 +309,19 @@ TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep)
   auto targets = at::randint(0, 16, {2, 8}, at::kLong);
   targets[0][3] = -100;  // an ignored token
   const Trajectory want = whole_run(whole, ids, targets, steps);
+  if (dropout > 0) {  // the masks are drawn: the loss is not the model's without dropout
+    GPT plain(small_gpt(tied));
+    plain->to(at::kDouble);
+    copy_state(*plain, *start);
+    const double without = plain->loss(plain->forward(ids), targets).item<double>();
+    EXPECT_GT(std::abs(without - want.losses[0].item<double>()), 1e-3);
+  }
   auto errors = testing::run_ranks(n, [&](Dist& d) {
-    GPT m(small_gpt(tied));
+    GPT m(small_gpt(tied, dropout));
     m->to(at::kDouble);
     copy_state(*m, *start);
     m->parallelize(d, sp);
+    seed_dropout(m, dropout);
     torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.5));
     for (int s = 0; s < steps; ++s) {
       const std::string step = "step " + std::to_string(s + 1) + ": ";
@@ -323,15 +342,16 @@ TEST_P(GptTransparency, LossGradientsAndWeightsEqualTheSingleProcessAtEveryStep)
   EXPECT_EQ(errors, no_errors(n));
 }
 
-INSTANTIATE_TEST_SUITE_P(Degrees, GptTransparency,
-                         ::testing::Values(GptCase{1, false}, GptCase{2, false}, GptCase{4, false},
-                                           GptCase{2, true}, GptCase{4, true},
-                                           GptCase{2, false, false}, GptCase{4, true, false}),
-                         [](const auto& c) {
-                           return "tp" + std::to_string(c.param.tp) +
-                                  (c.param.sp ? "_sequence_parallel" : "") +
-                                  (c.param.tied ? "" : "_untied_head");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Degrees, GptTransparency,
+    ::testing::Values(GptCase{1, false}, GptCase{2, false}, GptCase{4, false}, GptCase{2, true},
+                      GptCase{4, true}, GptCase{2, false, false}, GptCase{4, true, false},
+                      // Coordinated dropout (Note [Coordinated dropout])
+                      GptCase{2, false, true, 0.2}, GptCase{4, true, false, 0.2}),
+    [](const auto& c) {
+      return "tp" + std::to_string(c.param.tp) + (c.param.sp ? "_sequence_parallel" : "") +
+             (c.param.tied ? "" : "_untied_head") + (c.param.dropout > 0 ? "_dropout" : "");
+    });
 
 // 2D: DistributedDataParallel over the mesh's dp dimension, the GPT split over its tp dimension
 // (mesh {dp: 2, tp: 2} on 4 ranks): each replica trains on half the batch, and the gradients are

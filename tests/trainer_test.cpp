@@ -165,7 +165,7 @@ INSTANTIATE_TEST_SUITE_P(
         // weights under the GPT's names.
         Resume{"tp2_sequence_parallel", 2,
                "--strategy ddp --tp 2 --sequence-parallel --model gpt-tiny --dataset text "
-               "--data-dir {text} --optimizer adam --max-grad-norm 1",
+               "--data-dir {text} --optimizer adam --max-grad-norm 1 --dropout 0.1",
                "gpt-tiny"},
         Resume{"dp2_tp2", 4,
                "--strategy ddp --tp 2 --model gpt-tiny --dataset text --data-dir {text}",
@@ -198,6 +198,35 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"fsdp_sharded_async", 2,
                "--strategy fsdp --checkpoint-format sharded --async-checkpoint"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
+
+// Coordinated dropout (Note [Coordinated dropout] in src/models/gpt.cpp): a GPT with dropout
+// split over tp 2 processes, with and without sequence parallelism, draws the single process's
+// masks (a tensor-parallel group's ranks share one random stream), so its loss curve is the
+// single process's to float32's rounding; without dropout the curve is another one.
+TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
+  auto curve = [](int processes, const std::string& flags) {
+    TempDir out("tp_dropout");
+    auto r =
+        run_command(cli_path() + " run --nproc-per-node " + std::to_string(processes) +
+                    " --master-port 0 -- " + cli_path() + train_cmd(out.path) +
+                    with_text_data(" --model gpt-tiny --dataset text --data-dir {text} ") + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return step_lines(out.path / "metrics.jsonl");
+  };
+  const auto one = curve(1, "--dropout 0.2");
+  ASSERT_GE(one.size(), 4u);
+  for (const auto& [processes, flags] : std::vector<std::pair<int, std::string>>{
+           {2, "--dropout 0.2 --tp 2"}, {2, "--dropout 0.2 --tp 2 --sequence-parallel"}}) {
+    const auto split = curve(processes, flags);
+    ASSERT_EQ(split.size(), one.size()) << flags;
+    for (size_t i = 0; i < one.size(); ++i) {
+      EXPECT_NEAR(split[i].second, one[i].second, 1e-5 * one[i].second) << flags << ", step " << i;
+    }
+  }
+  const auto plain = curve(1, "");
+  ASSERT_EQ(plain.size(), one.size());
+  EXPECT_GT(std::abs(plain.back().second - one.back().second), 1e-3) << "dropout drew no mask";
+}
 
 // The same run with checkpoints written in the background gives the same files: every
 // checkpoint holds the same weights, and model.pt is the same byte for byte.
@@ -437,7 +466,7 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--init-weights /nonexistent.pt", "--init-weights '/nonexistent.pt': no such file"},
         // Regression (NegativeSeedWrapsAround).
         Bad{"--seed -1", "--seed '-1' is not a whole number"},
-        Bad{"--dropout 0.2", "--dropout is for --model mlp"},
+        Bad{"--dropout 0.2", "--dropout is for --model mlp, gpt-tiny and gpt2-small"},
         Bad{"--model mlp --dropout 1", "--dropout 1 must be in [0, 1)"},
         Bad{"--checkpoint-format sharded", "--checkpoint-format sharded is for the sharded"},
         Bad{"--checkpoint-format split", "unknown --checkpoint-format 'split'"}));

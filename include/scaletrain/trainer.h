@@ -203,7 +203,8 @@ struct TrainerOptions {
   int epochs = 5;
   int64_t batch_size = 256;  // global: split over the ranks (ddp) or the data-parallel replicas
   int accumulate = 1;        // gradient accumulation: batches per optimizer step
-  uint64_t seed = 0;  // the weights' start; rank r draws dropout from rank_seed(seed, r) (rng.h)
+  uint64_t seed = 0;  // the weights' start; rank r draws dropout from rank_seed(seed, r / tp)
+                      // (rng.h: a tensor-parallel group's ranks draw alike)
   std::string out_dir = "runs/latest";
   int checkpoint_every = 0;  // steps; 0: only at the end of each epoch
   int keep = 3;              // checkpoints kept
@@ -333,7 +334,7 @@ struct TrainOptions : TrainerOptions {
   int step_size = 2;
   double gamma = 0.5;
   std::string init_weights;        // a state dict (Python's torch.save) to start from
-  double dropout = 0;              // mlp: its dropout's probability
+  double dropout = 0;              // mlp, GPTs: their dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
 };
 

@@ -2,24 +2,70 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/dropout.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <limits>
+#include <optional>
 
 #include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
+
+// Note [Coordinated dropout]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under a tensor-parallel plan every rank of the group draws the mask of the whole tensor, from a
+// generator in the same state on each (the trainer seeds a group's ranks alike, Note [Rank
+// streams] in src/train/rng.cpp), and keeps the part its slice holds: its heads of the attention
+// probabilities, its slice of the sequence in the sequence-parallel regions (embeddings and
+// residual branches), all of it where the tensor is replicated. So the masks are the unsplit
+// model's whatever the degree, the group's generators stay in step (each draws as many numbers),
+// and a split GPT with dropout trains as the single process does. The price: each rank draws
+// t times the numbers it keeps. With dropout the attention runs as its three products (the
+// probabilities' mask drawn here) instead of scaled_dot_product_attention, at every degree, so
+// that degree 1 draws the same masks too.
+
+// What a GPT's dropouts need: the probability, the generator (unset: the device's default), and
+// the rank's place in the tensor-parallel group.
+struct DropoutContext {
+  double p = 0;
+  std::optional<at::Generator> generator;
+  int64_t rank = 0, size = 1;
+  bool sequence_parallel = false;
+
+  bool active(bool training) const { return training && p > 0; }
+  // x's mask: the whole tensor's, drawn alike on every rank of the group, cut to x's part along
+  // `dim`: part `rank` of `parts` (1: x is the whole tensor).
+  at::Tensor apply(const at::Tensor& x, int64_t dim, int64_t parts) const {
+    auto shape = x.sizes().vec();
+    shape[static_cast<size_t>(dim)] *= parts;
+    auto mask = at::empty(shape, x.options()).bernoulli_(1 - p, generator);
+    if (parts > 1) mask = mask.narrow(dim, rank * x.size(dim), x.size(dim));
+    return x * mask / (1 - p);
+  }
+  // A residual branch's or the embeddings' output [B, T, C]: a slice of the sequence under
+  // sequence parallelism, else whole on every rank.
+  at::Tensor residual(const at::Tensor& x, bool training) const {
+    if (!active(training)) return x;
+    return apply(x, 1, sequence_parallel ? size : 1);
+  }
+};
+
 namespace {
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  explicit AttentionImpl(const GPTConfig& c) : head_dim_(c.n_embd / c.n_head), dropout_(c.dropout) {
+  AttentionImpl(const GPTConfig& c, std::shared_ptr<const DropoutContext> dropout)
+      : head_dim_(c.n_embd / c.n_head), dropout_(std::move(dropout)) {
     c_attn = register_module("c_attn", ParallelLinear(c.n_embd, 3 * c.n_embd));
     c_proj = register_module("c_proj", ParallelLinear(c.n_embd, c.n_embd));
   }
@@ -29,43 +75,51 @@ class AttentionImpl : public torch::nn::Module {
     const int64_t t = qkv.size(1);
     auto parts = qkv.chunk(3, -1);
     auto heads = [&](const at::Tensor& p) { return p.view({b, t, -1, head_dim_}).transpose(1, 2); };
-    auto y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]), {},
-                                              is_training() ? dropout_ : 0.0,
-                                              /*is_causal=*/true);
+    auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    at::Tensor y;
+    if (dropout_->active(is_training())) {  // Note [Coordinated dropout]: this rank's heads
+      auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+      auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool)).triu(1).to(x.device());
+      att = at::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+      y = at::matmul(dropout_->apply(att, 1, dropout_->size), v);
+    } else {
+      y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    }
     y = y.transpose(1, 2).contiguous().view({b, t, -1});
-    return at::dropout(c_proj(y), dropout_, is_training());
+    return dropout_->residual(c_proj(y), is_training());
   }
   ParallelLinear c_attn{nullptr}, c_proj{nullptr};
 
  private:
   int64_t head_dim_;
-  double dropout_;
+  std::shared_ptr<const DropoutContext> dropout_;
 };
 TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  explicit MlpImpl(const GPTConfig& c) : dropout_(c.dropout) {
+  MlpImpl(const GPTConfig& c, std::shared_ptr<const DropoutContext> dropout)
+      : dropout_(std::move(dropout)) {
     c_fc = register_module("c_fc", ParallelLinear(c.n_embd, 4 * c.n_embd));
     c_proj = register_module("c_proj", ParallelLinear(4 * c.n_embd, c.n_embd));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return at::dropout(c_proj(at::gelu(c_fc(x))), dropout_, is_training());
+    return dropout_->residual(c_proj(at::gelu(c_fc(x))), is_training());
   }
   ParallelLinear c_fc{nullptr}, c_proj{nullptr};
 
  private:
-  double dropout_;
+  std::shared_ptr<const DropoutContext> dropout_;
 };
 TORCH_MODULE(Mlp);
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  explicit TransformerBlockImpl(const GPTConfig& c) {
+  TransformerBlockImpl(const GPTConfig& c, const std::shared_ptr<const DropoutContext>& dropout) {
     ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    attn = register_module("attn", Attention(c));
+    attn = register_module("attn", Attention(c, dropout));
     ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    mlp = register_module("mlp", Mlp(c));
+    mlp = register_module("mlp", Mlp(c, dropout));
   }
   at::Tensor forward(at::Tensor x) {
     x = x + attn(ln_1(x));
@@ -106,7 +160,8 @@ int64_t gpt_flops_per_token(const GPTConfig& c) {
   return 6 * gpt_flops_parameters(c) + 12 * c.n_layer * c.n_head * head_dim * c.block_size;
 }
 
-GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
+GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), dropout_(std::make_shared<DropoutContext>()) {
+  dropout_->p = c.dropout;
   if (c.n_head < 1 || c.n_embd % c.n_head != 0) {
     throw UsageError("GPT: the width " + std::to_string(c.n_embd) + " does not split into " +
                      std::to_string(c.n_head) + " heads; make it a multiple of the heads");
@@ -115,7 +170,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c) {
   wte_ = transformer_->register_module("wte", ParallelEmbedding(c.vocab_size, c.n_embd));
   wpe_ = transformer_->register_module("wpe", ParallelEmbedding(c.block_size, c.n_embd));
   h_ = transformer_->register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c));
+  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c, dropout_));
   ln_f_ = transformer_->register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
   if (!c.tied_head) {
@@ -159,7 +214,7 @@ at::Tensor GPTImpl::embed(const at::Tensor& ids) {
   const int64_t n = x.size(1);
   const int64_t first = tp_ && sequence_parallel_ ? tp_->rank() * n : 0;
   auto pos = at::arange(first, first + n, ids.options().dtype(at::kLong));
-  return at::dropout(x + wpe_(pos), config_.dropout, is_training());
+  return dropout_->residual(x + wpe_(pos), is_training());
 }
 
 at::Tensor GPTImpl::head(at::Tensor x) {
@@ -221,13 +276,16 @@ void GPTImpl::parallelize(const Dist& tp, bool sp) {
                      " heads do not split over " + std::to_string(tp.size()) +
                      " ranks; use a degree that divides the heads");
   }
-  if (config_.dropout > 0 && tp.size() > 1) {
-    throw UsageError("tensor parallelism: GPT with dropout " + std::to_string(config_.dropout) +
-                     " is not supported yet (the ranks' draws are not coordinated); use dropout 0");
-  }
   parallelize_module(*this, tp, plan(sp));
   tp_ = std::make_shared<const Dist>(tp);
   sequence_parallel_ = sp;
+  dropout_->rank = tp.rank();
+  dropout_->size = tp.size();
+  dropout_->sequence_parallel = sp;
+}
+
+void GPTImpl::set_dropout_generator(at::Generator generator) {
+  dropout_->generator = std::move(generator);
 }
 
 void GPTImpl::finish_gradients() {

@@ -52,6 +52,8 @@ int64_t gpt_flops_parameters(const GPTConfig& config);
 /// counted. One sample of T tokens is T times this.
 int64_t gpt_flops_per_token(const GPTConfig& config);
 
+struct DropoutContext;  // gpt.cpp
+
 class GPTImpl : public torch::nn::Module {
  public:
   explicit GPTImpl(const GPTConfig& config);
@@ -68,8 +70,12 @@ class GPTImpl : public torch::nn::Module {
   /// sequence.
   TensorParallelPlan plan(bool sequence_parallel) const;
   /// Applies plan() over `tp`. Throws UsageError when the heads, width or vocabulary do not
-  /// divide by tp.size(), or dropout is set (its draws across the split are not coordinated).
+  /// divide by tp.size(). With dropout, every rank of `tp` must draw from a generator in the same
+  /// state (Note [Coordinated dropout] in gpt.cpp): the masks are then the unsplit model's.
   void parallelize(const Dist& tp, bool sequence_parallel);
+  /// The generator the dropout masks are drawn from (by default the device's own), e.g. one per
+  /// rank where ranks are threads of one process, which share the default one.
+  void set_dropout_generator(at::Generator generator);
   /// The model as a chain of blocks sharing its parameters (blocks.h): "embed" (wte, wpe), "h<i>"
   /// per transformer block, "head" (ln_f, lm_head), for the pipeline and fsdp strategies. Throws
   /// UsageError for a tied head (one weight in two blocks, which stages on two devices cannot
@@ -92,6 +98,7 @@ class GPTImpl : public torch::nn::Module {
   ParallelLinear lm_head_{nullptr};  // untied only
   std::shared_ptr<const Dist> tp_;
   bool sequence_parallel_ = false;
+  std::shared_ptr<DropoutContext> dropout_;  // shared with the blocks
 };
 TORCH_MODULE(GPT);
 

@@ -1,5 +1,6 @@
 #include "scaletrain/flops.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/randn.h>
@@ -34,14 +35,18 @@ void check(const MatmulPeakOptions& o) {
 double measure_cpu_matmul_peak(const MatmulPeakOptions& o) {
   check(o);
   const auto start = Clock::now();
+  // Operands from a generator of its own: the default one is the training's random stream.
+  // Regression (MatmulPeakDrewFromTheTrainingStream): measured after a resume had restored the
+  // generators, the peak's draws moved a GPT's dropout masks off the straight run's.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
   {
-    auto a = at::randn({o.min_size, o.min_size}, at::kFloat);
+    auto a = at::randn({o.min_size, o.min_size}, gen, at::kFloat);
     (void)at::mm(a, a);  // warm-up: the threads woken, the GEMM's buffers allocated
   }
   double best = 0;
   for (int64_t n = o.min_size; n <= o.max_size; n *= 2) {
-    auto a = at::randn({n, n}, at::kFloat);
-    auto b = at::randn({n, n}, at::kFloat);
+    auto a = at::randn({n, n}, gen, at::kFloat);
+    auto b = at::randn({n, n}, gen, at::kFloat);
     auto c = at::empty({n, n}, at::kFloat);
     const double flops = 2.0 * std::pow(static_cast<double>(n), 3);
     for (int r = 0; r < o.repeats; ++r) {

@@ -45,6 +45,7 @@ class Run {
   void epoch(int64_t e);
   // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
   double running_loss(int64_t done, int64_t batches);
+  int stream() const;
   void end_epoch(int64_t e, double seconds);
   // Fault-tolerant replicas (fault_loop.cpp, Note [Fault-tolerant loop]).
   void train_fault_tolerant();

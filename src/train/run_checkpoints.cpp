@@ -143,7 +143,7 @@ void Run::restore_rank_state() {
     loss_n_ = static_cast<int64_t>(mine[1].item<double>());
   }
   if (!restore_rng_states(state_.tensors, d_)) {
-    torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), d_.rank()));
+    torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), stream()));
   }
 }
 

@@ -123,11 +123,7 @@ void Run::setup() {
   }
   // The weights came from one seed on every rank (rank 0's win); from here each rank draws its
   // own stream (Note [Rank streams] in rng.cpp).
-  // Under fault tolerance rank k of every replica is rank k of its own world: the replica's id
-  // keeps their streams apart.
-  const int stream =
-      o_.fault_tolerant ? (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank() : d_.rank();
-  torch::manual_seed(rank_seed(o_.seed, stream));
+  torch::manual_seed(rank_seed(o_.seed, stream()));
   SamplerOptions so;
   so.dataset_size = task_.train_data.size;
   so.num_replicas = strategy_->data_replicas();
@@ -274,6 +270,15 @@ void Run::epoch(int64_t e) {
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
   strategy_->end_epoch();
   end_epoch(e, since(t0));
+}
+
+// This rank's random stream: its own, but one per tensor-parallel group, whose ranks draw the
+// same dropout masks (Note [Coordinated dropout] in src/models/gpt.cpp; the grid's and the
+// tensor-parallel strategy's groups are consecutive ranks). Under fault tolerance rank k of every
+// replica is rank k of its own world: the replica's id keeps their streams apart.
+int Run::stream() const {
+  if (o_.fault_tolerant) return (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank();
+  return d_.rank() / std::max(o_.tensor_parallel, 1);
 }
 
 // The epoch's running mean loss for the progress line: this rank's, or where it computes no

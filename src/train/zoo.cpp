@@ -39,8 +39,10 @@ void validate_zoo_numbers(const TrainOptions& o) {
   require(o.limit_test >= 0, "--limit-test", o.limit_test, "0 (every sample) or more");
   require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
   require(o.dropout >= 0 && o.dropout < 1, "--dropout", o.dropout, "in [0, 1), e.g. 0.1");
-  if (o.dropout > 0 && o.model != "mlp") {
-    throw UsageError("--dropout is for --model mlp (the zoo's other models have no dropout)");
+  if (o.dropout > 0 && o.model != "mlp" && o.model.rfind("gpt", 0) != 0) {
+    throw UsageError(
+        "--dropout is for --model mlp, gpt-tiny and gpt2-small (the zoo's other models have no "
+        "dropout)");
   }
 }
 

@@ -314,6 +314,10 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "Seed of the weights and the data order (rank r's "
                   "dropout draws from a stream of its own)")
       ->capture_default_str();
+  cmd->add_option("--context", o.context,
+                  "GPTs: the longest sequence and the text windows' length (0: the model's own, "
+                  "gpt-tiny 64, gpt2-small 1024)")
+      ->capture_default_str();
   cmd->add_option("--dropout", o.dropout,
                   "mlp, GPTs: the probability of its dropout (GPTs: attention and residual; "
                   "with --tp the masks are the unsplit model's)")

@@ -467,6 +467,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Regression (NegativeSeedWrapsAround).
         Bad{"--seed -1", "--seed '-1' is not a whole number"},
         Bad{"--dropout 0.2", "--dropout is for --model mlp, gpt-tiny and gpt2-small"},
+        Bad{"--context 32", "--context is for --model gpt-tiny and gpt2-small"},
         Bad{"--model mlp --dropout 1", "--dropout 1 must be in [0, 1)"},
         Bad{"--checkpoint-format sharded", "--checkpoint-format sharded is for the sharded"},
         Bad{"--checkpoint-format split", "unknown --checkpoint-format 'split'"}));

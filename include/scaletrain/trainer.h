@@ -336,6 +336,8 @@ struct TrainOptions : TrainerOptions {
   std::string init_weights;        // a state dict (Python's torch.save) to start from
   double dropout = 0;              // mlp, GPTs: their dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
+  int64_t context = 0;             // GPTs: the longest sequence, the text windows' length
+                                   // (0: the size's own: gpt-tiny 64, gpt2-small 1024)
 };
 
 /// The zoo's task for `options`: the model by name, the data set by name, the optimizer and

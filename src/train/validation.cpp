@@ -197,9 +197,9 @@ void validate_grid(const TrainerOptions& o, const Family& f, int world) {
                                          o.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
                                                                      : "--schedule interleaved") +
-           " across processes runs one pipeline (as many processes as --pipeline-stages times "
-           "--tp, here " +
-           std::to_string(o.pipeline_stages * tp) + ", not " + std::to_string(world) +
+           " across processes runs one pipeline (as many processes as --pipeline-stages" +
+           (tp > 1 ? " times --tp" : "") + ", here " + std::to_string(o.pipeline_stages * tp) +
+           ", not " + std::to_string(world) +
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }

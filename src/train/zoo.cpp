@@ -39,6 +39,12 @@ void validate_zoo_numbers(const TrainOptions& o) {
   require(o.limit_test >= 0, "--limit-test", o.limit_test, "0 (every sample) or more");
   require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
   require(o.dropout >= 0 && o.dropout < 1, "--dropout", o.dropout, "in [0, 1), e.g. 0.1");
+  require(o.context >= 0, "--context", o.context, "0 (the model's own) or a positive length");
+  if (o.context > 0 && o.model.rfind("gpt", 0) != 0) {
+    throw UsageError(
+        "--context is for --model gpt-tiny and gpt2-small (the zoo's other models "
+        "take no sequences)");
+  }
   if (o.dropout > 0 && o.model != "mlp" && o.model.rfind("gpt", 0) != 0) {
     throw UsageError(
         "--dropout is for --model mlp, gpt-tiny and gpt2-small (the zoo's other models have no "
@@ -142,7 +148,7 @@ struct Data {
 Data load_text(const TrainOptions& o) {
   Data d;
   TokenWindowOptions w;
-  w.block_size = gpt_config(o.model).block_size;
+  w.block_size = o.context > 0 ? o.context : gpt_config(o.model).block_size;
   w.samples = o.limit_train;
   w.seed = o.seed;
   d.train = token_windows(o.data_dir + "/train.bin", w);
@@ -219,6 +225,7 @@ TrainTask zoo_task(const TrainOptions& o) {
   t.test_data = data.test;
   data.model.dropout = o.dropout;
   data.model.checkpoint_activations = o.checkpoint_blocks;
+  data.model.context = o.context;
   t.model = [name = o.model, mo = data.model, init = o.init_weights] {
     Model m = make_model(name, mo);
     if (!init.empty()) load_weights(init, *m.module);

@@ -22,6 +22,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <map>
@@ -516,6 +517,63 @@ INSTANTIATE_TEST_SUITE_P(Meshes, ThreeDimensions,
                            return "dp" + std::to_string(c.param.dp) + "_pp2_tp2_" +
                                   (c.param.schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b");
                          });
+
+// Model state per rank (fp32 parameters, gradients and Adam's two moments: 16 bytes a parameter)
+// follows the formulas, measured from the live storages after a step: at tp t, 16 (Ψs/t + Ψr),
+// where Ψs counts the whole model's split parameters and Ψr the replicated ones (LayerNorms,
+// rowwise biases, position embeddings), each rank's slices 1/t of the first; and under FSDP
+// over dp d besides (2D, stage 3), 16 (Ψs/t + Ψr)/d, its units padded to a multiple of d.
+TEST(TensorParallel, ModelStatePerRankFollowsTheFormulas) {
+  GPTConfig c = small_gpt(false);
+  c.n_embd = 64;
+  c.vocab_size = 64;
+  GPT whole(c);
+  const double psi = static_cast<double>(parameter_count(*whole));
+  const auto ids = at::randint(0, 64, {2, 8}, at::kLong);  // every rank's batch
+  for (const auto& [tp, dp] : std::vector<std::pair<int, int>>{{2, 1}, {4, 1}, {2, 2}}) {
+    const int world = tp * dp;
+    std::vector<ShardMemory> got(static_cast<size_t>(world));
+    double replicated = 0;
+    auto errors = testing::run_ranks(world, [&](Dist& d) {
+      const DeviceMesh mesh({{"dp", dp}, {"tp", tp}}, world);
+      auto groups = mesh_groups(d, mesh, "state");
+      GPT m(c);
+      copy_state(*m, *whole);
+      m->parallelize(groups.at("tp"), false);
+      if (d.rank() == 0) {
+        for (const auto& p : replicated_parameters(*m)) replicated += p.numel();
+      }
+      if (dp == 1) {
+        torch::optim::Adam opt(m->parameters(), 1e-3);
+        m->loss(m->forward(ids), ids).backward();
+        opt.step();
+        got[static_cast<size_t>(d.rank())] = model_state_memory(*m, &opt);
+      } else {
+        ShardOptions so;
+        so.stage = 3;
+        ShardedDataParallel zero(m->blocks(), groups.at("dp"), so);
+        torch::optim::Adam opt(zero.parameters(), 1e-3);
+        m->loss(zero.forward(ids), ids).backward();
+        zero.step(opt);
+        got[static_cast<size_t>(d.rank())] = zero.memory(&opt);
+      }
+    });
+    ASSERT_EQ(errors, no_errors(world));
+    ASSERT_GT(replicated, 0);
+    const double per_rank = 16 * ((psi - replicated) / tp + replicated) / dp;
+    for (int r = 0; r < world; ++r) {
+      const auto& m = got[static_cast<size_t>(r)];
+      const std::string where =
+          "tp " + std::to_string(tp) + ", dp " + std::to_string(dp) + ", rank " + std::to_string(r);
+      if (dp == 1) {
+        EXPECT_EQ(static_cast<double>(m.total()), per_rank) << where;
+      } else {  // each of the 4 units (embed, 2 blocks, head) padded by at most dp − 1
+        EXPECT_GE(static_cast<double>(m.total()), per_rank) << where;
+        EXPECT_LE(static_cast<double>(m.total()), per_rank + 16.0 * 4 * (dp - 1)) << where;
+      }
+    }
+  }
+}
 
 // Saved at one degree, loaded at another: the gathered state is the model's whole state, bit for
 // bit, and a model split at tp 4 from the state gathered at tp 2 gives the same whole state again.

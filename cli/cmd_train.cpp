@@ -295,9 +295,9 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_option(
          "--tp", a.o.tensor_parallel,
-         "ddp, zero1, zero2, grid: ranks per tensor-parallel group, each splitting one replica's "
-         "model (grid: one stage's; gpt-tiny, gpt2-small); the rest of the world is data "
-         "parallel")
+         "ddp, zero1, zero2, fsdp, grid: ranks per tensor-parallel group, each splitting one "
+         "replica's model (grid: one stage's; gpt-tiny: its 256 tokens split, gpt2-small's "
+         "50257 do not); the rest of the world is data parallel")
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
@@ -311,8 +311,8 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "Clip the gradients to this global L2 norm before each step (0: no clipping)")
       ->capture_default_str();
   cmd->add_option("--seed", a.seed,
-                  "Seed of the weights and the data order (rank r's "
-                  "dropout draws from a stream of its own)")
+                  "Seed of the weights and the data order (each rank's dropout draws from a "
+                  "stream of its own, shared by a tensor-parallel group's ranks)")
       ->capture_default_str();
   cmd->add_option("--context", o.context,
                   "GPTs: the longest sequence and the text windows' length (0: the model's own, "

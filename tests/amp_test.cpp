@@ -7,7 +7,12 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
+#include <limits>
+#include <string>
+#include <vector>
+
 #include "scaletrain/error.h"
+#include "support/ranks.h"
 
 namespace scaletrain {
 namespace {
@@ -69,6 +74,28 @@ TEST(GradScaler, OverflowSkipsTheStepAndBacksOff) {
   scaler.update();
   EXPECT_TRUE(at::equal(before, s.model->weight)) << "stepped on an inf gradient";
   EXPECT_EQ(scaler.current_scale(), 32768.0);
+}
+
+// Ranks holding different gradients (tensor parallelism's slices): an overflow on rank 0 only
+// skips the step on both ranks with agree_over, and only on rank 0 without it.
+TEST(GradScaler, AgreeOverSkipsEveryRanksStepWhenOneOverflows) {
+  for (bool agree : {true, false}) {
+    std::vector<int> stepped(2, -1);
+    auto errors = testing::run_ranks(2, [&](Dist& d) {
+      torch::nn::Linear m(2, 1);
+      torch::optim::SGD opt(m->parameters(), 0.1);
+      GradScalerOptions o;
+      if (agree) o.agree_over = &d;
+      GradScaler scaler(o);
+      scaler.scale(m(at::ones({1, 2})).sum()).backward();
+      if (d.rank() == 0) m->weight.grad()[0][0] = std::numeric_limits<float>::infinity();
+      stepped[static_cast<size_t>(d.rank())] = scaler.step(opt) ? 1 : 0;
+      scaler.update();
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(2));
+    EXPECT_EQ(stepped[0], 0) << "agree " << agree;
+    EXPECT_EQ(stepped[1], agree ? 0 : 1) << "agree " << agree;
+  }
 }
 
 TEST(GradScaler, GrowsAfterGrowthIntervalGoodSteps) {

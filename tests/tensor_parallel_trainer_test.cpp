@@ -124,17 +124,18 @@ Normed run_with_norms(int world, const TrainTask& task, const TrainerOptions& o)
   return out;
 }
 
-// Trains with a checkpoint every step, every rank stopping after step 5 (mid-epoch 2).
-void stop_after_step_5(int world, const TrainTask& task, TrainerOptions o) {
+// Trains with a checkpoint every step, every rank stopping after step `step` (5: mid-epoch 2).
+void stop_after_step(int world, const TrainTask& task, TrainerOptions o, int64_t step = 5) {
   o.checkpoint_every = 1;
+  const std::string stop = "stopped at step " + std::to_string(step);
   auto stopped = testing::run_ranks(world, [&](Dist& d) {
     TrainTask t = task;
-    t.on_step = [](const StepReport& r) {
-      if (r.global_step == 5) throw std::runtime_error("stopped at step 5");
+    t.on_step = [&](const StepReport& r) {
+      if (r.global_step == step) throw std::runtime_error(stop);
     };
     train(t, o, d);
   });
-  for (const auto& e : stopped) ASSERT_EQ(e, "stopped at step 5");
+  for (const auto& e : stopped) ASSERT_EQ(e, stop);
 }
 
 TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
@@ -195,7 +196,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   const TokenTask data;
   TempDir full("tp_full"), cut("tp_cut"), other("tp_other");
   auto whole = run(2, data.task(), options(full.path, 2));
-  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(2, data.task(), options(cut.path, 2)));
+  ASSERT_NO_FATAL_FAILURE(stop_after_step(2, data.task(), options(cut.path, 2)));
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = options(cut.path, 2);
@@ -307,7 +308,7 @@ TEST(TrainTensorParallel, ZeroTimesTensorParallelResumesExactly) {
   auto whole = run(4, data.task(), o);
   auto oc = options(cut.path, 2);
   oc.strategy = Strategy::kZero2;
-  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(4, data.task(), oc));
+  ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), oc));
   oc.resume = "auto";
   auto resumed = run(4, data.task(), oc);
   EXPECT_EQ(resumed.global_step, 8);
@@ -328,17 +329,18 @@ TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
       << errors[0];
 }
 
-// bf16 autocast at tp 2 with sequence parallelism (the split layers' products and what they
-// send in bfloat16, the loss in float32): a learnable sequence (each token the previous plus 3)
-// is learnt, as in float32, and the weights differ from float32's, so autocast was on.
-TEST(TrainTensorParallel, Bf16AutocastLearnsAtTp2) {
+// bf16 and fp16 autocast at tp 2 with sequence parallelism (the split layers' products and what
+// they send in 16 bits, the loss in float32; fp16 with loss scaling, every rank skipping the
+// same steps): a learnable sequence (each token the previous plus 3) is learnt, as in float32,
+// and the weights differ from float32's, so autocast was on.
+TEST(TrainTensorParallel, AutocastLearnsAtTp2InBf16AndFp16) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(5);
   auto first = at::randint(0, 16, {128, 1}, g, at::kLong);
   auto tokens = (first + 3 * at::arange(9, at::kLong).unsqueeze(0)) % 16;
   Dataset set{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
   std::map<std::string, TrainResult> r;
   std::map<std::string, std::map<std::string, at::Tensor>> w;
-  for (const std::string amp : {"none", "bf16"}) {
+  for (const std::string amp : {"none", "bf16", "fp16"}) {
     TempDir dir("tp_amp_" + amp);
     auto o = options(dir.path, 2);
     o.amp = amp;
@@ -357,9 +359,11 @@ TEST(TrainTensorParallel, Bf16AutocastLearnsAtTp2) {
     load_weights(r[amp].weights_path, *m.module);
     for (const auto& p : m.module->named_parameters()) w[amp][p.key()] = p.value().detach().clone();
   }
-  EXPECT_GT(r["none"].test_accuracy, 0.9);
-  EXPECT_GT(r["bf16"].test_accuracy, 0.9);
-  EXPECT_FALSE(at::equal(w["none"].at("lm_head.weight"), w["bf16"].at("lm_head.weight")));
+  for (const std::string amp : {"none", "bf16", "fp16"})
+    EXPECT_GT(r[amp].test_accuracy, 0.9) << amp;
+  for (const std::string amp : {"bf16", "fp16"}) {
+    EXPECT_FALSE(at::equal(w["none"].at("lm_head.weight"), w[amp].at("lm_head.weight"))) << amp;
+  }
 }
 
 // 3D from the trainer (Note [Grid with tensor parallelism] in src/train/grid.cpp): a grid of 2
@@ -426,7 +430,7 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
     return o;
   };
   auto straight = run(4, data.task(), grid(full.path));
-  ASSERT_NO_FATAL_FAILURE(stop_after_step_5(4, data.task(), grid(cut.path)));
+  ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), grid(cut.path)));
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = grid(cut.path);
@@ -447,6 +451,31 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
     ends[tp] = final_weights(r.weights_path);
   }
   expect_close(ends.at(2), ends.at(1), "resumed under ddp at tp 2 against tp 1");
+  // Regression (GridStaleDegreeDroppedTheOptimizerState): a grid at tp 1 resumed from the tp 2
+  // grid's checkpoint kept the file's "tp 2" in its own checkpoints, so every later resume
+  // refused their optimizer state. Its checkpoint says tp 1, and a resume from it takes the
+  // optimizer back: it ends as the same run not stopped.
+  TempDir at1("tpg_at1"), at1_full("tpg_at1_full");
+  fs::copy(other.path, at1.path,
+           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  fs::copy(other.path, at1_full.path,
+           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  auto o1 = grid(at1.path);
+  o1.tensor_parallel = 1;
+  o1.sequence_parallel = false;
+  o1.resume = "auto";
+  ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), o1, 6));
+  {
+    Model m = make_model("gpt-tiny", gpt_options());
+    m.module->to(at::kDouble);
+    auto state = load_checkpoint((at1.path / "ckpt-6.st").string(), *m.module, nullptr, "gpt-tiny");
+    EXPECT_EQ(state.values.at("grid/tensor_parallel"), "1");
+  }
+  auto on = run(4, data.task(), o1);
+  o1.out_dir = at1_full.path.string();
+  auto straight1 = run(4, data.task(), o1);
+  const auto c = final_weights(on.weights_path), e = final_weights(straight1.weights_path);
+  for (const auto& [name, v] : e) EXPECT_TRUE(at::equal(v, c.at(name))) << name;
 }
 
 TEST(TrainTensorParallel, BadCombinationsAreNamed) {
@@ -484,8 +513,9 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   b.tensor_parallel = 0;
   expect(b, 2, "at least 1");
   b = o;
+  b.strategy = Strategy::kZero2;
   b.amp = "fp16";
-  expect(b, 2, "--tp 2 with --amp fp16 is not supported yet");
+  expect(b, 4, "--amp fp16 needs loss scaling, which the sharded strategies do not do");
 }
 
 }  // namespace

@@ -228,6 +228,38 @@ TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
   EXPECT_GT(std::abs(plain.back().second - one.back().second), 1e-3) << "dropout drew no mask";
 }
 
+// Regression (ResumeAtAnotherDegreeSplitTheGroupsStreams): a GPT with dropout trained one epoch
+// under ddp on 2 processes, then resumed for a second at tp 2 on the same 2: the tp group took
+// its ranks' two saved streams, and drew different masks on its two ranks. The generators are
+// restored only at the degree they were saved at; otherwise each group starts its stream from the
+// step, so the second epoch is the one a single process resumed from the same file trains.
+TEST(Train, ResumeAtAnotherTensorParallelDegreeGivesTheGroupOneStream) {
+  TempDir first("tp_streams");
+  const std::string text =
+      with_text_data(" --model gpt-tiny --dataset text --data-dir {text} --dropout 0.2 ") +
+      "--momentum 0 ";  // no optimizer state, which another strategy's resume would drop
+  auto launch = [&](int processes, const fs::path& out, const std::string& flags) {
+    auto r = run_command(cli_path() + " run --nproc-per-node " + std::to_string(processes) +
+                         " --master-port 0 -- " + cli_path() + train_cmd(out) + text + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  };
+  launch(2, first.path, "--epochs 1");
+  std::map<int, std::vector<std::pair<int64_t, double>>> second;
+  for (int tp : {1, 2}) {
+    TempDir again("tp_streams" + std::to_string(tp));
+    fs::copy(first.path, again.path,
+             fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    launch(tp, again.path, "--epochs 2 --tp " + std::to_string(tp));
+    second[tp] = step_lines(again.path / "metrics.jsonl");
+  }
+  ASSERT_EQ(second[1].size(), 12u);
+  ASSERT_EQ(second[2].size(), second[1].size());
+  for (size_t i = 6; i < 12; ++i) {
+    EXPECT_NEAR(second[2][i].second, second[1][i].second, 1e-5 * second[1][i].second)
+        << "step " << second[1][i].first;
+  }
+}
+
 // The same run with checkpoints written in the background gives the same files: every
 // checkpoint holds the same weights, and model.pt is the same byte for byte.
 TEST(Checkpoint, AsyncCheckpointsEqualSynchronousOnes) {
@@ -468,6 +500,9 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--seed -1", "--seed '-1' is not a whole number"},
         Bad{"--dropout 0.2", "--dropout is for --model mlp, gpt-tiny and gpt2-small"},
         Bad{"--context 32", "--context is for --model gpt-tiny and gpt2-small"},
+        Bad{"--strategy pipeline --devices cpu,cpu --model mlp --dropout 0.2 "
+            "--checkpoint-activations always",
+            "--dropout with --checkpoint-activations"},
         Bad{"--model mlp --dropout 1", "--dropout 1 must be in [0, 1)"},
         Bad{"--checkpoint-format sharded", "--checkpoint-format sharded is for the sharded"},
         Bad{"--checkpoint-format split", "unknown --checkpoint-format 'split'"}));

@@ -13,7 +13,9 @@
 // GradScaler keeps the scale as a one-element tensor on the gradients' device and uses
 // ATen's own kernels (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_), on
 // CUDA and on CPU. Under DDP the gradients are already averaged when step() runs, so every
-// rank finds the same inf/NaN and skips the same steps.
+// rank finds the same inf/NaN and skips the same steps. Where ranks hold different gradients
+// (tensor parallelism: each its slices), GradScalerOptions::agree_over sums the verdict over
+// their group, so that they skip together.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
@@ -27,6 +29,8 @@ class Optimizer;
 }
 
 namespace scaletrain {
+
+struct Dist;
 
 /// Autocast on `device` to `dtype` for this thread while the object lives (nests).
 class Autocast {
@@ -48,6 +52,9 @@ struct GradScalerOptions {
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
   bool enabled = true;  // disabled: scale() and step() pass through
+  /// Collective: step() skips when any rank of this group found an inf or NaN (every rank of it
+  /// calls step() together). Null: this rank's own gradients decide. It must outlive the scaler.
+  const Dist* agree_over = nullptr;
 };
 
 class GradScaler {

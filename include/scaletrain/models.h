@@ -44,8 +44,9 @@ struct Model {
   std::function<void(const Dist& tp, bool sequence_parallel)> parallelize = nullptr;
   /// Once split: the loss of forward's outputs (a vocabulary-parallel cross entropy where the
   /// last dimension is split), what runs after the last backward of an optimizer step (sequence
-  /// parallelism's sum of the replicated gradients, over what the step accumulated), and
-  /// whether the outputs' last dimension is split over the group.
+  /// parallelism's sum of the replicated gradients, over what the step accumulated; under the
+  /// trainer's zero1, zero2 and fsdp it is not called, and that sum runs on the gradient shards
+  /// instead), and whether the outputs' last dimension is split over the group.
   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> parallel_loss =
       nullptr;
   std::function<void()> after_backward = nullptr;

@@ -19,8 +19,9 @@
 //   ddp       one process per device, DistributedDataParallel across them (any world size)
 //   dp        one process, a DataParallel replica per device of `devices` (seed 003)
 //   pipeline  one process, the model's block chain split over `devices` (seeds 000, 002)
-//   grid      a pipeline of `pipeline_stages` ranks, and world / stages such pipelines in data
-//             parallel (DistPipeline, DDP per stage)
+//   grid      a pipeline of `pipeline_stages` ranks (each stage on `tensor_parallel` ranks), and
+//             world / (stages · tensor_parallel) such pipelines in data parallel (DistPipeline,
+//             DDP per stage)
 //   zero1     one process per device, sharded data parallelism (zero.h): optimizer state sharded
 //   zero2     ... and gradients
 //   fsdp      ... and parameters (ZeRO stage 3, the model's block chain in units)
@@ -250,7 +251,7 @@ struct TrainerOptions {
   int pipeline_stages = 2;                                        // grid: ranks per pipeline
   int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
                               // (grid of one replica); --balance then lists that many times more
-  // ddp, zero1, zero2: ranks per tensor-parallel group (tensor_parallel.h). The world is the
+  // ddp, zero1, zero2, fsdp: ranks per tensor-parallel group (tensor_parallel.h). The world is the
   // mesh {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
   // (Model::parallelize) over its tp ranks, and DDP (or ZeRO) works over dp. grid: the mesh
   // {dp, pp: pipeline_stages, tp: tensor_parallel}, each stage split over its tp ranks. 1: no

@@ -74,7 +74,9 @@ class GPTImpl : public torch::nn::Module {
   /// state (Note [Coordinated dropout] in gpt.cpp): the masks are then the unsplit model's.
   void parallelize(const Dist& tp, bool sequence_parallel);
   /// The generator the dropout masks are drawn from (by default the device's own), e.g. one per
-  /// rank where ranks are threads of one process, which share the default one.
+  /// rank where ranks are threads of one process, which share the default one. Not replayed by
+  /// checkpoint_blocks' recomputation (activation_checkpoint.h replays the default generators):
+  /// leave it unset with checkpoint_blocks.
   void set_dropout_generator(at::Generator generator);
   /// The model as a chain of blocks sharing its parameters (blocks.h): "embed" (wte, wpe), "h<i>"
   /// per transformer block, "head" (ln_f, lm_head), for the pipeline and fsdp strategies. Throws

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -83,6 +84,9 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     auto found = at::zeros({1}, found_inf_.options().device(g.device));
     at::_amp_foreach_non_finite_check_and_unscale_(g.grads, found, inv.to(g.device));
     found_inf_.add_(found.to(found_inf_.device()));
+  }
+  if (o_.agree_over != nullptr && o_.agree_over->size() > 1) {
+    o_.agree_over->all_reduce(found_inf_);  // any rank's inf or NaN skips every rank's step
   }
   const bool finite = found_inf_.item<float>() == 0;
   if (finite) optimizer.step();

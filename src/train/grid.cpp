@@ -186,7 +186,9 @@ class GridStrategy : public TrainStrategy {
     }
     if (dist_.rank() == 0) {
       state.values["grid/stages"] = layout();
-      if (degree_ > 1) state.values[kDegreeKey] = std::to_string(degree_);
+      // Always: a resume keeps the loaded file's values, and a stale degree would refuse every
+      // later restore. Regression (GridStaleDegreeDroppedTheOptimizerState).
+      state.values[kDegreeKey] = std::to_string(degree_);
     }
     return nullptr;  // the stages' states travel in `state`
   }

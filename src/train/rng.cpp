@@ -3,8 +3,9 @@
 // Two faults this fixes: every rank was seeded alike, so under DDP all ranks drew the same
 // dropout masks on different data; and the checkpoint held no generator state, so a model with
 // dropout, killed and resumed, drew other masks from the resume on and left the straight run's
-// curve. Now rank r's stream starts at rank_seed(seed, r), and a checkpoint holds every rank's
-// generators: gathered to every rank in one collective (rank 0 writes them), each rank's
+// curve. Now rank r's stream starts at rank_seed(seed, r) (the trainer: r / t, one stream per
+// tensor-parallel group of t ranks, whose dropout must draw alike), and a checkpoint holds every
+// rank's generators: gathered to every rank in one collective (rank 0 writes them), each rank's
 // packed as doubles (bytes are small whole numbers: exact) behind a header of its lengths.
 
 #include "scaletrain/rng.h"

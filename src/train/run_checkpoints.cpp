@@ -31,6 +31,11 @@
 
 namespace scaletrain {
 
+namespace {
+// The tensor-parallel degree the generators were saved at: a group's ranks share one stream.
+const char* kStreamsKey = "trainer/tensor_parallel";
+}  // namespace
+
 void Run::resume() {
   // Every rank planned before the strategy's first collective, so no rank has written yet.
   if (!start_.resume_from && !start_.resume_sharded) {
@@ -132,7 +137,11 @@ void Run::report_differences(const TrainingState& saved) {
 
 // Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the
 // world they were saved at, each rank takes its own; at another, rank 0 carries the loss sums
-// and every rank starts a stream of its own from the step.
+// and every rank starts a stream of its own from the step. So it does at the same world with
+// another tensor-parallel degree, whose groups share other streams.
+// Regression (ResumeAtAnotherDegreeSplitTheGroupsStreams): ddp on 2 ranks resumed at tp 2 gave
+// the two ranks of the tp group their two old streams, so a GPT's dropout drew different masks
+// on them and their replicated activations drifted apart.
 void Run::restore_rank_state() {
   auto sums = state_.tensors.find("trainer/epoch_loss");
   if (sums != state_.tensors.end() && state_.step_in_epoch > 0) {
@@ -142,7 +151,10 @@ void Run::restore_rank_state() {
     loss_sum_ = mine[0].item<double>();
     loss_n_ = static_cast<int64_t>(mine[1].item<double>());
   }
-  if (!restore_rng_states(state_.tensors, d_)) {
+  const auto saved = state_.values.find(kStreamsKey);  // absent: tp 1
+  const bool same_streams = (saved == state_.values.end() ? std::string("1") : saved->second) ==
+                            std::to_string(std::max(o_.tensor_parallel, 1));
+  if (!same_streams || !restore_rng_states(state_.tensors, d_)) {
     torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), stream()));
   }
 }
@@ -166,6 +178,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   state_.tensors.clear();
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
+  state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel, 1));
   auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
   state_.tensors["trainer/epoch_loss"] =
       at::stack(d_.all_gather(sums.to(collective_device()))).cpu();

@@ -54,7 +54,15 @@ class TensorParallelStrategy : public TrainStrategy {
         mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
         dev_(rank_device(o.device, d)),
-        bf16_(o.amp == "bf16"),
+        amp_(o.amp == "bf16"   ? std::optional<at::ScalarType>(at::kBFloat16)
+             : o.amp == "fp16" ? std::optional<at::ScalarType>(at::kHalf)
+                               : std::nullopt),
+        scaler_([&] {
+          GradScalerOptions so;
+          so.enabled = o.amp == "fp16";  // bf16 has fp32's range: no scaling
+          so.agree_over = &d;            // the ranks hold different slices: they skip together
+          return so;
+        }()),
         sequence_parallel_(o.sequence_parallel) {
     split_ = task.model();
     if (!split_.parallelize) {
@@ -101,16 +109,16 @@ class TensorParallelStrategy : public TrainStrategy {
     if (ddp_ && !sync) local.emplace(*ddp_);
     at::Tensor out;
     {
-      std::optional<Autocast> autocast;  // bf16: the layers' products, and what they send
-      if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
+      std::optional<Autocast> autocast;  // the layers' products, and what they send
+      if (amp_) autocast.emplace(dev_.type(), *amp_);
       auto forward = [&] { return split_.forward(x); };
       out = chain_  ? zero_->forward(x)
             : zero_ ? zero_->forward(forward)
             : ddp_  ? ddp_->forward(forward)
                     : forward();
     }
-    at::Tensor loss = loss_(bf16_ ? out.to(at::kFloat) : out, y);
-    (weight != 1 ? loss * weight : loss).backward();
+    at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
+    scaler_.scale(weight != 1 ? loss * weight : loss).backward();
     // Once per step, after its last backward: over what the step accumulated (ZeRO: in its
     // gradient shards, where the gradients are by then).
     if (sync && zero_ && sequence_parallel_) {
@@ -133,6 +141,7 @@ class TensorParallelStrategy : public TrainStrategy {
 
   // ZeRO: each rank holds its shards' gradients; the ranks agree on one verdict.
   bool gradients_finite() override {
+    if (amp_ == at::kHalf) return true;  // fp16: the scaler skips such steps, on every rank
     const bool mine = TrainStrategy::gradients_finite();
     return zero_ ? on_every_rank(dist_, mine, collective()) : mine;
   }
@@ -140,7 +149,8 @@ class TensorParallelStrategy : public TrainStrategy {
     if (zero_) {
       zero_->step(opt);
     } else {
-      opt.step();
+      scaler_.step(opt);  // fp16: skips a step whose gradients overflowed on any rank
+      scaler_.update();
     }
   }
 
@@ -159,6 +169,7 @@ class TensorParallelStrategy : public TrainStrategy {
     if (ddp_) ddp_->join();
   }
   void train_mode(bool on) override { split_.module->train(on); }
+  GradScaler* scaler() override { return &scaler_; }
 
   void gather_weights() override {
     if (zero_) zero_->gather_full_parameters();
@@ -272,7 +283,9 @@ class TensorParallelStrategy : public TrainStrategy {
   DeviceMesh mesh_;
   std::map<std::string, Dist> groups_;
   at::Device dev_;
-  bool bf16_, sequence_parallel_;
+  std::optional<at::ScalarType> amp_;  // autocast's dtype: bf16 or fp16
+  GradScaler scaler_;                  // fp16 (ddp): loss scaling, one verdict for all ranks
+  bool sequence_parallel_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2, fsdp: over dp instead of ddp_
@@ -317,11 +330,6 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
                      " does not divide the world of " + std::to_string(world) +
                      " ranks into tensor-parallel groups; give --nproc-per-node a multiple of it");
-  }
-  if (o.amp == "fp16") {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
-                     " with --amp fp16 is not supported yet (no loss scaling there); use --amp "
-                     "bf16 or none");
   }
   // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
   // so, in the grid's words).

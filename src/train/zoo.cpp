@@ -79,6 +79,12 @@ void validate_zoo_shapes(const TrainOptions& o) {
                          : "--dataset text is token ids, for a GPT: give --model gpt-tiny or "
                            "gpt2-small");
   }
+  if (o.dropout > 0 && o.checkpointing != PipelineCheckpoint::kNever) {
+    throw UsageError(
+        "--dropout with --checkpoint-activations: the pipeline's recomputation does not replay "
+        "the random generators, so its masks would not be the forward's; leave "
+        "--checkpoint-activations at never (a GPT: --checkpoint-blocks replays them)");
+  }
   if (o.checkpoint_blocks && !gpt) {
     throw UsageError("--checkpoint-blocks recomputes a GPT's transformer blocks; --model " +
                      o.model + " has none (give --model gpt-tiny or gpt2-small)");

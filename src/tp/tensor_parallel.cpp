@@ -462,11 +462,12 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
   const auto split = split_parameters(module);
   std::map<std::string, at::Tensor> out;
   for (const auto& p : module.named_parameters()) {
-    at::Tensor v = p.value().detach().cpu();
-    if (gradients) v = p.value().grad().defined() ? p.value().grad().cpu() : at::zeros_like(v);
+    // Gathered where the slice lives (NCCL carries device tensors only), returned on the CPU.
+    at::Tensor v = p.value().detach();
+    if (gradients) v = p.value().grad().defined() ? p.value().grad() : at::zeros_like(v);
     auto it = split.find(p.key());
     if (it == split.end() || tp.size() == 1) {
-      out[p.key()] = v.clone();
+      out[p.key()] = v.cpu().clone();
       continue;
     }
     const auto [dim, chunks] = it->second;
@@ -475,7 +476,7 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
     for (int64_t c = 0; c < chunks; ++c) {
       for (const auto& s : slices) parts.push_back(s.chunk(chunks, dim)[static_cast<size_t>(c)]);
     }
-    out[p.key()] = at::cat(parts, dim);
+    out[p.key()] = at::cat(parts, dim).cpu();
   }
   if (gradients) return out;
   for (const auto& b : module.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();

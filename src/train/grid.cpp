@@ -28,8 +28,10 @@
 // any grid, tp degree and strategy. The optimizer state is per (stage, tp rank), and is reused
 // at the same stages, balance and degree only.
 
+#include <map>
 #include <optional>
 #include <set>
+#include <string>
 
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
@@ -149,10 +151,15 @@ class GridStrategy : public TrainStrategy {
   }
 
   void gather_weights() override {
-    if (degree_ > 1) {  // this stage's slices assembled over tp into the whole model
-      auto full = gather_full_state(*split_.module, tp());
+    if (degree_ > 1) {  // this rank's stages' slices assembled over tp into the whole model
+      auto whole = whole_.module->named_parameters();
       torch::NoGradGuard no_grad;
-      for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
+      for (auto& chunk : chunks_) {  // (the other stages' blocks of split_ stay on the CPU)
+        auto full = gather_full_state(*chunk, tp());  // under the chunk's own names
+        for (const auto& p : chunk->named_parameters()) {
+          whole[split_names_.at(p.value().unsafeGetTensorImpl())].copy_(full.at(p.key()));
+        }
+      }
     }
     auto stages = whole_stage_parameters();
     torch::NoGradGuard no_grad;
@@ -245,6 +252,9 @@ class GridStrategy : public TrainStrategy {
     for (const auto& p : replicated_parameters(*split_.module)) {
       replicated_.insert(p.unsafeGetTensorImpl());
     }
+    for (const auto& p : split_.module->named_parameters()) {
+      split_names_[p.value().unsafeGetTensorImpl()] = p.key();
+    }
   }
 
   // The whole model's parameters of each stage, in the model's order.
@@ -282,6 +292,7 @@ class GridStrategy : public TrainStrategy {
   Model& whole_;                      // the task's model: on every rank, whole, for checkpoints
   Model split_;                       // tp > 1: the trained build, split over tp
   std::set<const void*> replicated_;  // tp > 1: the split build's parameters whole on each
+  std::map<const void*, std::string> split_names_;  // tp > 1: its parameters' names
   LossFn loss_;
   int stages_, degree_;
   DeviceMesh mesh_;

@@ -80,19 +80,9 @@ class GridStrategy : public TrainStrategy {
     const auto balance = resolve_balance(o.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
     if (degree_ > 1) split(task, o.sequence_parallel);
-    Model& trained = degree_ > 1 ? split_ : whole_;
-    torch::nn::Sequential chain = chain_of(trained);
-    stage_params_.resize(static_cast<size_t>(stages_));
-    size_t begin = 0;
-    for (int k = 0; k < stages_ * v; ++k) {
-      const size_t end = begin + static_cast<size_t>(balance[static_cast<size_t>(k)]);
-      auto part = slice(chain, begin, end);
-      auto& params = stage_params_[static_cast<size_t>(k % stages_)];
-      for (auto& p : part->parameters()) params.push_back(p);
-      if (k % stages_ == stage_) chunks_.push_back(part);
-      begin = end;
-    }
-    for (auto& params : stage_params_) params = in_model_order(params, *trained.module);
+    stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
+    // The whole model's, which checkpoints gather (the same tensors without a split).
+    whole_stage_params_ = degree_ > 1 ? stage_parameters(whole_, nullptr) : stage_params_;
     stage_module_ = chunks_.front();
     for (auto& c : chunks_) c->to(dev_);
     if (mesh_.size("dp") > 1) {
@@ -139,11 +129,10 @@ class GridStrategy : public TrainStrategy {
   // counts every stage once per replica. Split parameters hold a slice on each tp rank,
   // replicated ones the whole gradient on each (counted 1/t there).
   double gradient_square_sum() override {
-    std::vector<at::Tensor> split, replicated;
-    for (const auto& p : parameters()) {
-      (replicated_.count(p.unsafeGetTensorImpl()) ? replicated : split).push_back(p.grad());
-    }
-    const double mine = square_sum(split) + square_sum(replicated) / degree_;
+    const auto params = parameters();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params) grads.push_back(p.grad());
+    const double mine = tp_square_sum(params, grads, replicated_, degree_);
     return sum_over(dist_, mine, dev_) / data_replicas();
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
@@ -161,10 +150,9 @@ class GridStrategy : public TrainStrategy {
         }
       }
     }
-    auto stages = whole_stage_parameters();
     torch::NoGradGuard no_grad;
     for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s (its tp rank 0)
-      auto& params = stages[static_cast<size_t>(s)];
+      auto& params = whole_stage_params_[static_cast<size_t>(s)];
       auto flat = flat_copy(params, dev_);
       dist_.broadcast(flat, mesh_.rank_at({0, s, 0}));
       copy_from_flat(flat, params);
@@ -239,38 +227,31 @@ class GridStrategy : public TrainStrategy {
 
   // A second build of the task's model with rank 0's weights, split over this rank's tp group.
   void split(const TrainTask& task, bool sequence_parallel) {
-    split_ = task.model();
-    if (!split_.parallelize) {
-      throw UsageError("tensor parallelism: model '" + split_.name +
-                       "' cannot be split (its Model has no parallelize; build its linear layers "
-                       "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
-    }
-    broadcast_parameters(*whole_.module, dist_, dev_);
-    copy_parameters(*whole_.module, *split_.module);
-    split_.parallelize(tp(), sequence_parallel);
+    split_ = split_build(task, whole_, dist_, tp(), sequence_parallel, dev_);
     if (split_.parallel_loss) loss_ = split_.parallel_loss;
-    for (const auto& p : replicated_parameters(*split_.module)) {
-      replicated_.insert(p.unsafeGetTensorImpl());
-    }
+    replicated_ = replicated_set(*split_.module);
     for (const auto& p : split_.module->named_parameters()) {
       split_names_[p.value().unsafeGetTensorImpl()] = p.key();
     }
   }
 
   // The whole model's parameters of each stage, in the model's order.
-  std::vector<std::vector<at::Tensor>> whole_stage_parameters() const {
-    if (degree_ == 1) return stage_params_;
-    torch::nn::Sequential chain = chain_of(whole_);
+  // `model`'s chain cut by the balance into pipeline stages k = 0 … stages · v − 1, stage k on
+  // rank k mod stages: each rank's parameters, in the model's order; this rank's stages, as
+  // chunks in the model's order, into `mine` where given.
+  std::vector<std::vector<at::Tensor>> stage_parameters(
+      const Model& model, std::vector<torch::nn::Sequential>* mine) const {
+    torch::nn::Sequential chain = chain_of(model);
     std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(stages_));
     size_t begin = 0;
     for (size_t k = 0; k < balance_.size(); ++k) {
       const size_t end = begin + static_cast<size_t>(balance_[k]);
-      for (auto& p : slice(chain, begin, end)->parameters()) {
-        out[k % static_cast<size_t>(stages_)].push_back(p);
-      }
+      auto part = slice(chain, begin, end);
+      for (auto& p : part->parameters()) out[k % static_cast<size_t>(stages_)].push_back(p);
+      if (mine && static_cast<int>(k) % stages_ == stage_) mine->push_back(part);
       begin = end;
     }
-    for (auto& params : out) params = in_model_order(params, *whole_.module);
+    for (auto& params : out) params = in_model_order(params, *model.module);
     return out;
   }
   const Dist& tp() const { return groups_.at("tp"); }
@@ -299,10 +280,11 @@ class GridStrategy : public TrainStrategy {
   int replica_, stage_, v_ = 1;
   std::vector<int64_t> balance_;  // blocks per pipeline stage
   at::Device dev_;
-  std::vector<std::vector<at::Tensor>> stage_params_;  // per stage, in the model's order
-  torch::nn::Sequential stage_module_{nullptr};        // chunks_[0]: the stage (no interleaving)
-  std::vector<torch::nn::Sequential> chunks_;          // this rank's stages, in the model's order
-  std::map<std::string, Dist> groups_;                 // "dp", and "tp" when split
+  std::vector<std::vector<at::Tensor>> stage_params_;        // per stage, in the model's order
+  std::vector<std::vector<at::Tensor>> whole_stage_params_;  // the same of the whole model
+  torch::nn::Sequential stage_module_{nullptr};  // chunks_[0]: the stage (no interleaving)
+  std::vector<torch::nn::Sequential> chunks_;    // this rank's stages, in the model's order
+  std::map<std::string, Dist> groups_;           // "dp", and "tp" when split
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;
 };

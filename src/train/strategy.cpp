@@ -47,6 +47,7 @@
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
 #include "scaletrain/intra_op_threads.h"
+#include "scaletrain/tensor_parallel.h"
 #include "scaletrain/version.h"
 #include "train/balance.h"
 
@@ -209,6 +210,35 @@ std::map<std::string, at::Tensor> named_values(torch::nn::Module& module) {
   std::map<std::string, at::Tensor> out;
   for (const auto& p : module.named_parameters()) out[p.key()] = p.value().detach();
   return out;
+}
+
+Model split_build(const TrainTask& task, Model& whole, const Dist& world, const Dist& tp,
+                  bool sequence_parallel, const at::Device& device) {
+  Model split = task.model();
+  if (!split.parallelize) {
+    throw UsageError("tensor parallelism: model '" + split.name +
+                     "' cannot be split (its Model has no parallelize; build its linear layers "
+                     "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
+  }
+  broadcast_parameters(*whole.module, world, device);  // rank 0's weights everywhere
+  copy_parameters(*whole.module, *split.module);
+  split.parallelize(tp, sequence_parallel);  // then this rank's slices of them
+  return split;
+}
+
+std::set<const void*> replicated_set(torch::nn::Module& split) {
+  std::set<const void*> out;
+  for (const auto& p : replicated_parameters(split)) out.insert(p.unsafeGetTensorImpl());
+  return out;
+}
+
+double tp_square_sum(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& parts,
+                     const std::set<const void*>& replicated, int t) {
+  std::vector<at::Tensor> split, whole;
+  for (size_t i = 0; i < params.size(); ++i) {
+    (replicated.count(params[i].unsafeGetTensorImpl()) ? whole : split).push_back(parts[i]);
+  }
+  return square_sum(split) + square_sum(whole) / t;
 }
 
 double TrainStrategy::gradient_square_sum() {

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -131,5 +132,18 @@ void broadcast_parameters(torch::nn::Module& module, const Dist& dist, const at:
 void copy_parameters(torch::nn::Module& from, torch::nn::Module& to);
 /// The parameters by name, detached (not copied).
 std::map<std::string, at::Tensor> named_values(torch::nn::Module& module);
+
+/// Tensor parallelism's trained model: a second build of the task's, with rank 0's weights of
+/// `whole` (collective over `world`, through `device`), split over `tp` by Model::parallelize.
+/// UsageError when the model cannot be split.
+Model split_build(const TrainTask& task, Model& whole, const Dist& world, const Dist& tp,
+                  bool sequence_parallel, const at::Device& device);
+/// A split module's parameters that are whole on every tp rank (replicated_parameters()), by
+/// their TensorImpl.
+std::set<const void*> replicated_set(torch::nn::Module& split);
+/// The square sum of `parts` (parts of `params`' gradients, by parameter), a replicated
+/// parameter's counted 1/t: it is on every one of the t ranks of the group.
+double tp_square_sum(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& parts,
+                     const std::set<const void*>& replicated, int t);
 
 }  // namespace scaletrain

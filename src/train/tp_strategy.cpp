@@ -64,20 +64,9 @@ class TensorParallelStrategy : public TrainStrategy {
           return so;
         }()),
         sequence_parallel_(o.sequence_parallel) {
-    split_ = task.model();
-    if (!split_.parallelize) {
-      throw UsageError("tensor parallelism: model '" + split_.name +
-                       "' cannot be split (its Model has no parallelize; build its linear layers "
-                       "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
-    }
-    // Rank 0's weights everywhere, then this rank's slices of them.
-    broadcast_parameters(*whole_.module, dist_, collective());
-    copy_parameters(*whole_.module, *split_.module);
-    split_.parallelize(tp(), o.sequence_parallel);
+    split_ = split_build(task, whole_, dist_, tp(), o.sequence_parallel, collective());
     split_.module->to(dev_);
-    for (const auto& p : replicated_parameters(*split_.module)) {
-      replicated_.insert(p.unsafeGetTensorImpl());
-    }
+    replicated_ = replicated_set(*split_.module);
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
     if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
         o.strategy == Strategy::kFsdp) {
@@ -215,11 +204,7 @@ class TensorParallelStrategy : public TrainStrategy {
   // parameter's counted 1/t (it is on every tp rank).
   double weighted_square_sum(const std::vector<at::Tensor>& params,
                              const std::vector<at::Tensor>& parts) const {
-    std::vector<at::Tensor> split, replicated;
-    for (size_t i = 0; i < params.size(); ++i) {
-      (replicated_.count(params[i].unsafeGetTensorImpl()) ? replicated : split).push_back(parts[i]);
-    }
-    return square_sum(split) + square_sum(replicated) / tp().size();
+    return tp_square_sum(params, parts, replicated_, tp().size());
   }
 
   // ZeRO: this rank's shards' part of the square sum (a unit's shard is a range of its

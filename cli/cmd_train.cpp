@@ -236,6 +236,9 @@ void add_model_flags(CLI::App* cmd, TrainOptions& o) {
                   "bf16 parameters over fp32 master shards")
       ->capture_default_str();
   cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
+  cmd->add_flag("--data-on-device", o.data_on_device,
+                "Hold fashion-mnist or synthetic on the training device and gather each batch "
+                "there (no loader threads, no copy per step; the same batches)");
   cmd->add_option("--init-weights", o.init_weights,
                   "Start from a state dict (e.g. Python's torch.save(model.state_dict()))");
   cmd->add_flag("!--no-tensorboard", o.tensorboard, "No TensorBoard event file");

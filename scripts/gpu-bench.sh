@@ -2,7 +2,10 @@
 # The GPU figures of docs/benchmarks.md, on a CUDA machine, once scripts/gpu-check.sh has built
 # build-gpu and passed the tests:
 #   scripts/gpu-bench.sh OUT_DIR [STEP ...]
-# STEP: train (seed 003's ResNet-18 on Fashion-MNIST, 10 epochs, fp32 and bf16 autocast), or a
+# STEP: train (seed 003's ResNet-18 on Fashion-MNIST, 10 epochs, fp32 and bf16 autocast, the data
+# on the device, and 3 epochs through the loader), gpt2-small (10 and 100 steps of the 124M GPT
+# on the bytes of Python's standard library, bf16: the difference is the steady step), peers
+# (PyTorch's Python path on the same models: benchmarks/python/gpu_peer.py), or a
 # `scaletrain bench` suite (full sizes). No STEP: all of them but ddp-vs-python (a CPU suite).
 # Everything lands in OUT_DIR: logs, the runs' metrics, the suites' CSV/JSON/report (and their
 # plots, or the gnuplot scripts to draw them where gnuplot is missing).
@@ -20,18 +23,49 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] ||
-  steps=(train mp-vs-single split-sweep dp-scaling async allreduce pipeline-bubble pipeline-memory loader)
+  steps=(train gpt2-small peers mp-vs-single split-sweep dp-scaling async allreduce pipeline-bubble
+    pipeline-memory loader)
+tokens() {  # train.bin/val.bin of the standard library's bytes, once
+  [ -f "$out/tokens/train.bin" ] && return
+  local std
+  std=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  mkdir -p "$out/text" && cat "$std"/*.py >"$out/text/stdlib.txt"
+  "$bin" data text --input "$out/text/stdlib.txt" --out "$out/tokens"
+}
 failed=()
 for step in "${steps[@]}"; do
   start=$(date +%s)
   case $step in
   train)
     # Seed 003: batch 256, plain SGD at lr 0.1, 10 epochs, one GPU.
+    r18=(--model resnet18 --batch-size 256 --lr 0.1 --momentum 0 --weight-decay 0 --workers 4
+      --resume none --no-progress --overwrite)
     for amp in none bf16; do
-      "$bin" train --model resnet18 --epochs 10 --batch-size 256 --lr 0.1 --momentum 0 \
-        --weight-decay 0 --amp "$amp" --workers 4 --resume none --no-progress \
+      "$bin" train "${r18[@]}" --epochs 10 --amp "$amp" --data-on-device \
         --out "$out/resnet18-$amp" 2>&1 | tee "$out/resnet18-$amp.log"
     done
+    "$bin" train "${r18[@]}" --epochs 3 --out "$out/resnet18-loader" 2>&1 |
+      tee "$out/resnet18-loader.log"
+    ;;
+  gpt2-small)
+    tokens
+    for n in 80 800; do  # 10 and 100 steps of 8 sequences of 1024 tokens
+      "$bin" train --model gpt2-small --dataset text --data-dir "$out/tokens" --amp bf16 \
+        --optimizer adam --lr 3e-4 --batch-size 8 --epochs 1 --limit-train $n --limit-test 16 \
+        --log-every 20 --peak-flops 989e12 --resume none --no-progress --overwrite \
+        --out "$out/gpt2-small-$n" 2>&1 | tee "$out/gpt2-small-$n.log"
+    done
+    ;;
+  peers)
+    tokens
+    peer=(python3 benchmarks/python/gpu_peer.py)
+    for amp in none bf16; do
+      "${peer[@]}" resnet18 --loader device --amp $amp --csv "$out/python-resnet18.csv"
+    done
+    "${peer[@]}" resnet18 --loader dataloader --epochs 2 --csv "$out/python-resnet18.csv"
+    "${peer[@]}" resnet50 --loader device --repeats 3 --csv "$out/python-resnet50.csv"
+    "${peer[@]}" resnet50 --loader dataloader --repeats 3 --csv "$out/python-resnet50.csv"
+    "${peer[@]}" gpt --data "$out/tokens/train.bin" --csv "$out/python-gpt2-small.csv"
     ;;
   *) "$bin" bench "$step" --out "$out/bench" 2>&1 | tee -a "$out/bench.log" ;;
   esac

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <regex>
 
@@ -19,6 +20,7 @@
 #include "scaletrain/tokens.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
+#include "train/strategy.h"
 
 namespace scaletrain {
 namespace {
@@ -593,6 +595,51 @@ TEST(TrainBadNproc, ZeroOrNotANumberExitsTwoInsteadOfSigfpe) {
     EXPECT_EQ(r.exit_code, 2) << n << "\n" << r.output;
     EXPECT_NE(r.output.find("--nproc-per-node"), std::string::npos) << r.output;
   }
+}
+
+// Note [Data on the device] and Note [Deferred reads]: --data-on-device gathers the loader's
+// batches where the model trains, and ranks that read their steps' results in batches (here
+// rank 1; rank 0 of the other run reads every step, as an on_step hook makes it) log what a run
+// read step by step logs, their collectives in the same order: the same model.pt byte for byte,
+// the same step and epoch lines. Log points (every 3) and the running mean's points (every 5 of
+// 20 steps) fall on different steps.
+TEST(Train, DataOnDeviceAndDeferredReadsGiveTheLoadersStepByStepRun) {
+  TempDir eager("loader_eager"), deferred("device_deferred");
+  const std::string common =
+      " train --nproc-per-node 2 --device cpu --dataset synthetic --model mlp --limit-train 640"
+      " --limit-test 64 --epochs 2 --batch-size 32 --log-every 3 --no-progress --out ";
+  auto a =
+      run_command("SCALETRAIN_KILL_AT_STEP=100000 " + cli_path() + common + eager.path.string());
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_command(cli_path() + common + deferred.path.string() + " --data-on-device");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(contents_of(deferred.path).at("model.pt"), contents_of(eager.path).at("model.pt"));
+  const auto steps = step_lines(eager.path / "metrics.jsonl");
+  EXPECT_EQ(steps.size(), 2u * 20 / 3) << "a line every 3 of 40 steps";
+  EXPECT_EQ(step_lines(deferred.path / "metrics.jsonl"), steps);
+  EXPECT_EQ(step_lines(deferred.path / "metrics.jsonl", "epoch"),
+            step_lines(eager.path / "metrics.jsonl", "epoch"));
+  auto text = run_command(cli_path() + " train --model gpt-tiny --dataset text --data-dir " +
+                          with_text_data("{text}") + " --data-on-device --out " +
+                          (deferred.path / "text").string());
+  EXPECT_EQ(text.exit_code, 2) << text.output;
+  EXPECT_NE(text.output.find("--dataset text is read from files"), std::string::npos)
+      << text.output;
+}
+
+// Regression (OneDeviceSyncPerParameter): the finite-gradients check copied each parameter's
+// flag to the CPU on its own, one wait for the device per parameter. The flags are now one
+// tensor on the first tensor's device, read once, with the same verdicts.
+TEST(Train, OneDeviceSyncPerParameterIsOneFlag) {
+  const auto ok = at::ones({3}), nan = at::full({2}, std::nan("")),
+             inf = at::full({1}, std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(all_finite_flag({}).item<bool>());
+  EXPECT_TRUE(all_finite_flag({ok, at::Tensor(), ok}).item<bool>());
+  EXPECT_FALSE(all_finite_flag({ok, nan}).item<bool>());
+  EXPECT_FALSE(all_finite_flag({inf, ok}).item<bool>());
+  EXPECT_EQ(all_finite_flag({ok, ok}).dim(), 0);
+  EXPECT_EQ(all_finite({ok, nan}), false);
+  EXPECT_EQ(all_finite({ok}), true);
 }
 
 // Issue: --lr inf trained to the end and wrote a model.pt of NaN weights. A run whose gradients

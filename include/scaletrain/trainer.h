@@ -68,6 +68,9 @@ class ImageFolder;
 struct DataSource {
   int64_t size = 0;
   BatchFn batch;
+  /// The rows themselves, where the split is an in-memory data set (in_memory() sets them):
+  /// TrainerOptions::data_on_device then keeps them on the device. Null for other sources.
+  std::shared_ptr<const Dataset> rows;
 };
 
 /// An in-memory data set (data.h: Fashion-MNIST, synthetic...), rows [0, limit) when limit > 0.
@@ -226,6 +229,10 @@ struct TrainerOptions {
   bool progress = true;         // progress bar / lines on rank 0
   bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
   int workers = 1;              // loader threads per rank (0: load on the training thread)
+  // In-memory splits (DataSource::rows: Fashion-MNIST, synthetic, a user's in_memory() tensors)
+  // held on this rank's device, each batch gathered there: no loader thread and no copy per
+  // step (Note [Data on the device] in src/train/run_steps.cpp). The batches are the loader's.
+  bool data_on_device = false;
   // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
   // cpu), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";

@@ -19,7 +19,8 @@ DataSource in_memory(Dataset d, int64_t limit) {
   }
   DataSource s;
   s.size = d.size();
-  s.batch = batches_of(std::make_shared<const Dataset>(std::move(d)));
+  s.rows = std::make_shared<const Dataset>(std::move(d));
+  s.batch = batches_of(s.rows);
   return s;
 }
 

@@ -6,13 +6,16 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
 #include "scaletrain/fault_tolerance.h"
 #include "scaletrain/loader.h"
 #include "scaletrain/sampler.h"
@@ -52,7 +55,20 @@ class Run {
   bool replica_step(const Batch& b, const Quorum& q, double* loss);
   at::Tensor replica_state();
   void load_replica_state(const at::Tensor& bytes);
-  double step(const Batch& b, bool last_micro, int64_t epoch);
+  // A step whose results the host has not read yet (Note [Deferred reads] in run_steps.cpp).
+  struct Pending {
+    at::Tensor loss;    // on the device; undefined where this rank computes none
+    at::Tensor finite;  // the gradients' verdict on the device; undefined: checked already
+    int64_t done = 0, global_step = 0;
+    double lr = 0, seconds = 0;
+  };
+  Pending step(const Batch& b, bool last_micro, int64_t epoch);
+  double settle(int64_t epoch, int64_t batches);
+  bool settle_due(int64_t done, int64_t batches, bool checkpoint) const;
+  using Batches = std::function<std::optional<Batch>()>;
+  Batches batch_stream(const DataSource& source, const Dataset& rows, std::vector<int64_t> indices,
+                       const LoaderOptions& lo) const;
+  Dataset rows_on_device(const DataSource& source, const char* split) const;
   std::map<std::string, double> evaluate();
   void save(int64_t epoch, int64_t step_in_epoch);
   void save_now(int64_t epoch, int64_t step_in_epoch);
@@ -89,6 +105,9 @@ class Run {
   uint64_t seed_ = 0;               // the data order's: the options', or the resumed run's
   int64_t targets_per_sample_ = 0;  // a sequence's positions (tokens/s), 0 for classes
   double grad_norm_ = 0;            // the last step's gradient norm before clipping (max_grad_norm)
+  Dataset train_rows_, test_rows_;  // on the device, with data_on_device
+  bool defer_reads_ = false;        // Note [Deferred reads]
+  std::vector<Pending> pending_;
   double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
   int64_t loss_n_ = 0;
   double reported_mean_ = std::numeric_limits<double>::quiet_NaN();  // running_loss()

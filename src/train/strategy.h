@@ -35,6 +35,10 @@ class TrainStrategy {
   virtual at::Tensor predict(const at::Tensor& x) = 0;
   /// Collective: whether the gradients of this step are finite on every rank.
   virtual bool gradients_finite();
+  /// Note [Deferred reads]: where the verdict of gradients_finite() needs no collective and the
+  /// device runs ahead of the host (CUDA), a flag on the device that says it without waiting for
+  /// the step: a bool tensor, true when finite. Undefined: the trainer asks gradients_finite().
+  virtual at::Tensor gradients_finite_flag() { return {}; }
   /// The sum of the squares of the whole model's averaged gradients, the same on every rank
   /// (collective where ranks hold parts of them: shards, stages, tensor-parallel slices). The
   /// default sums parameters()'s gradients on this rank, which holds them all.
@@ -102,6 +106,9 @@ std::vector<at::Device> local_devices(const TrainerOptions& options);
 int64_t peak_memory(const at::Device& device);
 /// Whether every tensor is finite (undefined ones count as finite). One host sync.
 bool all_finite(const std::vector<at::Tensor>& tensors);
+/// all_finite's verdict as a bool tensor on the first tensor's device, without waiting for it
+/// (true for no tensors, on the CPU).
+at::Tensor all_finite_flag(const std::vector<at::Tensor>& tensors);
 /// An optimizer's state as bytes (its torch::serialize archive), for a checkpoint's tensors where
 /// each rank's or stage's optimizer has a place of its own; and back into `opt`.
 at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt);

@@ -11,6 +11,8 @@
 // rank's own loss) makes every rank stop at the same step (a grid agrees over the world); the
 // weights are checked again before every checkpoint and before model.pt, so no file ever holds
 // NaN or inf weights. fp16 runs leave overflowing steps to the GradScaler, which skips them.
+// Where the check is read with a delay (Note [Deferred reads] in run_steps.cpp), the run still
+// stops naming the bad step, and every checkpoint reads the pending checks first.
 
 #include "scaletrain/trainer.h"
 
@@ -146,6 +148,11 @@ void Run::setup() {
   so.seed = seed_;
   sampler_ = std::make_unique<DistributedSampler>(so);
   per_replica_ = o_.batch_size / strategy_->data_replicas();
+  if (o_.data_on_device) {
+    train_rows_ = rows_on_device(task_.train_data, "train");
+    test_rows_ = rows_on_device(task_.test_data, "test");
+  }
+  defer_reads_ = !task_.on_step;  // Note [Deferred reads]
   state_.model_name = model_.name;
   r_.metrics_path = o_.out_dir + "/metrics.jsonl";
 }
@@ -210,26 +217,6 @@ LoaderOptions Run::loader_options(int64_t batch, uint64_t seed, int64_t first_ba
   return lo;
 }
 
-double Run::step(const Batch& b, bool last_micro, int64_t epoch) {
-  const at::Device dev = strategy_->device();
-  auto x = b.inputs.to(dev, true);
-  if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-  auto y = b.targets.to(dev, true);
-  const double weight = o_.accumulate > 1 ? 1.0 / o_.accumulate : 1.0;
-  const at::Tensor loss = strategy_->step(x, y, last_micro, weight);
-  const double value = loss.defined() ? loss.item<double>()  // one device sync per step
-                                      : std::numeric_limits<double>::quiet_NaN();
-  if (last_micro) {
-    if (!strategy_->gradients_finite()) {
-      diverged("the gradients hold NaN or inf", state_.global_step + 1, epoch, value);
-    }
-    if (o_.max_grad_norm > 0) grad_norm_ = strategy_->clip_gradients(o_.max_grad_norm);
-    strategy_->optimizer_step(*opt_);
-    strategy_->zero_grad(*opt_);
-  }
-  return value;
-}
-
 void Run::epoch(int64_t e) {
   if (e != sampler_->epoch()) {
     sampler_->set_epoch(e);
@@ -245,27 +232,30 @@ void Run::epoch(int64_t e) {
   // Augmentation differs per epoch and data replica; a resumed epoch sees the same batches.
   const uint64_t seed = (seed_ * 1000003 + static_cast<uint64_t>(e)) * 1009 +
                         static_cast<uint64_t>(strategy_->data_rank());
-  Loader loader(task_.train_data.batch, remaining, loader_options(per_replica_, seed, done));
+  auto next = batch_stream(task_.train_data, train_rows_, remaining,
+                           loader_options(per_replica_, seed, done));
   const auto t0 = Clock::now();
-  while (auto b = loader.next()) {
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  while (auto b = next()) {
     const bool last_micro = (done + 1) % o_.accumulate == 0 || done + 1 == batches;
-    double loss = step(*b, last_micro, e);
+    Pending p = step(*b, last_micro, e);
     sampler_->advance(b->targets.size(0));
     ++done;
     ++state_.global_step;
     samples_ += b->targets.size(0) * strategy_->data_replicas();
-    if (std::isfinite(loss)) loss_sum_ += loss, ++loss_n_;
+    p.done = done, p.global_step = state_.global_step, p.lr = lr(), p.seconds = since(t0);
+    pending_.push_back(std::move(p));
+    const bool checkpoint =
+        o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0 && last_micro;
+    if (settle_due(done, batches, checkpoint)) loss = settle(e, batches);
     StepReport report{e + 1, done, state_.global_step, loss, false, grad_norm_};
-    if (o_.log_every > 0 && state_.global_step % o_.log_every == 0)
-      loss = strategy_->reported_loss(loss);
-    reporter_->step(e, done, batches, state_.global_step, loss, running_loss(done, batches), lr(),
-                    since(t0));
-    if (o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0 && last_micro) {
+    if (checkpoint) {
       save(e, done);
       report.checkpointed = true;
     }
     if (task_.on_step) task_.on_step(report);
   }
+  if (!pending_.empty()) settle(e, batches);
   // A rank whose batches ran out says so before anything else collective (Note [Uneven
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
   strategy_->end_epoch();
@@ -279,20 +269,6 @@ void Run::epoch(int64_t e) {
 int Run::stream() const {
   if (o_.fault_tolerant) return (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank();
   return d_.rank() / std::max(o_.tensor_parallel, 1);
-}
-
-// The epoch's running mean loss for the progress line: this rank's, or where it computes no
-// loss (a grid's first stages, rank 0 among them), the one the strategy reports, asked on the
-// steps whose line is printed without a terminal (every rank asks on the same steps: the
-// question is collective).
-// Regression (GridProgressLineShowedNaN): rank 0 of a grid printed "loss nan" there.
-double Run::running_loss(int64_t done, int64_t batches) {
-  const double mine =
-      loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : std::numeric_limits<double>::quiet_NaN();
-  if (done == batches || done % std::max<int64_t>(1, batches / 4) == 0) {
-    reported_mean_ = strategy_->reported_loss(mine);
-  }
-  return loss_n_ ? mine : reported_mean_;
 }
 
 void Run::end_epoch(int64_t e, double seconds) {
@@ -327,12 +303,12 @@ std::map<std::string, double> Run::evaluate() {
   DistributedSampler s(
       {task_.test_data.size, strategy_->data_replicas(), strategy_->data_rank(), false, 0, false});
   const int64_t batch = std::max<int64_t>(2 * per_replica_, 256);
-  Loader loader(task_.test_data.batch, s.indices(), loader_options(batch, 0, 0));
+  auto next = batch_stream(task_.test_data, test_rows_, s.indices(), loader_options(batch, 0, 0));
   const auto k = static_cast<int64_t>(task_.metrics.size());
   auto sums = at::zeros({2 * k}, at::kDouble);  // each metric's weighted sum, and its weight
   int64_t position = 0;
   const at::Device dev = strategy_->device();
-  while (auto b = loader.next()) {
+  while (auto b = next()) {
     auto x = b->inputs.to(dev, true);
     if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
     const at::Tensor outputs = strategy_->predict(x);

@@ -85,6 +85,12 @@ void validate_zoo_shapes(const TrainOptions& o) {
         "the random generators, so its masks would not be the forward's; leave "
         "--checkpoint-activations at never (a GPT: --checkpoint-blocks replays them)");
   }
+  if (o.data_on_device && o.dataset != "fashion-mnist" && o.dataset != "synthetic") {
+    throw UsageError("--data-on-device holds an in-memory data set on the device; --dataset " +
+                     o.dataset +
+                     " is read from files as it trains (use it with fashion-mnist or synthetic, "
+                     "or leave --data-on-device out)");
+  }
   if (o.checkpoint_blocks && !gpt) {
     throw UsageError("--checkpoint-blocks recomputes a GPT's transformer blocks; --model " +
                      o.model + " has none (give --model gpt-tiny or gpt2-small)");

@@ -1,0 +1,139 @@
+// The trainer's step and what it reads back (Note [Deferred reads]), and where its batches come
+// from (Note [Data on the device]). The loop around them is in trainer.cpp.
+
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "scaletrain/error.h"
+#include "train/run.h"
+
+namespace scaletrain {
+
+// Note [Deferred reads]: on a GPU the host queues kernels ahead of the device, and every value
+// it reads back (a loss, a finite-gradients verdict) makes it wait for the device to drain, so
+// the device then idles while the host queues the next step. Where the strategy can say whether
+// the gradients are finite with a flag on the device (gradients_finite_flag(), ddp), and no
+// on_step callback wants each step's loss as it happens, the trainer reads the steps' losses
+// and flags in a batch: at log points, before a checkpoint, at the epoch's end, and at the
+// latest every kDeferredSteps steps, in the steps' order, as the loop would have one by one. A
+// step whose gradients were not finite is still named by its number; the steps queued after it
+// ran on NaN weights and are dropped with the run. Where the verdict needs a collective (the
+// sharded, pipelined and tensor-parallel strategies) or fp16's loss scaler gives it, it is taken
+// in the step, as before, and only the loss is read later. On the CPU nothing waits either way;
+// the trainer defers there too, so that every test runs the one path.
+constexpr size_t kDeferredSteps = 32;
+
+// The steps at which running_loss() asks the strategy for the running mean (collective).
+static bool mean_reported_at(int64_t done, int64_t batches) {
+  return done == batches || done % std::max<int64_t>(1, batches / 4) == 0;
+}
+
+// Whether the pending steps are read after the epoch's `done`-th step. Every rank reads at the
+// steps whose reading is collective (reported_loss(): a metric line, the running mean), so that
+// the collectives meet in the same order with the steps' own, whichever rank defers.
+bool Run::settle_due(int64_t done, int64_t batches, bool checkpoint) const {
+  const int64_t step = state_.global_step;
+  return !defer_reads_ || checkpoint || pending_.size() >= kDeferredSteps ||
+         mean_reported_at(done, batches) || (o_.log_every > 0 && step % o_.log_every == 0);
+}
+
+Run::Pending Run::step(const Batch& b, bool last_micro, int64_t epoch) {
+  const at::Device dev = strategy_->device();
+  auto x = b.inputs.to(dev, true);
+  if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+  auto y = b.targets.to(dev, true);
+  const double weight = o_.accumulate > 1 ? 1.0 / o_.accumulate : 1.0;
+  Pending p;
+  p.loss = strategy_->step(x, y, last_micro, weight);
+  if (last_micro) {
+    if (defer_reads_) p.finite = strategy_->gradients_finite_flag();
+    if (!p.finite.defined() && !strategy_->gradients_finite()) {
+      const double value =
+          p.loss.defined() ? p.loss.item<double>() : std::numeric_limits<double>::quiet_NaN();
+      diverged("the gradients hold NaN or inf", state_.global_step + 1, epoch, value);
+    }
+    if (o_.max_grad_norm > 0) grad_norm_ = strategy_->clip_gradients(o_.max_grad_norm);
+    strategy_->optimizer_step(*opt_);
+    strategy_->zero_grad(*opt_);
+  }
+  return p;
+}
+
+// Reads the pending steps' results in their order (Note [Deferred reads]): the epoch's loss
+// sums, the divergence check, the metric lines and progress. Returns the last step's loss.
+double Run::settle(int64_t e, int64_t batches) {
+  double value = std::numeric_limits<double>::quiet_NaN();
+  for (const Pending& p : pending_) {
+    value = p.loss.defined() ? p.loss.item<double>() : std::numeric_limits<double>::quiet_NaN();
+    if (p.finite.defined() && !p.finite.item<bool>()) {
+      diverged("the gradients hold NaN or inf", p.global_step, e, value);
+    }
+    if (std::isfinite(value)) loss_sum_ += value, ++loss_n_;
+    double shown = value;
+    if (o_.log_every > 0 && p.global_step % o_.log_every == 0) {
+      shown = strategy_->reported_loss(value);
+    }
+    reporter_->step(e, p.done, batches, p.global_step, shown, running_loss(p.done, batches), p.lr,
+                    p.seconds);
+  }
+  pending_.clear();
+  return value;
+}
+
+// Note [Data on the device]: with data_on_device an in-memory split's rows are copied to the
+// device once, and a batch is an index_select there of the rows the loader would have gathered
+// on the CPU (the same indices, in the same order): no loader thread, no pinned buffer, no copy
+// per step, and the same batches, so a run and its resume do not depend on where the rows live.
+Dataset Run::rows_on_device(const DataSource& source, const char* split) const {
+  if (source.size == 0) return {};
+  if (!source.rows) {
+    throw UsageError(std::string("TrainerOptions::data_on_device (--data-on-device) keeps ") +
+                     "in-memory data sets on the device, but the " + split +
+                     " split is not one (its DataSource has no rows: build it with in_memory(); "
+                     "scaletrain train: --dataset fashion-mnist or synthetic)");
+  }
+  Dataset d = *source.rows;
+  const at::Device dev = strategy_->device();
+  d.inputs = d.inputs.to(dev);
+  d.targets = d.targets.to(dev);
+  return d;
+}
+
+Run::Batches Run::batch_stream(const DataSource& source, const Dataset& rows,
+                               std::vector<int64_t> indices, const LoaderOptions& lo) const {
+  if (!rows.inputs.defined()) {
+    auto loader = std::make_shared<Loader>(source.batch, std::move(indices), lo);
+    return [loader] { return loader->next(); };
+  }
+  auto order = at::tensor(indices, at::kLong).to(rows.inputs.device());
+  auto next = std::make_shared<int64_t>(0);
+  return [rows, order, next, lo]() -> std::optional<Batch> {
+    const int64_t start = *next * lo.batch_size, n = order.size(0);
+    if (start >= n || (lo.drop_last && start + lo.batch_size > n)) return std::nullopt;
+    const auto part = order.slice(0, start, std::min(start + lo.batch_size, n));
+    Batch b{rows.inputs.index_select(0, part), rows.targets.index_select(0, part),
+            lo.first_batch + (*next)++};
+    return b;
+  };
+}
+
+// The epoch's running mean loss for the progress line: this rank's, or where it computes no
+// loss (a grid's first stages, rank 0 among them), the one the strategy reports, asked on the
+// steps whose line is printed without a terminal (every rank asks on the same steps: the
+// question is collective).
+// Regression (GridProgressLineShowedNaN): rank 0 of a grid printed "loss nan" there.
+double Run::running_loss(int64_t done, int64_t batches) {
+  const double mine =
+      loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : std::numeric_limits<double>::quiet_NaN();
+  if (mean_reported_at(done, batches)) reported_mean_ = strategy_->reported_loss(mine);
+  return loss_n_ ? mine : reported_mean_;
+}
+
+}  // namespace scaletrain

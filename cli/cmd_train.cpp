@@ -300,7 +300,7 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
          "--tp", a.o.tensor_parallel,
          "ddp, zero1, zero2, fsdp, grid: ranks per tensor-parallel group, each splitting one "
          "replica's model (grid: one stage's; gpt-tiny: its 256 tokens split, gpt2-small's "
-         "50257 do not); the rest of the world is data parallel")
+         "50257 need --vocab-size 50304); the rest of the world is data parallel")
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
@@ -320,6 +320,10 @@ void add_run_flags(CLI::App* cmd, Args& a) {
   cmd->add_option("--context", o.context,
                   "GPTs: the longest sequence and the text windows' length (0: the model's own, "
                   "gpt-tiny 64, gpt2-small 1024)")
+      ->capture_default_str();
+  cmd->add_option("--vocab-size", o.vocab_size,
+                  "GPTs: the vocabulary's rows (0: the model's own, gpt-tiny 256, gpt2-small "
+                  "50257); a larger one pads it, e.g. 50304 so that --tp divides it")
       ->capture_default_str();
   cmd->add_option("--dropout", o.dropout,
                   "mlp, GPTs: the probability of its dropout (GPTs: attention and residual; "

@@ -366,5 +366,43 @@ TEST(Tokens, TrainCommandSplitsTheGptOverTensorParallelRanks) {
   EXPECT_NE(lone.output.find("--sequence-parallel"), std::string::npos) << lone.output;
 }
 
+// --vocab-size pads a GPT's vocabulary so that --tp divides it (gpt2-small's 50257 rows divide by
+// no degree; nanoGPT pads them to 50304): an odd vocabulary is refused before any process starts,
+// naming the padded size, and with it the split GPT trains, its model.pt holding the padded rows.
+TEST(Tokens, VocabularyPaddedForTensorParallelism) {
+  TempDir dir("tokens_vocab");
+  const std::string data = text_files(dir.path), out = (dir.path / "run").string();
+  ASSERT_FALSE(data.empty());
+  const std::string common = gpt_train(data, out) + " --nproc-per-node 2 --tp 2";
+  auto odd = run_command(cli_path() + common + " --vocab-size 257");
+  EXPECT_EQ(odd.exit_code, 2) << odd.output;
+  EXPECT_NE(odd.output.find("--tp 2 splits gpt-tiny's vocabulary of 257 rows, which it does not "
+                            "divide: pad it with --vocab-size 384"),
+            std::string::npos)
+      << odd.output;
+  auto small = run_command(cli_path() + " train --model gpt2-small --dataset text --data-dir " +
+                           data + " --tp 4 --nproc-per-node 4 --out " + out);
+  EXPECT_EQ(small.exit_code, 2) << small.output;
+  EXPECT_NE(small.output.find("gpt2-small's vocabulary of 50257 rows, which it does not divide: "
+                              "pad it with --vocab-size 50304"),
+            std::string::npos)
+      << small.output;
+  auto bytes = run_command(cli_path() + common + " --vocab-size 200");
+  EXPECT_EQ(bytes.exit_code, 2) << bytes.output;
+  EXPECT_NE(bytes.output.find("at least 256 (the text data's byte tokens)"), std::string::npos)
+      << bytes.output;
+
+  auto run = run_command(cli_path() + common + " --vocab-size 384");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const auto epochs = epochs_of(out);
+  ASSERT_EQ(epochs.size(), 2u) << run.output;
+  EXPECT_LT(epochs[1]["loss"].get<double>(), 3.5) << "learns as with 256 rows";
+  ModelOptions mo;
+  mo.vocab_size = 384;
+  Model whole = make_model("gpt-tiny", mo);
+  load_weights(out + "/model.pt", *whole.module);
+  EXPECT_EQ(whole.module->named_parameters()["transformer.wte.weight"].size(0), 384);
+}
+
 }  // namespace
 }  // namespace scaletrain

@@ -598,11 +598,10 @@ TEST(TrainBadNproc, ZeroOrNotANumberExitsTwoInsteadOfSigfpe) {
 }
 
 // Note [Data on the device] and Note [Deferred reads]: --data-on-device gathers the loader's
-// batches where the model trains, and ranks that read their steps' results in batches (here
-// rank 1; rank 0 of the other run reads every step, as an on_step hook makes it) log what a run
-// read step by step logs, their collectives in the same order: the same model.pt byte for byte,
-// the same step and epoch lines. Log points (every 3) and the running mean's points (every 5 of
-// 20 steps) fall on different steps.
+// batches where the model trains, and ranks that read their steps' results in batches log what a
+// run read step by step logs (the other run: an on_step hook on rank 0 makes every rank read
+// each step): the same model.pt byte for byte, the same step and epoch lines. Log points (every
+// 3) and the running mean's points (every 5 of 20 steps) fall on different steps.
 TEST(Train, DataOnDeviceAndDeferredReadsGiveTheLoadersStepByStepRun) {
   TempDir eager("loader_eager"), deferred("device_deferred");
   const std::string common =
@@ -660,6 +659,27 @@ TEST(Train, NonFiniteLossStopsNamingTheStepAndTheLastCheckpoint) {
   for (auto& p : params_of((dir.path / "ckpt-1.st").string())) {
     EXPECT_TRUE(at::isfinite(p).all().item<bool>());
   }
+}
+
+// Regression (OneRankReadEachStepTheOthersRanOn): with an on_step hook on rank 0 alone, rank 0
+// read every step and stopped at the bad one while rank 1 deferred its check and went on into
+// the next step's collectives, so the run ended in a lost-peer error or the collective timeout
+// instead of the divergence (32 steps an epoch: rank 1's first reading was at step 8). The ranks
+// now agree to read every step: both stop, naming it.
+TEST(Train, DivergenceWithAHookOnOneRankStopsEveryRankAtTheStep) {
+  TempDir dir("diverge_hook");
+  auto r = run_command("SCALETRAIN_KILL_AT_STEP=100000 " + cli_path() +
+                           " train --nproc-per-node 2 --device cpu --dataset synthetic "
+                           "--limit-train 2048 --limit-test 64 --batch-size 64 --epochs 2 --lr "
+                           "1e30 --no-progress --timeout 60 --out " +
+                           dir.path.string(),
+                       100);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 0: training diverged at step 2 (epoch 1)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 1: training diverged at step 2 (epoch 1)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("timed out"), std::string::npos) << r.output;
 }
 
 // Issue: a SIGINT'd `scaletrain train` exited 130 silently. It says so, and where to resume.

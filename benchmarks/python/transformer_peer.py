@@ -7,14 +7,16 @@ pre-LayerNorm blocks of causal scaled_dot_product_attention and a GELU MLP four 
 Its parameter count is checked against the C++ model's (--expect-params).
 
 Modes, one process per rank started with torchrun's environment, gloo:
-  ddp    torch.nn.parallel.DistributedDataParallel, each rank half of the global batch;
-  tp     torch.distributed.tensor.parallel.parallelize_module over all ranks with Megatron's
-         plan (the same as scaletrain's GPT::parallelize): c_attn and c_fc ColwiseParallel,
-         the two c_proj RowwiseParallel, wte RowwiseParallel (vocabulary split), lm_head
-         ColwiseParallel with its logits left split and the loss under loss_parallel();
-  tp-sp  the same with sequence parallelism: the LayerNorms SequenceParallel, wte's output and
-         the row-parallel outputs reduce-scattered along the sequence, the column-parallel
-         inputs gathered along it.
+  ddp      torch.nn.parallel.DistributedDataParallel, each rank its share of the global batch;
+  tp       torch.distributed.tensor.parallel.parallelize_module over all ranks with Megatron's
+           plan (the same as scaletrain's GPT::parallelize): c_attn and c_fc ColwiseParallel,
+           the two c_proj RowwiseParallel, wte RowwiseParallel (vocabulary split), lm_head
+           ColwiseParallel with its logits left split and the loss under loss_parallel();
+  tp-sp    the same with sequence parallelism: the LayerNorms SequenceParallel, wte's output
+           and the row-parallel outputs reduce-scattered along the sequence, the
+           column-parallel inputs gathered along it;
+  fsdp     FSDP2 (fully_shard on every block, then on the model) over all ranks;
+  fsdp-tp  2D: the tp plan over pairs of consecutive ranks, FSDP2 over the pairs.
 
     torchrun --nproc-per-node 2 benchmarks/python/transformer_peer.py --mode tp --csv out.csv
 
@@ -111,13 +113,15 @@ def interleave_qkv(model, tp):
                 p.copy_(torch.cat([parts[i][r] for r in range(tp) for i in range(3)], 0))
 
 
-def parallelize(model, tp, sp):
-    """Megatron's plan through DTensor, as PyTorch's tensor-parallel tutorial lays it out."""
+def parallelize(model, tp, sp, mesh=None):
+    """Megatron's plan through DTensor, as PyTorch's tensor-parallel tutorial lays it out, over
+    `mesh` (default: a mesh of `tp` ranks, the world)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
-    mesh = init_device_mesh("cpu", (tp,))
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (tp,))
     seq = Shard(1) if sp else Replicate()
     plan = {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -138,12 +142,12 @@ def parallelize(model, tp, sp):
     interleave_qkv(model, tp)
     parallelize_module(model, mesh, plan)
     if sp:
-        model.seq_shard = (dist.get_rank(), tp)
+        model.seq_shard = (mesh.get_local_rank(), tp)
 
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "tp", "tp-sp"], default="ddp")
+    p.add_argument("--mode", choices=["ddp", "tp", "tp-sp", "fsdp", "fsdp-tp"], default="ddp")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
@@ -168,20 +172,34 @@ def main():
     if args.expect_params and params != args.expect_params:
         raise SystemExit(f"the Python GPT has {params} parameters, the C++ one "
                          f"{args.expect_params}: the architectures differ")
-    ddp = args.mode == "ddp"
-    if ddp and args.batch_size % world:
+    mode = args.mode
+    # Data-parallel degree and this rank's replica: the batch splits over the replicas; the ranks
+    # of a tensor-parallel group (consecutive ranks, dp outer) see the same rows.
+    dp = {"ddp": world, "fsdp": world, "fsdp-tp": world // 2}.get(mode, 1)
+    replica = rank // (world // dp)
+    if args.batch_size % dp:
         raise SystemExit(f"a global batch of {args.batch_size} sequences does not split over "
-                         f"{world} ranks; use a multiple of the ranks")
-    if ddp:
+                         f"{dp} replicas; use a multiple of them")
+    if mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+    elif mode in ("fsdp", "fsdp-tp"):
+        # FSDP2: each block a unit, then the root (embeddings, final LayerNorm, head).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        if mode == "fsdp":
+            dp_mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+            parallelize(model, 2, False, mesh["tp"])
+            dp_mesh = mesh["dp"]
+        for block in model.transformer.h:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     else:
-        parallelize(model, world, args.mode == "tp-sp")
+        parallelize(model, world, mode == "tp-sp")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    # Random tokens: each rank its own half of the batch under DDP, the same batch on every rank
-    # of a tensor-parallel group.
-    gen = torch.Generator().manual_seed(1 + (rank if ddp else 0))
-    per_rank = args.batch_size // world if ddp else args.batch_size
-    data = torch.randint(args.vocab, (per_rank, args.context + 1), generator=gen)
+    gen = torch.Generator().manual_seed(1 + replica)
+    data = torch.randint(args.vocab, (args.batch_size // dp, args.context + 1), generator=gen)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     step = make_step(model, opt, x, y, args.mode)
     for _ in range(args.warmup):
@@ -198,7 +216,7 @@ def main():
 
 
 def make_step(model, opt, x, y, mode):
-    if mode == "ddp":
+    if mode in ("ddp", "fsdp"):
         def step():
             opt.zero_grad()
             logits = model(x)

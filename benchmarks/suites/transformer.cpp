@@ -1,13 +1,18 @@
 // Suite `transformer`: the zoo's GPT (src/models/gpt.h, nanoGPT's layout, an untied head) trained
-// with AdamW on 2 local CPU processes, one intra-op thread each, in three configurations, each
-// beside PyTorch's own Python path on the same architecture (benchmarks/python/transformer_peer.py,
-// the same torch from the project's .venv, launched the same way in the same run):
+// with AdamW on 2 and 4 local CPU processes, one intra-op thread each, each configuration beside
+// PyTorch's own Python path on the same architecture (benchmarks/python/transformer_peer.py, the
+// same torch from the project's .venv, launched the same way in the same run):
 //
-//   ddp    scaletrain's DistributedDataParallel  | torch's DistributedDataParallel
-//   tp     GPT::parallelize (Megatron's plan),   | parallelize_module with ColwiseParallel and
-//          the vocabulary-parallel cross entropy |   RowwiseParallel, loss_parallel()
-//   tp-sp  the same with sequence parallelism    | the same with SequenceParallel on the
-//                                                |   LayerNorms
+//   ddp      2  scaletrain's DistributedDataParallel  | torch's DistributedDataParallel
+//   tp       2  GPT::parallelize (Megatron's plan),   | parallelize_module with ColwiseParallel
+//               the vocabulary-parallel cross entropy |   and RowwiseParallel, loss_parallel()
+//   tp-sp    2  the same with sequence parallelism    | the same with SequenceParallel on the
+//                                                     |   LayerNorms
+//   tp       4  the plan over 4 ranks                 | the same over 4 ranks
+//   fsdp     4  ShardedDataParallel, stage 3, a unit  | FSDP2: fully_shard on every block, then
+//               per block                             |   on the model
+//   fsdp-tp  4  2D, mesh {dp: 2, tp: 2}: the plan     | the plan on the mesh's "tp", FSDP2 on
+//               over tp, stage 3 over dp              |   its "dp"
 //
 // The global batch, steps, data shape and optimizer are the same on both sides. Each launch
 // reports the median of its timed steps (after warm-up) as tokens/s and every rank's peak
@@ -29,7 +34,9 @@
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
+#include "scaletrain/mesh.h"
 #include "scaletrain/models.h"
+#include "scaletrain/zero.h"
 #include "suites_internal.h"
 
 namespace scaletrain::bench {
@@ -86,11 +93,18 @@ void write_worker_csv(const Dist& d, const std::string& path, const std::vector<
 
 }  // namespace
 
+// The data-parallel degree of a mode on `world` ranks: the replicas the batch splits over.
+static int replicas_of(const std::string& mode, int world) {
+  if (mode == "ddp" || mode == "fsdp") return world;
+  return mode == "fsdp-tp" ? world / 2 : 1;
+}
+
 int run_transformer_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
   const std::string mode = arg_or(kv, "--mode", "ddp");
-  if (mode != "ddp" && mode != "tp" && mode != "tp-sp") {
-    throw UsageError("transformer worker: --mode " + mode + "; use ddp, tp or tp-sp");
+  if (mode != "ddp" && mode != "tp" && mode != "tp-sp" && mode != "fsdp" && mode != "fsdp-tp") {
+    throw UsageError("transformer worker: --mode " + mode +
+                     "; use ddp, tp, tp-sp, fsdp or fsdp-tp");
   }
   const RunSize s = size_of(kv);
   Dist d = init_process_group();
@@ -98,33 +112,50 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   torch::manual_seed(0);
   GPT m(s.gpt);
   const int64_t params = parameter_count(*m);
-  const bool ddp_mode = mode == "ddp";
-  if (ddp_mode && s.batch % d.size() != 0) {
+  const int dp = replicas_of(mode, d.size());
+  if (s.batch % dp != 0) {
     throw UsageError("transformer worker: a global batch of " + std::to_string(s.batch) +
-                     " sequences does not split over " + std::to_string(d.size()) +
-                     " ranks; use a multiple of the ranks");
+                     " sequences does not split over " + std::to_string(dp) +
+                     " replicas; use a multiple of them");
   }
   std::unique_ptr<DistributedDataParallel> ddp;
-  if (ddp_mode) {
+  std::unique_ptr<ShardedDataParallel> fsdp;
+  ShardOptions so;
+  so.stage = 3;
+  so.unit_cap_mb = 0.001;  // a unit per block, as FSDP2's fully_shard per block
+  if (mode == "ddp") {
     ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);
+  } else if (mode == "fsdp") {
+    fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), d, so);
+  } else if (mode == "fsdp-tp") {
+    const DeviceMesh mesh({{"dp", dp}, {"tp", 2}}, d.size());
+    auto groups = mesh_groups(d, mesh, "transformer");
+    m->parallelize(groups.at("tp"), false);
+    fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so);
   } else {
     m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
   }
-  torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
-  // Random tokens: each rank its own part of the batch under DDP, the same batch on every rank
-  // of the tensor-parallel group.
-  torch::manual_seed(1 + (ddp_mode ? d.rank() : 0));
-  const int64_t rows = ddp_mode ? s.batch / d.size() : s.batch;
-  auto data = at::randint(s.gpt.vocab_size, {rows, s.gpt.block_size + 1}, at::kLong);
+  torch::optim::AdamW opt(fsdp ? fsdp->parameters() : m->parameters(),
+                          torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
+  // Random tokens: each replica its own part of the batch, the same rows on every rank of a
+  // tensor-parallel group (consecutive ranks, dp outer).
+  torch::manual_seed(1 + d.rank() / (d.size() / dp));
+  auto data = at::randint(s.gpt.vocab_size, {s.batch / dp, s.gpt.block_size + 1}, at::kLong);
   auto x = data.narrow(1, 0, s.gpt.block_size).contiguous();
   auto y = data.narrow(1, 1, s.gpt.block_size).contiguous();
   auto step = [&] {
     opt.zero_grad();
-    auto logits = ddp ? ddp->forward([&] { return m->forward(x); }) : m->forward(x);
+    auto logits = ddp    ? ddp->forward([&] { return m->forward(x); })
+                  : fsdp ? fsdp->forward(x)
+                         : m->forward(x);
     auto loss = m->loss(logits, y);
     loss.backward();
     m->finish_gradients();  // sequence parallelism: the replicated parameters' gradients summed
-    opt.step();
+    if (fsdp) {
+      fsdp->step(opt);
+    } else {
+      opt.step();
+    }
     return loss.item<double>();
   };
   for (int i = 0; i < s.warmup; ++i) step();
@@ -175,10 +206,15 @@ Launch read_launch(const std::string& path, int64_t tokens_per_step) {
 
 struct Config {
   std::string mode, label;
+  int ranks;
+  std::string key() const { return mode + "_" + std::to_string(ranks); }
 };
-const std::vector<Config> kConfigs = {{"ddp", "DDP, tp 1"},
-                                      {"tp", "tensor parallel, tp 2"},
-                                      {"tp-sp", "tensor + sequence parallel, tp 2"}};
+const std::vector<Config> kConfigs = {{"ddp", "DDP, 2 ranks", 2},
+                                      {"tp", "tensor parallel, tp 2", 2},
+                                      {"tp-sp", "tensor + sequence parallel, tp 2", 2},
+                                      {"tp", "tensor parallel, tp 4", 4},
+                                      {"fsdp", "FSDP, 4 ranks (FSDP2 on the Python side)", 4},
+                                      {"fsdp-tp", "FSDP x TP, dp 2 x tp 2", 4}};
 
 std::string fixed(double v, int digits) {
   char buf[64];
@@ -211,7 +247,7 @@ std::string table(const Launches& runs) {
       "MiB per rank, scaletrain | peak RSS MiB per rank, Python | last loss, scaletrain / "
       "Python |\n|---|---|---|---|---|---|---|\n";
   for (const auto& c : kConfigs) {
-    const std::string cpp = "cpp/" + c.mode, py = "py/" + c.mode;
+    const std::string cpp = "cpp/" + c.key(), py = "py/" + c.key();
     t += "| " + c.label + " | " + fixed(mean(cpp), 0) + " | " + fixed(mean(py), 0) + " | " +
          fixed(mean(cpp) / mean(py), 2) + "x | " + rss_cell(runs.at(cpp)) + " | " +
          rss_cell(runs.at(py)) + " | " + fixed(runs.at(cpp).back().loss, 4) + " / " +
@@ -238,14 +274,14 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
   for (size_t i = 0; i < kConfigs.size(); ++i) {
     for (const std::string side : {"cpp", "py"}) {
       std::vector<double> v;
-      for (const auto& l : runs.at(side + "/" + kConfigs[i].mode)) v.push_back(l.tokens_per_s);
+      for (const auto& l : runs.at(side + "/" + kConfigs[i].key())) v.push_back(l.tokens_per_s);
       r.samples.push_back({side == "cpp" ? "scaletrain (C++)" : "PyTorch (Python)",
                            kConfigs[i].label, static_cast<double>(i), v});
     }
   }
   r.notes.push_back(
       "**tokens/s (median step of each launch, mean over the rounds) and peak "
-      "resident memory per rank (rank 0 / rank 1, the largest over the rounds)**"
+      "resident memory per rank (rank 0 / rank 1 / ..., the largest over the rounds)**"
       "\n\n" +
       table(runs));
   const GPTConfig& c = s.gpt;
@@ -260,20 +296,24 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
       "last "
       "loss, after every step of a launch, shows both sides training the same function), " +
       std::to_string(s.warmup) + " warm-up and " + std::to_string(s.steps) +
-      " timed steps per launch, 2 processes with one intra-op thread "
-      "each (OMP_NUM_THREADS=1, set_num_threads(1)), the Gloo process group, the same torch. "
+      " timed steps per launch, 2 or 4 processes with one intra-op thread "
+      "each (OMP_NUM_THREADS=1, set_num_threads(1); 4 processes share the cores where the "
+      "machine has fewer), the Gloo process group, the same torch. "
       "scaletrain: DistributedDataParallel (same-machine gradients through shared memory, its "
-      "default), GPT::parallelize with the vocabulary-parallel cross entropy. Python "
-      "(benchmarks/python/transformer_peer.py): torch DDP; parallelize_module with "
+      "default), GPT::parallelize with the vocabulary-parallel cross entropy, "
+      "ShardedDataParallel stage 3 with a unit per block (over the mesh's dp group in 2D). "
+      "Python (benchmarks/python/transformer_peer.py): torch DDP; parallelize_module with "
       "ColwiseParallel / RowwiseParallel on the same plan (c_attn's rows interleaved once so "
       "that each rank holds its own heads of q, k and v), SequenceParallel on the LayerNorms for "
-      "tp-sp, the loss under loss_parallel() (no rank gathers the logits on either side).");
+      "tp-sp, the loss under loss_parallel() (no rank gathers the logits on either side); FSDP2 "
+      "(fully_shard per block and on the model; on the 2D mesh's dp dimension after the tp "
+      "plan).");
 }
 
 }  // namespace
 
 SuiteResult run_transformer(const SuiteOptions& o) {
-  const std::string title = "GPT on 2 CPU processes: scaletrain vs PyTorch's Python path";
+  const std::string title = "GPT on 2 and 4 CPU processes: scaletrain vs PyTorch's Python path";
   SuiteResult r = new_result(
       "transformer", title, "tokens/s",
       {Plot::Kind::kBars, title, "", "tokens per second (median step)", false, false}, o);
@@ -285,14 +325,14 @@ SuiteResult run_transformer(const SuiteOptions& o) {
   for (int round = 0; round < o.repeats; ++round) {
     for (const auto& c : kConfigs) {
       auto launch = [&](const std::string& side, std::vector<std::string> command) {
-        const std::string name = side + "_" + c.mode + "_" + std::to_string(round);
+        const std::string name = side + "_" + c.key() + "_" + std::to_string(round);
         const std::string csv = o.work_dir + "/transformer_" + name + ".csv";
         std::filesystem::remove(csv);
         auto sizes = size_args(s);
         command.insert(command.end(), sizes.begin(), sizes.end());
         command.insert(command.end(), {"--mode", c.mode, "--csv", csv});
-        run_local_ranks(o, 2, command, "transformer_" + name);
-        runs[side + "/" + c.mode].push_back(read_launch(csv, tokens_per_step));
+        run_local_ranks(o, c.ranks, command, "transformer_" + name);
+        runs[side + "/" + c.key()].push_back(read_launch(csv, tokens_per_step));
       };
       auto python = [&] {
         launch("py", {peer.python, peer.script, "--expect-params", std::to_string(params)});

@@ -69,7 +69,9 @@ struct DataSource {
   int64_t size = 0;
   BatchFn batch;
   /// The rows themselves, where the split is an in-memory data set (in_memory() sets them):
-  /// TrainerOptions::data_on_device then keeps them on the device. Null for other sources.
+  /// TrainerOptions::data_on_device then keeps them on the device and gathers batches there,
+  /// without calling `batch`. A program that wraps in_memory()'s `batch` (to transform its
+  /// batches) resets `rows`, so that data_on_device refuses the split instead of bypassing it.
   std::shared_ptr<const Dataset> rows;
 };
 
@@ -182,7 +184,9 @@ struct TrainTask {
   /// Called on every rank after each batch, once its checkpoint (if one was due) is written. An
   /// exception thrown from it ends train() with it, the checkpoints written so far kept: throw
   /// on every rank at the same step (a time limit, a test's stop), or the others wait for the
-  /// missing rank until the collective timeout.
+  /// missing rank until the collective timeout. Set on any rank, it makes every rank read each
+  /// step's loss as the step ends (Note [Deferred reads]: a GPU then waits for the host once a
+  /// step).
   std::function<void(const StepReport&)> on_step;
 };
 
@@ -345,7 +349,9 @@ struct TrainOptions : TrainerOptions {
   double dropout = 0;              // mlp, GPTs: their dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
   int64_t context = 0;             // GPTs: the longest sequence, the text windows' length
-                                   // (0: the size's own: gpt-tiny 64, gpt2-small 1024)
+  int64_t vocab_size = 0;  // GPTs: the vocabulary's rows (0: the model's own); a larger one pads
+                           // it, so that a tensor-parallel degree divides it
+                           // (0: the size's own: gpt-tiny 64, gpt2-small 1024)
 };
 
 /// The zoo's task for `options`: the model by name, the data set by name, the optimizer and

@@ -1,5 +1,6 @@
 // Tensor and sequence parallelism (tensor_parallel.h): the conjugate operators as autograd
-// functions, the split layers, the plan, the vocabulary-parallel loss and the gathered state.
+// functions, the split layers, the plan and the vocabulary-parallel loss (the gathered state:
+// full_state.cpp).
 
 #include "scaletrain/tensor_parallel.h"
 
@@ -15,6 +16,7 @@
 #include <set>
 
 #include "scaletrain/error.h"
+#include "tp/split.h"
 
 namespace scaletrain {
 namespace {
@@ -199,16 +201,6 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
   }
 };
 
-// The slice of `full` that rank `rank` of `ranks` holds along `dim`, `chunks` parts each split.
-at::Tensor split_of(const at::Tensor& full, int64_t dim, int64_t chunks, int rank, int ranks) {
-  std::vector<at::Tensor> mine;
-  for (const auto& part : full.chunk(chunks, dim)) {
-    const int64_t n = part.size(dim) / ranks;
-    mine.push_back(part.narrow(dim, rank * n, n));
-  }
-  return at::cat(mine, dim).contiguous();
-}
-
 void require_divides(int64_t size, int64_t by, const std::string& what, const std::string& name,
                      const std::string& fix) {
   if (size % by != 0) {
@@ -218,33 +210,17 @@ void require_divides(int64_t size, int64_t by, const std::string& what, const st
   }
 }
 
-// Where a split parameter's slices go back together.
-struct Split {
-  int64_t dim = 0;
-  int64_t chunks = 1;
-};
-
-// Every split parameter of `module`, by its name there.
-std::map<std::string, Split> split_parameters(torch::nn::Module& module) {
-  std::map<std::string, Split> out;
-  for (const auto& item : module.named_modules()) {
-    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
-    if (auto* l = dynamic_cast<ParallelLinearImpl*>(item.value().get())) {
-      const auto& s = l->style();
-      if (s.kind == ParallelStyle::Kind::kColwise) {
-        out[prefix + "weight"] = {0, s.chunks};
-        if (l->bias.defined()) out[prefix + "bias"] = {0, s.chunks};
-      } else if (s.kind == ParallelStyle::Kind::kRowwise) {
-        out[prefix + "weight"] = {1, 1};
-      }
-    } else if (auto* e = dynamic_cast<ParallelEmbeddingImpl*>(item.value().get())) {
-      if (e->style().kind == ParallelStyle::Kind::kVocab) out[prefix + "weight"] = {0, 1};
-    }
-  }
-  return out;
-}
-
 }  // namespace
+
+// split.h: the slice of `full` that rank `rank` of `ranks` holds along `dim`.
+at::Tensor split_of(const at::Tensor& full, int64_t dim, int64_t chunks, int rank, int ranks) {
+  std::vector<at::Tensor> mine;
+  for (const auto& part : full.chunk(chunks, dim)) {
+    const int64_t n = part.size(dim) / ranks;
+    mine.push_back(part.narrow(dim, rank * n, n));
+  }
+  return at::cat(mine, dim).contiguous();
+}
 
 at::Tensor copy_to_region(const at::Tensor& x, const Dist& tp) {
   return CopyToRegion::apply(x, hold(tp));
@@ -430,15 +406,6 @@ void parallelize_module(torch::nn::Module& module, const Dist& tp, const TensorP
   }
 }
 
-std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module) {
-  const auto split = split_parameters(module);
-  std::vector<at::Tensor> out;
-  for (const auto& p : module.named_parameters()) {
-    if (!split.count(p.key())) out.push_back(p.value());
-  }
-  return out;
-}
-
 void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const Dist& tp) {
   if (tp.size() == 1) return;
   std::vector<at::Tensor> grads;  // one all-reduce: the gradients flattened together
@@ -454,52 +421,6 @@ void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const D
     const int64_t n = p.grad().numel();
     p.mutable_grad().copy_(flat.narrow(0, at, n).view_as(p.grad()));
     at += n;
-  }
-}
-
-std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, const Dist& tp,
-                                                    bool gradients) {
-  const auto split = split_parameters(module);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : module.named_parameters()) {
-    // Gathered where the slice lives (NCCL carries device tensors only), returned on the CPU.
-    at::Tensor v = p.value().detach();
-    if (gradients) v = p.value().grad().defined() ? p.value().grad() : at::zeros_like(v);
-    auto it = split.find(p.key());
-    if (it == split.end() || tp.size() == 1) {
-      out[p.key()] = v.cpu().clone();
-      continue;
-    }
-    const auto [dim, chunks] = it->second;
-    auto slices = tp.all_gather(v.contiguous());  // by rank
-    std::vector<at::Tensor> parts;
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (const auto& s : slices) parts.push_back(s.chunk(chunks, dim)[static_cast<size_t>(c)]);
-    }
-    out[p.key()] = at::cat(parts, dim).cpu();
-  }
-  if (gradients) return out;
-  for (const auto& b : module.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();
-  return out;
-}
-
-void load_full_state(torch::nn::Module& module, const Dist& tp,
-                     const std::map<std::string, at::Tensor>& state) {
-  const auto split = split_parameters(module);
-  torch::NoGradGuard no_grad;
-  for (auto& p : module.named_parameters()) {
-    auto it = state.find(p.key());
-    if (it == state.end()) throw UsageError("load_full_state: no '" + p.key() + "' in the state");
-    at::Tensor v = it->second;
-    auto s = split.find(p.key());
-    if (s != split.end() && tp.size() > 1) {
-      v = split_of(v, s->second.dim, s->second.chunks, tp.rank(), tp.size());
-    }
-    if (v.sizes() != p.value().sizes()) {
-      throw UsageError("load_full_state: '" + p.key() + "' is " + c10::str(it->second.sizes()) +
-                       " in the state; this model's slice of it is " + c10::str(p.value().sizes()));
-    }
-    p.value().copy_(v);
   }
 }
 

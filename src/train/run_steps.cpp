@@ -19,15 +19,17 @@ namespace scaletrain {
 // Note [Deferred reads]: on a GPU the host queues kernels ahead of the device, and every value
 // it reads back (a loss, a finite-gradients verdict) makes it wait for the device to drain, so
 // the device then idles while the host queues the next step. Where the strategy can say whether
-// the gradients are finite with a flag on the device (gradients_finite_flag(), ddp), and no
-// on_step callback wants each step's loss as it happens, the trainer reads the steps' losses
-// and flags in a batch: at log points, before a checkpoint, at the epoch's end, and at the
-// latest every kDeferredSteps steps, in the steps' order, as the loop would have one by one. A
-// step whose gradients were not finite is still named by its number; the steps queued after it
-// ran on NaN weights and are dropped with the run. Where the verdict needs a collective (the
-// sharded, pipelined and tensor-parallel strategies) or fp16's loss scaler gives it, it is taken
-// in the step, as before, and only the loss is read later. On the CPU nothing waits either way;
-// the trainer defers there too, so that every test runs the one path.
+// the gradients are finite with a flag on the device (gradients_finite_flag(): ddp, without
+// fp16), the trainer reads the steps' losses and flags in a batch: at log points, at the running
+// mean's points, before a checkpoint, at the epoch's end, and at the latest every kDeferredSteps
+// steps, in the steps' order, as the loop would have read them one by one. A step whose gradients
+// were not finite is still named by its number; the steps queued after it ran on NaN weights and
+// are dropped with the run, and every rank stops at the same reading. The other strategies check
+// the gradients in the step, as before (a collective verdict for the sharded, pipelined and
+// tensor-parallel ones, the scaler's for fp16), and only their losses are read later. Still read
+// every step: the norm for --max-grad-norm, fp16's scaler, and every step when a TrainTask
+// has an on_step hook on any rank (the ranks agree on one choice at setup). On the CPU nothing
+// waits either way; the trainer defers there too, so that every test runs the one path.
 constexpr size_t kDeferredSteps = 32;
 
 // The steps at which running_loss() asks the strategy for the running mean (collective).

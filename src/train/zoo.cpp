@@ -26,6 +26,31 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A GPT's vocabulary: at least the byte tokens the text data holds, and split evenly over --tp
+// (gpt2-small's 50257 rows divide by no degree; nanoGPT pads them to 50304, a multiple of 128).
+void validate_vocabulary(const TrainOptions& o) {
+  const bool gpt = o.model.rfind("gpt", 0) == 0;
+  if (o.vocab_size != 0 && !gpt) {
+    throw UsageError(
+        "--vocab-size is for --model gpt-tiny and gpt2-small (the zoo's other "
+        "models take no tokens)");
+  }
+  require(o.vocab_size == 0 || o.vocab_size >= 256, "--vocab-size", o.vocab_size,
+          "0 (the model's own) or at least 256 (the text data's byte tokens)");
+  if (!gpt || o.tensor_parallel <= 1) return;
+  const int64_t vocab = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
+  if (vocab % o.tensor_parallel != 0) {
+    const int64_t padded = (vocab + 127) / 128 * 128;
+    const int64_t fix = padded % o.tensor_parallel == 0
+                            ? padded
+                            : (vocab / o.tensor_parallel + 1) * o.tensor_parallel;
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " splits " + o.model +
+                     "'s vocabulary of " + std::to_string(vocab) +
+                     " rows, which it does not divide: pad it with --vocab-size " +
+                     std::to_string(fix) + " (rows no token uses, never a target)");
+  }
+}
+
 void validate_zoo_numbers(const TrainOptions& o) {
   require(o.lr > 0 && std::isfinite(o.lr), "--lr", o.lr, "a positive finite number, e.g. 0.05");
   require(o.momentum >= 0 && o.momentum < 1, "--momentum", o.momentum,
@@ -45,6 +70,7 @@ void validate_zoo_numbers(const TrainOptions& o) {
         "--context is for --model gpt-tiny and gpt2-small (the zoo's other models "
         "take no sequences)");
   }
+  validate_vocabulary(o);
   if (o.dropout > 0 && o.model != "mlp" && o.model.rfind("gpt", 0) != 0) {
     throw UsageError(
         "--dropout is for --model mlp, gpt-tiny and gpt2-small (the zoo's other models have no "
@@ -238,6 +264,7 @@ TrainTask zoo_task(const TrainOptions& o) {
   data.model.dropout = o.dropout;
   data.model.checkpoint_activations = o.checkpoint_blocks;
   data.model.context = o.context;
+  data.model.vocab_size = o.vocab_size;
   t.model = [name = o.model, mo = data.model, init = o.init_weights] {
     Model m = make_model(name, mo);
     if (!init.empty()) load_weights(init, *m.module);

@@ -232,8 +232,8 @@ void add_model_flags(CLI::App* cmd, TrainOptions& o) {
                   "by a short fp32 matmul on the CPU; unknown on CUDA)")
       ->capture_default_str();
   cmd->add_option("--amp", o.amp,
-                  "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). zero1, zero2, fsdp: "
-                  "bf16 parameters over fp32 master shards")
+                  "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). grid: bf16 autocast. "
+                  "zero1, zero2, fsdp: bf16 parameters over fp32 master shards")
       ->capture_default_str();
   cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
   cmd->add_flag("--data-on-device", o.data_on_device,

@@ -366,6 +366,53 @@ TEST(TrainTensorParallel, AutocastLearnsAtTp2InBf16AndFp16) {
   }
 }
 
+// Note [Grid under autocast]: a grid of 2 stages, and 2 stages each split over tp 2 (4 ranks,
+// sequence parallelism), under bf16 autocast: activations and their gradients cross the stages
+// in bf16 and the loss is float32. The learnable sequence is learnt as in float32, the weights
+// differ from float32's (autocast was on) and stay float32 on every stage.
+TEST(TrainTensorParallel, GridLearnsUnderBf16Autocast) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+  auto first = at::randint(0, 16, {128, 1}, g, at::kLong);
+  auto tokens = (first + 3 * at::arange(9, at::kLong).unsqueeze(0)) % 16;
+  Dataset set{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
+  for (int tp : {1, 2}) {
+    std::map<std::string, std::map<std::string, at::Tensor>> w;
+    for (const std::string amp : {"none", "bf16"}) {
+      TempDir dir("grid_amp_" + amp + std::to_string(tp));
+      auto o = options(dir.path, tp);
+      o.strategy = Strategy::kGrid;
+      o.pipeline_stages = 2;
+      o.schedule = PipelineSchedule::k1F1B;
+      o.chunks = 2;
+      o.amp = amp;
+      o.sequence_parallel = tp > 1;
+      o.epochs = 4;
+      TrainTask t;
+      t.train_data = in_memory(set);
+      t.test_data = in_memory(set, 32);
+      t.model = [] { return make_model("gpt-tiny", gpt_options()); };
+      t.optimizer =
+          [](const std::vector<at::Tensor>& p) -> std::unique_ptr<torch::optim::Optimizer> {
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(3e-3));
+      };
+      torch::manual_seed(3);
+      const TrainResult r = run(2 * tp, t, o);
+      EXPECT_GT(r.test_accuracy, 0.9) << amp << ", tp " << tp;
+      Model m = make_model("gpt-tiny", gpt_options());
+      load_weights(r.weights_path, *m.module);
+      for (const auto& p : m.module->named_parameters()) {
+        EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
+        w[amp][p.key()] = p.value().detach().clone();
+      }
+    }
+    EXPECT_FALSE(at::equal(w["none"].at("lm_head.weight"), w["bf16"].at("lm_head.weight")))
+        << "tp " << tp;
+    EXPECT_FALSE(
+        at::equal(w["none"].at("transformer.wte.weight"), w["bf16"].at("transformer.wte.weight")))
+        << "tp " << tp << ": the first stage ran under autocast too";
+  }
+}
+
 // 3D from the trainer (Note [Grid with tensor parallelism] in src/train/grid.cpp): a grid of 2
 // stages whose stages are each split over tp 2 (4 ranks), with sequence parallelism and
 // clipping; the same interleaved (4 stages of one block) and under zero bubble H1 (its weight

@@ -552,8 +552,8 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--strategy fsdp --devices cpu,cpu", "--devices is for dp and pipeline"},
         Bad{"--strategy zero1 --chunks 2", "are for the pipeline strategies"},
         Bad{"--strategy zero2 --amp fp16", "needs loss scaling, which the sharded strategies"},
-        Bad{"--strategy grid --pipeline-stages 2 --amp bf16",
-            "runs with --strategy ddp (autocast) and zero1, zero2, fsdp"},
+        Bad{"--strategy grid --pipeline-stages 2 --amp fp16",
+            "needs one loss scale agreed over every stage"},
         Bad{"--strategy fsdp --uneven-inputs join", "--uneven-inputs is for --strategy ddp"},
         Bad{"--schedule cosine", "the learning-rate schedule is --lr-schedule cosine"},
         Bad{"--nproc-per-node 4 --strategy grid --pipeline-stages 2 --schedule zb-h1",
@@ -584,7 +584,7 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--strategy pipeline --nproc-per-node 1 --devices cpu,cpu --balance 1,1,2",
             "--balance '1,1,2' gives 3 stages; the pipeline has 2"},
         Bad{"--strategy dp --nproc-per-node 1 --amp bf16",
-            "runs with --strategy ddp (autocast) and zero1, zero2, fsdp"},
+            "runs with --strategy ddp (autocast), grid (bf16 autocast) and zero1, zero2, fsdp"},
         Bad{"--devices gpu0,cpu --strategy dp --nproc-per-node 1", "'gpu0' is not a device"}),
     [](const ::testing::TestParamInfo<Bad>& p) { return "combination" + std::to_string(p.index); });
 

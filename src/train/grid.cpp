@@ -33,6 +33,7 @@
 #include <set>
 #include <string>
 
+#include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
 #include "scaletrain/error.h"
@@ -68,7 +69,8 @@ class GridStrategy : public TrainStrategy {
               d.size()),
         replica_(mesh_.coordinate(d.rank(), "dp")),
         stage_(mesh_.coordinate(d.rank(), "pp")),
-        dev_(rank_device(o.device, d)) {
+        dev_(rank_device(o.device, d)),
+        bf16_(o.amp == "bf16") {
     // The mesh {dp, pp, tp}: DDP over this stage's replicas (its "dp" group), the pipeline along
     // this replica's stages (its "pp" group), the split over "tp".
     groups_ = mesh_groups(
@@ -109,11 +111,22 @@ class GridStrategy : public TrainStrategy {
     std::optional<DistributedDataParallel::NoSync> local;
     if (!sync && ddp_) local.emplace(*ddp_);
     LossFn loss = loss_;
-    if (weight != 1) {
-      loss = [this, weight](const at::Tensor& out, const at::Tensor& t) {
-        return loss_(out, t) * weight;
+    if (bf16_) {  // the loss in float32, as ddp's under autocast
+      loss = [base = loss](const at::Tensor& out, const at::Tensor& t) {
+        return base(out.to(at::kFloat), t);
       };
     }
+    if (weight != 1) {
+      loss = [base = loss, weight](const at::Tensor& out, const at::Tensor& t) {
+        return base(out, t) * weight;
+      };
+    }
+    // Note [Grid under autocast]: every task of the schedule runs on this thread, so one scope
+    // covers the stage's forwards (and a GPT's recomputed blocks, which replay it); activations
+    // and their gradients travel in bf16 (the shapes' protocol carries their dtype), weights,
+    // their gradients, DDP's sums over the stage's replicas and the optimizer stay float32.
+    std::optional<Autocast> autocast;
+    if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
     auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
     // Once per step, after its last backward: over what the step accumulated.
     if (sync && split_.after_backward) split_.after_backward();
@@ -280,6 +293,7 @@ class GridStrategy : public TrainStrategy {
   int replica_, stage_, v_ = 1;
   std::vector<int64_t> balance_;  // blocks per pipeline stage
   at::Device dev_;
+  bool bf16_ = false;  // the stage's forwards under bf16 autocast (Note [Grid under autocast])
   std::vector<std::vector<at::Tensor>> stage_params_;        // per stage, in the model's order
   std::vector<std::vector<at::Tensor>> whole_stage_params_;  // the same of the whole model
   torch::nn::Sequential stage_module_{nullptr};  // chunks_[0]: the stage (no interleaving)

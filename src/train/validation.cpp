@@ -135,13 +135,17 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
         "--amp fp16 needs loss scaling, which the sharded strategies do not do; use --amp bf16 "
         "(bf16 parameters over fp32 master shards) with --strategy " +
         f.name);
-  } else if (!f.ddp && !f.zero && o.amp != "none") {
+  } else if (f.grid && o.amp == "fp16") {
+    refuse(
+        "--amp fp16 needs one loss scale agreed over every stage, which the grid does not keep "
+        "yet; use --amp bf16 (bf16 has float32's range: no scaling) with --strategy grid");
+  } else if (!f.ddp && !f.zero && !f.grid && o.amp != "none") {
     refuse("--amp " + o.amp +
-           " runs with --strategy ddp (autocast) and zero1, zero2, fsdp (bf16 parameters), not " +
+           " runs with --strategy ddp (autocast), grid (bf16 autocast) and zero1, zero2, fsdp "
+           "(bf16 parameters), not " +
            f.name +
-           (f.grid ? std::string(" (a grid's pipeline does not run under autocast yet)")
-                   : std::string(" (dp's replicas and a pipeline's stages run on threads of "
-                                 "their own, which autocast does not reach yet)")));
+           " (dp's replicas and a pipeline's stages run on threads of their own, which autocast "
+           "does not reach yet)");
   }
   if (!f.ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
   if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {

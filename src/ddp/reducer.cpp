@@ -187,8 +187,12 @@ void Reducer::mark_ready(size_t i) {
 
 void Reducer::launch(size_t k) {
   Bucket& b = buckets[k];
-  b.flat.div_(divisor);
   b.launched = true;
+  // A world of one with nothing to compress: the mean over one rank is its own gradient, the
+  // same bits, so no kernel and no collective (on a GPU, the step of a small model is bounded
+  // by what the host launches).
+  if (dist.size() == 1 && divisor == 1 && opts.comm_hook == CommHook::kNone) return;
+  b.flat.div_(divisor);
   if (opts.comm_hook != CommHook::kNone) {
     b.wire = b.flat.to(opts.comm_hook == CommHook::kFp16 ? at::kHalf : at::kBFloat16);
   }

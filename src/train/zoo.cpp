@@ -70,7 +70,6 @@ void validate_zoo_numbers(const TrainOptions& o) {
         "--context is for --model gpt-tiny and gpt2-small (the zoo's other models "
         "take no sequences)");
   }
-  validate_vocabulary(o);
   if (o.dropout > 0 && o.model != "mlp" && o.model.rfind("gpt", 0) != 0) {
     throw UsageError(
         "--dropout is for --model mlp, gpt-tiny and gpt2-small (the zoo's other models have no "
@@ -253,6 +252,7 @@ void validate(const TrainOptions& o, int world) {
   validate_zoo_names(o);
   validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);
+  validate_vocabulary(o);  // after the degree against the world, which comes first
   validate_zoo_balance(o);
 }
 

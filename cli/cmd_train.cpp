@@ -433,7 +433,7 @@ int train_rank(Args& a) {
   validate(a.o, discover_world().world_size);  // before any rendezvous
   io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
   // CPU tensors need Gloo even where NCCL could be had.
-  if (io.backend == "auto" && a.o.device == "cpu") io.backend = "gloo";
+  io.backend = train_backend(a.o, a.backend, cuda_device_count());
   Dist d = init_process_group(io);
   TrainResult r = train(a.o, d);
   if (d.rank() == 0 && !r.left_behind) print_summary(a.o, r, d);

@@ -626,6 +626,30 @@ TEST(Train, DataOnDeviceAndDeferredReadsGiveTheLoadersStepByStepRun) {
       << text.output;
 }
 
+// Regression (CpuDevicesOnAGpuMachineAskedNccl): on a machine with one GPU, `--strategy dp
+// --devices cpu,cpu` joined over NCCL and failed at its first collective of CPU tensors. The
+// backend follows where the trainer's collectives live (the strategy's first device).
+TEST(Train, CpuDevicesOnAGpuMachineAskedNcclAndNowGetGloo) {
+  TrainOptions o;
+  EXPECT_EQ(train_backend(o, "auto", 1), "auto") << "ddp on cuda:0 may take NCCL";
+  EXPECT_EQ(train_backend(o, "auto", 0), "auto");
+  o.device = "cpu";
+  EXPECT_EQ(train_backend(o, "auto", 4), "gloo");
+  EXPECT_EQ(train_backend(o, "nccl", 4), "nccl") << "asked for by name: the user's call";
+  o.device = "auto";
+  o.strategy = Strategy::kDataParallel;
+  o.devices = {"cpu", "cpu"};
+  EXPECT_EQ(train_backend(o, "auto", 1), "gloo");
+  o.devices = {};
+  EXPECT_EQ(train_backend(o, "auto", 1), "gloo") << "one GPU: dp's default devices are cpu,cpu";
+  EXPECT_EQ(train_backend(o, "auto", 2), "auto") << "two GPUs: cuda:0,cuda:1";
+  o.strategy = Strategy::kPipeline;
+  o.devices = {"cuda:0", "cpu"};
+  EXPECT_EQ(train_backend(o, "auto", 1), "auto");
+  o.devices = {"cpu", "cuda:0"};
+  EXPECT_EQ(train_backend(o, "auto", 1), "gloo");
+}
+
 // Regression (OneDeviceSyncPerParameter): the finite-gradients check copied each parameter's
 // flag to the CPU on its own, one wait for the device per parameter. The flags are now one
 // tensor on the first tensor's device, read once, with the same verdicts.

@@ -360,6 +360,11 @@ TrainTask zoo_task(const TrainOptions& options);
 
 /// validate(options, world) of the trainer, and the zoo's names and numbers.
 void validate(const TrainOptions& options, int world_size);
+/// The process-group backend for a run of `options` on a node with `gpus` GPUs: `requested`,
+/// unless it is "auto" and the tensors the trainer's collectives carry live on the CPU
+/// (--device cpu; dp and pipeline whose first device is the CPU), which NCCL cannot carry:
+/// then "gloo".
+std::string train_backend(const TrainOptions& options, const std::string& requested, int gpus);
 
 /// train(zoo_task(options), options, dist).
 TrainResult train(const TrainOptions& options, const Dist& dist);

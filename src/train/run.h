@@ -44,6 +44,7 @@ class Run {
  private:
   void keep_checkpoint_balance();
   void setup();
+  void setup_device_side();
   void resume();
   void epoch(int64_t e);
   // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.

@@ -1,4 +1,5 @@
-// The trainer's step and what it reads back (Note [Deferred reads]), and where its batches come
+// The trainer's step and what it reads back (Note [Deferred reads]), what lives on the strategy's
+// device (the backend that carries it, the rows of data_on_device), and where its batches come
 // from (Note [Data on the device]). The loop around them is in trainer.cpp.
 
 #include <ATen/ops/index_select.h>
@@ -87,6 +88,31 @@ double Run::settle(int64_t e, int64_t batches) {
   }
   pending_.clear();
   return value;
+}
+
+// What lives on the strategy's device: the collectives' backend must carry it, the rows of
+// data_on_device go there, and the ranks agree whether to read the steps' results late.
+void Run::setup_device_side() {
+  if (d_.backend_name == "nccl" && strategy_->device().is_cpu()) {  // train_backend() in zoo.cpp
+    throw UsageError("rank " + std::to_string(d_.rank()) +
+                     ": the process group is NCCL, which carries CUDA tensors only, and this "
+                     "run's collectives are on the CPU (" +
+                     to_string(o_.strategy) +
+                     " on cpu); join it with Gloo (InitOptions::backend = \"gloo\"; scaletrain "
+                     "train picks Gloo by itself)");
+  }
+  if (o_.data_on_device && o_.fault_tolerant) {
+    throw UsageError(
+        "TrainerOptions::data_on_device (--data-on-device) is not for fault-tolerant replicas, "
+        "whose batches follow the quorum; leave it out with --fault-tolerant");
+  }
+  if (o_.data_on_device) {
+    train_rows_ = rows_on_device(task_.train_data, "train");
+    test_rows_ = rows_on_device(task_.test_data, "test");
+  }
+  // Note [Deferred reads]: one choice for every rank, so that under ddp all stop at a bad step
+  // together (an on_step hook on one rank makes every rank read each step).
+  defer_reads_ = on_every_rank(d_, !task_.on_step, collective_device());
 }
 
 // Note [Data on the device]: with data_on_device an in-memory split's rows are copied to the

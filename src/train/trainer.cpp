@@ -148,18 +148,7 @@ void Run::setup() {
   so.seed = seed_;
   sampler_ = std::make_unique<DistributedSampler>(so);
   per_replica_ = o_.batch_size / strategy_->data_replicas();
-  if (o_.data_on_device && o_.fault_tolerant) {
-    throw UsageError(
-        "TrainerOptions::data_on_device (--data-on-device) is not for fault-tolerant replicas, "
-        "whose batches follow the quorum; leave it out with --fault-tolerant");
-  }
-  if (o_.data_on_device) {
-    train_rows_ = rows_on_device(task_.train_data, "train");
-    test_rows_ = rows_on_device(task_.test_data, "test");
-  }
-  // Note [Deferred reads]: one choice for every rank, so that under ddp all stop at a bad step
-  // together (an on_step hook on one rank makes every rank read each step).
-  defer_reads_ = on_every_rank(d_, !task_.on_step, collective_device());
+  setup_device_side();
   state_.model_name = model_.name;
   r_.metrics_path = o_.out_dir + "/metrics.jsonl";
 }

@@ -247,6 +247,20 @@ void validate_zoo_balance(const TrainOptions& o) {
 
 }  // namespace
 
+// Regression (CpuDevicesOnAGpuMachineAskedNccl): `--strategy dp --devices cpu,cpu` on a machine
+// with one GPU joined over NCCL ("auto": a GPU per process), and the trainer's first collective
+// on CPU tensors failed. dp and pipeline collect on their first device (the strategies'
+// device()); without --devices that is cuda:0 only from 2 GPUs on (local_devices()).
+std::string train_backend(const TrainOptions& o, const std::string& requested, int gpus) {
+  if (requested != "auto") return requested;
+  if (o.device == "cpu") return "gloo";
+  if (o.strategy == Strategy::kDataParallel || o.strategy == Strategy::kPipeline) {
+    const bool first_on_cpu = o.devices.empty() ? gpus < 2 : o.devices.front() == "cpu";
+    if (first_on_cpu) return "gloo";
+  }
+  return requested;
+}
+
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);

@@ -93,44 +93,60 @@ struct Case {
   bool deep = false;  // make_model(deep)
 };
 
+// e.g. "1f1b_3stages_4chunks": the test's name, and its parameter in ctest's list.
+std::string describe(const Case& c) {
+  static const char* const schedules[] = {"gpipe", "1f1b", "interleaved", "zbh1"};
+  return std::string(schedules[static_cast<int>(c.schedule)]) + "_" +
+         std::to_string(c.cuts.size() - 1) + "stages_" + std::to_string(c.chunks) + "chunks" +
+         (c.deep ? "_deep" : "");
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+std::string case_name(const ::testing::TestParamInfo<Case>& i) { return describe(i.param); }
+
 class DistPipelineTransparency : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
   const Case c = GetParam();
   const int stages = static_cast<int>(c.cuts.size()) - 1, p = stages / c.per_rank;
   const Batch b = batch(10);
-  std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(stages));
-  double loss = 0;
-  auto errors = testing::run_ranks(p, [&](Dist& d) {
-    DistPipelineOptions o;
-    for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
-    o.chunks = c.chunks;
-    o.schedule = c.schedule;
-    std::vector<torch::nn::Sequential> mine;  // stages rank, rank + p, ...
-    for (int k = d.rank(); k < stages; k += p) {
-      mine.push_back(slice(make_model(c.deep), c.cuts[static_cast<size_t>(k)],
-                           c.cuts[static_cast<size_t>(k) + 1]));
-    }
-    auto pipe = c.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
-    auto l = pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(),
-                             d.rank() == p - 1 ? b.y : at::Tensor(), mse);
-    if (l.defined()) loss = l.item<double>();
-    for (int chunk = 0; chunk < c.per_rank; ++chunk) {
-      for (auto& param : pipe.chunk(chunk)->parameters()) {
-        got[static_cast<size_t>(chunk * p + d.rank())].push_back(param.grad());
+  // Through shared-memory links, then through Gloo (Note [Point-to-point paths]).
+  for (const bool shared_memory : {true, false}) {
+    SCOPED_TRACE(shared_memory ? "shared memory" : "gloo");
+    std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(stages));
+    double loss = 0;
+    auto errors = testing::run_ranks(p, [&](Dist& d) {
+      DistPipelineOptions o;
+      for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
+      o.chunks = c.chunks;
+      o.schedule = c.schedule;
+      o.shared_memory = shared_memory;
+      std::vector<torch::nn::Sequential> mine;  // stages rank, rank + p, ...
+      for (int k = d.rank(); k < stages; k += p) {
+        mine.push_back(slice(make_model(c.deep), c.cuts[static_cast<size_t>(k)],
+                             c.cuts[static_cast<size_t>(k) + 1]));
       }
+      auto pipe = c.per_rank > 1 ? DistPipeline(mine, o, d) : DistPipeline(mine[0], o, d);
+      auto l = pipe.train_step(d.rank() == 0 ? b.x : at::Tensor(),
+                               d.rank() == p - 1 ? b.y : at::Tensor(), mse);
+      if (l.defined()) loss = l.item<double>();
+      EXPECT_EQ(pipe.transport(), shared_memory ? "shared memory" : "gloo");
+      for (int chunk = 0; chunk < c.per_rank; ++chunk) {
+        for (auto& param : pipe.chunk(chunk)->parameters()) {
+          got[static_cast<size_t>(chunk * p + d.rank())].push_back(param.grad());
+        }
+      }
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
+    const auto exact = reference(b, c.deep);
+    const double k = terms(10, c.chunks, 1, c.deep);
+    auto value = testing::mse_value(exact, b.y);
+    EXPECT_TRUE(testing::within_rounding(at::scalar_tensor(loss), value.exact, value.magnitude, k));
+    for (int s = 0; s < stages; ++s) {
+      const auto us = static_cast<size_t>(s);
+      testing::expect_gradients_within_rounding(got[us],
+                                                slice_of(exact, c.cuts[us], c.cuts[us + 1], c.deep),
+                                                k, "stage " + std::to_string(s));
     }
-  });
-  ASSERT_EQ(errors, std::vector<std::string>(static_cast<size_t>(p)));
-  const auto exact = reference(b, c.deep);
-  const double k = terms(10, c.chunks, 1, c.deep);
-  auto value = testing::mse_value(exact, b.y);
-  EXPECT_TRUE(testing::within_rounding(at::scalar_tensor(loss), value.exact, value.magnitude, k));
-  for (int s = 0; s < stages; ++s) {
-    const auto us = static_cast<size_t>(s);
-    testing::expect_gradients_within_rounding(got[us],
-                                              slice_of(exact, c.cuts[us], c.cuts[us + 1], c.deep),
-                                              k, "stage " + std::to_string(s));
   }
 }
 
@@ -151,7 +167,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2},
                       // 3 ranks x 2 chunks: the ring's two directions differ
                       Case{{0, 1, 2, 3, 4, 5, 7}, 6, PipelineSchedule::kInterleaved1F1B, 2, true},
-                      Case{{0, 1, 2, 3, 4, 5, 7}, 4, PipelineSchedule::kInterleaved1F1B, 2, true}));
+                      Case{{0, 1, 2, 3, 4, 5, 7}, 4, PipelineSchedule::kInterleaved1F1B, 2, true}),
+    case_name);
 
 // Interleaved forward (no grad) chunk by chunk across 2 ranks: the whole model's output.
 TEST(DistPipeline, InterleavedForwardEqualsTheWholeModel) {

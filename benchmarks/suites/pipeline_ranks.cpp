@@ -1,9 +1,10 @@
-// Suite `pipeline-ranks`: the bubble of the pipeline across processes (DistPipeline over Gloo)
-// against each schedule's theory, for GPipe, 1F1B, interleaved 1F1B (2 stages per rank) and zero
-// bubble H1. The model and the method are pipeline-bubble's (Linear+Tanh layers of equal work,
-// one intra-op thread per process, so each rank owns a core): the same model as one stage in one
-// process is the baseline, and each schedule's ideal step time is T_one_stage / p / (1 −
-// bubble). What this adds over pipeline-bubble is the transport: every activation and gradient
+// Suite `pipeline-ranks`: the bubble of the pipeline across processes (DistPipeline) against
+// each schedule's theory, for GPipe, 1F1B, interleaved 1F1B (2 stages per rank) and zero bubble
+// H1, with the stages' messages through shared memory (the default), and with --full through
+// Gloo too, side by side. The model and the method are pipeline-bubble's (Linear+Tanh layers of
+// equal work, one intra-op thread per process, so each rank owns a core): the same model as one
+// stage in one process is the baseline, and each schedule's ideal step time is T_one_stage / p / (1
+// − bubble). What this adds over pipeline-bubble is the transport: every activation and gradient
 // crosses a process boundary through the backend.
 
 #include <torch/nn/functional/loss.h>
@@ -51,6 +52,7 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
   const int64_t batch = std::stoll(arg_or(kv, "--batch-size", "1024"));
   const int repeats = std::stoi(arg_or(kv, "--repeats", "5"));
   const bool quick = arg_or(kv, "--quick", "0") == "1";
+  const bool shared_memory = arg_or(kv, "--shared-memory", "1") == "1";
   Dist d = init_process_group();
   at::set_num_threads(1);
   const int p = d.size();
@@ -72,6 +74,7 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
     for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
     o.chunks = m;
     o.schedule = schedule;
+    o.shared_memory = shared_memory;
     DistPipeline pipe = v > 1 ? DistPipeline(chunks, o, d) : DistPipeline(chunks[0], o, d);
     const bool first = d.rank() == 0, last = d.rank() == p - 1;
     auto step = [&] {
@@ -91,9 +94,35 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
   return 0;
 }
 
+namespace {
+
+// One schedule's step times by micro-batch count, from 2 worker processes.
+std::map<int, std::vector<double>> pipeline_ranks_times(const SuiteOptions& o,
+                                                        const std::string& schedule, bool shm,
+                                                        int64_t width, int64_t batch) {
+  const std::string what = "pipeline_ranks_" + schedule + (shm ? "" : "_gloo");
+  const std::string csv = o.work_dir + "/" + what + ".csv";
+  run_local_ranks(o, 2,
+                  {o.self_exe, "bench-worker", "pipeline-ranks", "--csv", csv, "--schedule",
+                   schedule, "--width", std::to_string(width), "--batch-size",
+                   std::to_string(batch), "--repeats", std::to_string(o.repeats), "--quick",
+                   o.quick ? "1" : "0", "--shared-memory", shm ? "1" : "0"},
+                  what);
+  std::map<int, std::vector<double>> times;
+  std::ifstream in(csv);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto comma = line.find(',');
+    times[std::stoi(line.substr(0, comma))].push_back(std::stod(line.substr(comma + 1)));
+  }
+  return times;
+}
+
+}  // namespace
+
 SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
   const std::string title =
-      "Pipeline bubble across 2 processes (Gloo): measured vs each schedule's theory";
+      "Pipeline bubble across 2 processes: measured vs each schedule's theory";
   SuiteResult r =
       new_result("pipeline-ranks", title, "fraction",
                  {Plot::Kind::kLines, title, "micro-batches m", "bubble fraction", true, false}, o);
@@ -122,44 +151,38 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
   std::string table = "| schedule | theory / measured step time at m = ";
   for (size_t k = 0; k < ms.size(); ++k) table += (k ? ", " : "") + std::to_string(ms[k]);
   table += " |\n|---|---|\n";
+  // With --full, each schedule through Gloo too (the plot shows the shared-memory runs).
+  const std::vector<bool> paths =
+      o.quick ? std::vector<bool>{true} : std::vector<bool>{true, false};
   for (const auto& sc : scheds) {
-    const std::string what = "pipeline_ranks_" + sc.flag;
-    const std::string csv = o.work_dir + "/" + what + ".csv";
-    run_local_ranks(
-        o, p,
-        {o.self_exe, "bench-worker", "pipeline-ranks", "--csv", csv, "--schedule", sc.flag,
-         "--width", std::to_string(width), "--batch-size", std::to_string(batch), "--repeats",
-         std::to_string(o.repeats), "--quick", o.quick ? "1" : "0"},
-        what);
-    std::map<int, std::vector<double>> times;
-    std::ifstream in(csv);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto comma = line.find(',');
-      times[std::stoi(line.substr(0, comma))].push_back(std::stod(line.substr(comma + 1)));
-    }
-    std::string row = "| " + sc.name + " | ";
-    for (int m : ms) {
-      if (!times.count(m)) {
-        row += "- ";
-        continue;
+    for (const bool shm : paths) {
+      const auto times = pipeline_ranks_times(o, sc.flag, shm, width, batch);
+      std::string row = "| " + sc.name + (shm ? "" : " over Gloo") + " | ";
+      for (int m : ms) {
+        if (!times.count(m)) {
+          row += "- ";
+          continue;
+        }
+        if (shm) {
+          Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
+          for (double t : times.at(m)) s.values.push_back(1.0 - base[m] / (p * t));
+          r.samples.push_back(s);
+          r.samples.push_back(
+              {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
+        }
+        const double ideal = base[m] / p / (1.0 - sc.theory(m));
+        char cell[32];
+        std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(times.at(m)).mean);
+        row += cell;
       }
-      Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
-      for (double t : times[m]) s.values.push_back(1.0 - base[m] / (p * t));
-      r.samples.push_back(s);
-      r.samples.push_back(
-          {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
-      const double ideal = base[m] / p / (1.0 - sc.theory(m));
-      char cell[32];
-      std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(times[m]).mean);
-      row += cell;
+      table += row + "|\n";
     }
-    table += row + "|\n";
   }
   r.notes.push_back("Model: " + std::to_string(2 * kLayers) + " Linear+Tanh layers of width " +
                     std::to_string(width) + ", batch " + std::to_string(batch) +
                     ", MSE loss, 2 processes with one intra-op thread each (interleaved: 4 "
-                    "stages, 2 per rank), activations and gradients over Gloo (loopback TCP). "
+                    "stages, 2 per rank), activations and gradients through shared memory "
+                    "(rows \"over Gloo\": loopback TCP). "
                     "Baseline: the same model as one stage in one process with the same "
                     "micro-batches. Measured bubble = 1 - T_one_stage / (2 T_step) per "
                     "repetition; theory as in pipeline-bubble.");

@@ -56,6 +56,7 @@ std::string resolve_backend(const std::string& backend, int gpus, int local_worl
 using ReduceOp = c10d::ReduceOp;
 
 struct Dist;
+class PointToPoint;
 
 /// A collective or point-to-point transfer in flight: the `_async` methods and isend/irecv of
 /// Dist return one. The tensors it reads or writes must live, untouched, until it completes. A
@@ -78,6 +79,7 @@ class Pending {
 
  private:
   friend struct Dist;
+  friend class PointToPoint;  // its shared-memory transfers (src/dist/p2p.h)
   Pending(c10::intrusive_ptr<c10d::Work> work, std::string what, const Dist& dist);
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;

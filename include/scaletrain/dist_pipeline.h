@@ -1,6 +1,7 @@
 #pragma once
 // Pipeline parallelism across processes: one stage per rank, activations sent forward and
-// gradients backward through the process group (Gloo on CPU, NCCL on CUDA), under the same
+// gradients backward (through shared memory between CPU stages on one machine, else through
+// the process group: Gloo on CPU, NCCL on CUDA), under the same
 // schedules as the in-process Pipeline (schedule.h: GPipe, 1F1B, zero bubble H1, and
 // interleaved 1F1B with several stages per rank; zero bubble H1 and interleaving not with
 // `ddp`).
@@ -34,6 +35,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,7 @@
 namespace scaletrain {
 
 class DistributedDataParallel;
+class PointToPoint;
 
 struct DistPipelineOptions {
   std::vector<int> stage_ranks;  // the ranks of this pipeline's stages, first to last
@@ -51,6 +54,11 @@ struct DistPipelineOptions {
   PipelineSchedule schedule = PipelineSchedule::kGPipe;
   at::Device device = at::kCPU;            // this stage's device
   DistributedDataParallel* ddp = nullptr;  // optional, wraps this stage (grids)
+  /// Stages on one machine hand CPU activations and gradients through shared memory (a segment
+  /// per pair of neighbouring ranks, set up at the first step); false: through the process
+  /// group's backend. Stages on other machines, and device tensors, always use the backend.
+  /// Every rank passes the same value.
+  bool shared_memory = true;
 };
 
 class DistPipeline {
@@ -82,6 +90,9 @@ class DistPipeline {
   /// Activation shape messages this rank sent in its training steps: one per activation on a
   /// step whose batch shape differs from the last step's, none otherwise (Note [Shapes once]).
   int64_t shape_messages() const { return shape_messages_; }
+  /// How this rank's messages travel, once a step has run: "shared memory" (every neighbour
+  /// through it), "gloo" or "nccl" (none), "mixed"; "" before the first step or on one stage.
+  std::string transport() const;
   /// This rank's (first) chunk; chunk(c) for the others.
   torch::nn::Sequential& module() { return stage_module_; }
   torch::nn::Sequential& chunk(int c) { return chunks_.at(static_cast<size_t>(c)); }
@@ -114,6 +125,7 @@ class DistPipeline {
   int input_id(int microbatch, int chunk) const;
   int output_id(int microbatch, int chunk) const;
   std::string which(int microbatch, int chunk) const;
+  PointToPoint& p2p();  // made at the first step (collective with the neighbours)
 
   // Note [Shapes once] in dist_pipeline.cpp: per message id, dtype then sizes.
   using Shapes = std::map<int, std::vector<int64_t>>;
@@ -127,6 +139,7 @@ class DistPipeline {
   torch::nn::Sequential stage_module_{nullptr};
   DistPipelineOptions options_;
   Dist dist_;
+  std::shared_ptr<PointToPoint> p2p_;
   int stage_ = 0;
 };
 

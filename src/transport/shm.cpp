@@ -43,6 +43,7 @@
 
 #include "launch/proc_tree.h"
 #include "scaletrain/error.h"
+#include "transport/segment.h"
 
 namespace scaletrain {
 namespace {
@@ -50,18 +51,9 @@ namespace {
 constexpr uint64_t kMagic = 0x7363616c65736d31ULL;  // "scalesm1"
 constexpr size_t kAlign = 64;
 
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-uint64_t pid_namespace() {
-  struct stat st {};
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
+using shm::align_up;
+using shm::cpu_relax;
+using shm::pid_namespace;
 
 }  // namespace
 
@@ -110,18 +102,6 @@ namespace {
 
 using Layout = SharedGroup::Layout;
 
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
-  // std::atomic<uint32_t> is a lock-free 4-byte word: the futex waits on its address.
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
-}
-
-void* map(int fd, size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  return p == MAP_FAILED ? nullptr : p;
-}
-
-std::string sys_error(const std::string& what) { return what + ": " + std::strerror(errno); }
-
 }  // namespace
 
 SharedGroup::SharedGroup(std::string name, const Options& options, void* base, size_t bytes)
@@ -133,39 +113,19 @@ std::unique_ptr<SharedGroup> SharedGroup::create(const Options& o) {
   if (o.size < 1 || o.rank != 0 || o.chunk_floats < 1) {
     throw Error("SharedGroup::create: rank 0 of a group of at least one, chunk >= 1");
   }
-  std::random_device rd;
-  std::ostringstream n;
-  n << "/scaletrain-" << getpid() << "-" << std::hex << rd() << rd();
-  const std::string name = n.str();
-  const size_t bytes = Layout::bytes(o.size, o.chunk_floats);
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw Error(sys_error("shm_open " + name));
-  // fallocate, not ftruncate alone: a full /dev/shm is an error here, not a SIGBUS later.
-  const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  void* base = err == 0 ? map(fd, bytes) : nullptr;
-  close(fd);
-  if (!base) {
-    shm_unlink(name.c_str());
-    throw Error("cannot make a " + std::to_string(bytes) + "-byte shared segment " + name + ": " +
-                std::strerror(err != 0 ? err : errno));
-  }
+  const auto seg = shm::create(Layout::bytes(o.size, o.chunk_floats));
+  void* base = seg.base;
   auto& h = Layout::header(base);  // zero-filled: counters at 0, nobody gone
   h.magic = kMagic;
   h.pid_ns = pid_namespace();
   h.size = o.size;
   h.chunk_floats = o.chunk_floats;
-  return std::unique_ptr<SharedGroup>(new SharedGroup(name, o, base, bytes));
+  return std::unique_ptr<SharedGroup>(new SharedGroup(seg.name, o, base, seg.bytes));
 }
 
 std::unique_ptr<SharedGroup> SharedGroup::attach(const std::string& name, const Options& o) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw Error(sys_error("shm_open " + name + " (another machine?)"));
-  struct stat st {};
   const size_t bytes = Layout::bytes(o.size, o.chunk_floats);
-  void* base =
-      fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes ? map(fd, bytes) : nullptr;
-  close(fd);
-  if (!base) throw Error("shared segment " + name + " is not the size this group needs");
+  void* base = shm::open(name, bytes).base;
   const auto& h = Layout::header(base);
   if (h.magic != kMagic || h.size != o.size || h.chunk_floats != o.chunk_floats ||
       h.pid_ns != pid_namespace() || o.rank <= 0 || o.rank >= o.size) {
@@ -177,7 +137,7 @@ std::unique_ptr<SharedGroup> SharedGroup::attach(const std::string& name, const 
 
 SharedGroup::~SharedGroup() {
   Layout::rank(base_, options_.rank).gone.store(1);
-  futex(&Layout::header(base_).generation, FUTEX_WAKE, INT_MAX, nullptr);  // waiters look now
+  shm::wake(&Layout::header(base_).generation);  // waiters look now
   munmap(base_, bytes_);
 }
 
@@ -196,7 +156,7 @@ void SharedGroup::barrier(const std::string& what) {
       static_cast<uint32_t>(options_.size)) {
     h.arrived.store(0, std::memory_order_relaxed);
     h.generation.fetch_add(1, std::memory_order_release);
-    futex(&h.generation, FUTEX_WAKE, INT_MAX, nullptr);
+    shm::wake(&h.generation);
     return;
   }
   using clock = std::chrono::steady_clock;
@@ -210,7 +170,7 @@ void SharedGroup::barrier(const std::string& what) {
   const auto deadline = start + options_.timeout;
   const timespec nap{0, 20 * 1000 * 1000};
   while (true) {
-    futex(&h.generation, FUTEX_WAIT, gen, &nap);
+    shm::wait(&h.generation, gen, nap);
     if (h.generation.load(std::memory_order_acquire) != gen) return;
     // A rank that arrived cannot leave before the generation moves: whoever is gone or dead
     // now never arrived.
@@ -224,7 +184,7 @@ void SharedGroup::barrier(const std::string& what) {
         why =
             "left the group (its DistributedDataParallel was destroyed, e.g. by an error) "
             "before joining it";
-      } else if (pid > 0 && pid != getpid() && kill(pid, 0) != 0 && errno == ESRCH) {
+      } else if (shm::exited(pid)) {
         why = "(pid " + std::to_string(pid) + ") exited before joining it";
       }
       if (!why.empty()) {

@@ -1,0 +1,165 @@
+// Note [Point-to-point paths]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A pair of ranks that can map one segment (same kernel, /dev/shm and PID namespace) moves CPU
+// tensors through a shared-memory link (Note [Shared-memory links] in src/transport/link.cpp);
+// other pairs, device tensors and NCCL groups use the backend. Both ends must choose the same
+// path, so each pair decides once, through the store: the lower rank makes the segment and posts
+// its name (or "" when it cannot), the higher maps it and posts whether it could, and the lower
+// reads that answer. Makers post before anyone reads, so ranks that each make one link and map
+// another (a chain, a ring) never wait on each other in a cycle. The keys count the pair's
+// links in the store itself, so two pipelines of the same pair, made one after the other, pair
+// up in order.
+//
+// The link's operations become c10d works, so a Pending waits for either path the same way,
+// with the same errors.
+
+#include "dist/p2p.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+
+#include "scaletrain/error.h"
+#include "transport/link.h"
+
+namespace scaletrain {
+namespace {
+
+// A send or receive of a link, as a c10d work.
+class LinkWork : public c10d::Work {
+ public:
+  LinkWork(std::shared_ptr<LinkSet> links, int peer, uint64_t ticket, bool send, at::Tensor t,
+           std::string what)
+      : links_(std::move(links)),
+        peer_(peer),
+        ticket_(ticket),
+        send_(send),
+        tensor_(std::move(t)),
+        what_(std::move(what)) {}
+  bool isCompleted() override {
+    if (!finished_) {
+      finished_ = send_ ? links_->sent(peer_, ticket_) : links_->received(peer_, ticket_);
+    }
+    return finished_;
+  }
+  bool wait(std::chrono::milliseconds) override {
+    if (send_) {
+      links_->wait_sent(peer_, ticket_, what_);
+    } else {
+      links_->wait_received(peer_, ticket_, what_);
+    }
+    finished_ = true;
+    return true;
+  }
+  void abort() override {
+    if (!send_ && !finished_) links_->withdraw(peer_, ticket_);
+    finished_ = true;
+  }
+
+ private:
+  std::shared_ptr<LinkSet> links_;
+  int peer_;
+  uint64_t ticket_;
+  bool send_, finished_ = false;
+  at::Tensor tensor_;  // kept alive while in flight
+  std::string what_;
+};
+
+std::string pair_key(int a, int b) {
+  return "scaletrain/p2p/" + std::to_string(std::min(a, b)) + "-" + std::to_string(std::max(a, b));
+}
+
+SharedLink::Options link_options(const Dist& dist, int peer, const PointToPointOptions& o) {
+  SharedLink::Options lo;
+  lo.rank = dist.rank();
+  lo.peer = peer;
+  lo.ring_bytes = o.ring_bytes;
+  if (dist.timeout.count() > 0) lo.timeout = dist.timeout;
+  return lo;
+}
+
+}  // namespace
+
+PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::Device device,
+                           const PointToPointOptions& options)
+    : dist_(dist), links_(std::make_shared<LinkSet>()) {
+  require_joined(dist_, "PointToPoint");
+  if (!options.shared_memory || !device.is_cpu() || dist_.backend_name != "gloo") return;
+  std::vector<int> mine;
+  for (int p : peers) {
+    if (p >= 0 && p != dist_.rank() && std::find(mine.begin(), mine.end(), p) == mine.end()) {
+      mine.push_back(p);
+    }
+  }
+  // Makers first (never wait), then the mappers, then the makers read the answers.
+  std::vector<std::pair<int, std::unique_ptr<SharedLink>>> made;
+  std::vector<std::string> made_keys;
+  for (int p : mine) {
+    if (p < dist_.rank()) continue;
+    const std::string key = pair_key(p, dist_.rank()) + "/" +
+                            std::to_string(dist_.store_add(pair_key(p, dist_.rank()) + "/made", 1));
+    std::unique_ptr<SharedLink> link;
+    try {
+      link = SharedLink::create(link_options(dist_, p, options));
+    } catch (const Error&) {  // no room in /dev/shm: the backend carries this pair
+    }
+    dist_.store_set(key + "/name", link ? link->name() : "");
+    made.emplace_back(p, std::move(link));
+    made_keys.push_back(key);
+  }
+  for (int p : mine) {
+    if (p > dist_.rank()) continue;
+    const std::string key =
+        pair_key(p, dist_.rank()) + "/" +
+        std::to_string(dist_.store_add(pair_key(p, dist_.rank()) + "/mapped", 1));
+    const std::string name = dist_.store_get(key + "/name");
+    std::unique_ptr<SharedLink> link;
+    try {
+      if (!name.empty()) link = SharedLink::attach(name, link_options(dist_, p, options));
+    } catch (const Error&) {  // another machine: the backend carries this pair
+    }
+    dist_.store_set(key + "/mapped", link ? "1" : "0");
+    if (link) links_->add(p, std::move(link));
+  }
+  for (size_t i = 0; i < made.size(); ++i) {
+    const bool mapped = dist_.store_get(made_keys[i] + "/mapped") == "1";
+    if (made[i].second) made[i].second->unlink();
+    if (mapped && made[i].second) links_->add(made[i].first, std::move(made[i].second));
+  }
+}
+
+PointToPoint::~PointToPoint() = default;
+
+bool PointToPoint::shared(int peer) const { return links_->has(peer); }
+
+bool PointToPoint::uses_link(const at::Tensor& t, int peer) const {
+  if (!links_->has(peer) || !t.device().is_cpu()) return false;
+  if (!t.is_contiguous()) throw UsageError("a point-to-point transfer needs a contiguous tensor");
+  return true;
+}
+
+Pending PointToPoint::isend(const at::Tensor& tensor, int dst, int tag, const std::string& what) {
+  if (!uses_link(tensor, dst)) return dist_.isend(tensor, dst, tag, what);
+  const auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  const uint64_t ticket = links_->send(dst, tag, tensor.data_ptr(), bytes);
+  return Pending(c10::make_intrusive<LinkWork>(links_, dst, ticket, true, tensor, what), what,
+                 dist_);
+}
+
+Pending PointToPoint::irecv(at::Tensor& tensor, int src, int tag, const std::string& what) {
+  if (!uses_link(tensor, src)) return dist_.irecv(tensor, src, tag, what);
+  const auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
+  const uint64_t ticket = links_->post(src, tag, tensor.data_ptr(), bytes);
+  return Pending(c10::make_intrusive<LinkWork>(links_, src, ticket, false, tensor, what), what,
+                 dist_);
+}
+
+void PointToPoint::send(const at::Tensor& tensor, int dst, int tag, const std::string& what) {
+  isend(tensor, dst, tag, what).wait();
+}
+
+void PointToPoint::recv(at::Tensor& tensor, int src, int tag, const std::string& what) {
+  irecv(tensor, src, tag, what).wait();
+}
+
+}  // namespace scaletrain

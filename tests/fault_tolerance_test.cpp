@@ -20,6 +20,7 @@
 #include <regex>
 #include <thread>
 
+#include "dist/lighthouse_client.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -295,6 +296,128 @@ TEST(FaultTolerantReplicas, BadOptionsAreRefusedWithTheFix) {
   EXPECT_NE(r.output.find("--strategy ddp, zero1, zero2 or fsdp within each replica"),
             std::string::npos)
       << r.output;
+}
+
+// A member of the quorum that never makes the replicas' group (it died, or hangs, after the
+// lighthouse answered) costs the others the exchange timeout (ReplicaGroupOptions::timeout), not
+// the quorum's (minutes): the step is not committed, and the next quorum asks for a new group.
+// The silent member is a bare client of the lighthouse that registers, beats and asks like
+// replica 1, then never connects.
+TEST(FaultTolerantReplicas, AMemberThatNeverConnectsCostsTheExchangeTimeoutAlone) {
+  TestLighthouse lighthouse;
+  const int port = lighthouse.port;
+  std::atomic<bool> stop{false};
+  std::thread silent([&] {
+    auto store = lighthouse_client("127.0.0.1", port, std::chrono::seconds(30));
+    const int64_t i = store->add("ft/nreg", 1) - 1;
+    store->set("ft/reg/" + std::to_string(i), std::vector<uint8_t>{'1'});
+    auto text = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
+    store->set("ft/req/1", text("silent-1 0 0 |ranks=1"));
+    const int64_t ask = store->add("ft/nask", 1);
+    store->set("ft/ask/" + std::to_string(ask), text(""));
+    while (!stop) {  // beats like a live replica, and never makes the group
+      store->add("ft/beat/1", 1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  Quorum q;
+  bool exchanged = true, committed = true;
+  double seconds = 0;
+  auto errors = testing::run_ranks(1, [&](Dist& d) {
+    ReplicaGroupOptions ro;
+    ro.lighthouse = "127.0.0.1:" + std::to_string(port);
+    ro.replica_id = 0;
+    ro.timeout = std::chrono::seconds(2);
+    ro.quorum_timeout = std::chrono::seconds(120);
+    ReplicaGroup group(d, ro);
+    const auto start = std::chrono::steady_clock::now();
+    q = group.quorum(0);
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    auto t = at::ones({3});
+    exchanged = group.all_reduce(t);
+    committed = group.commit(true);
+  });
+  stop = true;
+  silent.join();
+  ASSERT_EQ(errors, std::vector<std::string>(1));
+  EXPECT_EQ(q.replicas, (std::vector<int>{0, 1}));
+  // The lighthouse's join timeout (1 s), then the connect's 2 s: far below the quorum's 120 s.
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_FALSE(exchanged);
+  EXPECT_FALSE(committed);
+}
+
+// Regression StalledHealHeldTheQuorum (the cause): a replica restarted while the lighthouse
+// still counted its old process as a member asked without a new group, so the quorum kept its
+// id. The healthy replica kept its group with the dead process, and the new process connected
+// under the old group's keys, among the dead one's addresses: the heal failed or stalled, again
+// at each quorum of the same members. A process's first request now asks for a new group.
+TEST(FaultTolerantReplicas, AReplicaRestartedUnnoticedGetsAGroupWithTheHealthyOne) {
+  TestLighthouse lighthouse;
+  std::atomic<int> phase{0};  // 1: both exchanged once; 2: replica 1's new process exists
+  auto options = [&](int id) {
+    ReplicaGroupOptions ro;
+    ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
+    ro.replica_id = id;
+    ro.timeout = std::chrono::seconds(3);
+    ro.quorum_timeout = std::chrono::seconds(60);
+    return ro;
+  };
+  auto wait_for = [&](int p) {
+    for (int i = 0; i < 6000 && phase < p; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  std::vector<bool> healthy, restarted;  // share_state, then all_reduce, after the restart
+  at::Tensor sum0, sum1, state;
+  std::vector<std::string> errors0, errors1;
+  std::thread zero([&] {
+    errors0 = testing::run_ranks(1, [&](Dist& d) {
+      ReplicaGroup g(d, options(0));
+      g.quorum(0);
+      auto t = at::ones({2});
+      EXPECT_TRUE(g.all_reduce(t));
+      EXPECT_TRUE(g.commit(true));
+      ++phase;
+      wait_for(3);  // replica 1 died and its new process asked
+      const Quorum q = g.quorum(1);
+      EXPECT_TRUE(q.heal);
+      healthy.push_back(g.share_state([] { return at::full({4}, 7, at::kByte); }, nullptr));
+      sum0 = at::ones({2});
+      healthy.push_back(g.all_reduce(sum0));
+    });
+  });
+  errors1 = testing::run_ranks(1, [&](Dist& d) {
+    {
+      ReplicaGroup g(d, options(1));
+      g.quorum(0);
+      auto t = at::ones({2});
+      EXPECT_TRUE(g.all_reduce(t));
+      EXPECT_TRUE(g.commit(true));
+      ++phase;
+      wait_for(2);
+    }  // dies; a new process takes its place before the lighthouse misses its beats
+    ReplicaGroup g(d, options(1));
+    std::thread ask_then_mark([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      ++phase;  // replica 0 asks now, after this one
+    });
+    const Quorum q = g.quorum(0);
+    ask_then_mark.join();
+    EXPECT_TRUE(q.recovering);
+    restarted.push_back(g.share_state([] { return at::Tensor(); }, &state));
+    sum1 = at::ones({2});
+    restarted.push_back(g.all_reduce(sum1));
+  });
+  zero.join();
+  ASSERT_EQ(errors0, std::vector<std::string>(1));
+  ASSERT_EQ(errors1, std::vector<std::string>(1));
+  EXPECT_EQ(healthy, (std::vector<bool>{true, true}));
+  EXPECT_EQ(restarted, (std::vector<bool>{true, true}));
+  ASSERT_TRUE(state.defined());
+  EXPECT_TRUE(state.equal(at::full({4}, 7, at::kByte)));
+  EXPECT_TRUE(sum0.equal(at::full({2}, 2.0f)));
+  EXPECT_TRUE(sum1.equal(at::full({2}, 2.0f)));
 }
 
 // ---- From the command line, under a kill loop -------------------------------------------------

@@ -106,8 +106,12 @@ struct ReplicaGroup::Impl {
   std::optional<Dist> group;                 // rank k of each replica in the quorum
   Quorum quorum;
   int64_t group_id = -1;
-  bool broken = false;       // an exchange of this step failed
-  bool fresh_group = false;  // ask for a new group: the last step was not committed
+  bool broken = false;  // an exchange of this step failed
+  // Ask for a new group: the last step was not committed, or this process never had one (a
+  // replica restarted before the lighthouse missed its old process would otherwise get the old
+  // quorum's id and meet its peers under the old group's keys: regression
+  // StalledHealHeldTheQuorum).
+  bool fresh_group = true;
   int64_t asked = 0;
   std::string nonce;        // this process's requests' (answers are keyed by it)
   std::string fingerprint;  // the settings every replica of the job shares
@@ -165,6 +169,8 @@ struct ReplicaGroup::Impl {
     g.backend_name = "gloo";
     g.store = store;
     g.timeout = o.timeout;
+    // Gloo's connect waits for the members' addresses, and connects, within `timeout`: a member
+    // that never comes costs that alone (FaultTolerantReplicas.AMemberThatNeverConnects...).
     try {
       g.backend = new_backend(
           g, "gloo",

@@ -33,6 +33,8 @@
 
 namespace scaletrain {
 
+class DeviceThreads;  // src/parallel/device_threads.h
+
 class DataParallel {
  public:
   /// `module` becomes the primary replica on devices[0]; the others are its clones. Throws
@@ -80,6 +82,7 @@ class DataParallel {
 
  private:
   void sync_replicas();  // primary's parameters and buffers -> every other replica
+  void on_each(size_t n, const std::function<void(size_t)>& fn);
 
   template <typename M>
   static Replica replica_of(std::shared_ptr<M> m) {
@@ -116,6 +119,7 @@ class DataParallel {
 
   std::vector<Replica> replicas_;
   std::vector<at::Device> devices_;
+  std::shared_ptr<DeviceThreads> threads_;  // one per replica, made at the first step
 };
 
 }  // namespace scaletrain

@@ -63,7 +63,7 @@ struct PipelineOptions {
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
-class StageThreads;  // pipeline.cpp: one persistent thread per device
+class DeviceThreads;  // src/parallel/device_threads.h: one persistent thread per device
 
 class Pipeline {
  public:
@@ -90,7 +90,7 @@ class Pipeline {
   std::vector<std::vector<PipeTask>> orders(int microbatches) const;
   std::vector<torch::nn::Sequential> stages_;
   PipelineOptions options_;
-  std::unique_ptr<StageThreads> threads_;
+  std::unique_ptr<DeviceThreads> threads_;
 };
 
 /// One layer's measured cost, as balance_by_time() uses it.

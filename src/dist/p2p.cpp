@@ -35,14 +35,22 @@ class LinkWork : public c10d::Work {
         ticket_(ticket),
         send_(send),
         tensor_(std::move(t)),
-        what_(std::move(what)) {}
+        what_(what.empty() ? "a point-to-point transfer" : std::move(what)) {}
+  // Does not wait: a peer that left or died, or a broken link, completes it with that error,
+  // which wait() throws.
   bool isCompleted() override {
-    if (!finished_) {
+    if (finished_ || !error_.empty()) return true;
+    try {
       finished_ = send_ ? links_->sent(peer_, ticket_) : links_->received(peer_, ticket_);
+      if (!finished_) error_ = links_->failure(peer_, what_);
+    } catch (const std::exception& e) {
+      error_ = e.what();
     }
-    return finished_;
+    return finished_ || !error_.empty();
   }
   bool wait(std::chrono::milliseconds) override {
+    if (finished_) return true;
+    if (!error_.empty()) throw Error(error_);
     if (send_) {
       links_->wait_sent(peer_, ticket_, what_);
     } else {
@@ -62,11 +70,14 @@ class LinkWork : public c10d::Work {
   uint64_t ticket_;
   bool send_, finished_ = false;
   at::Tensor tensor_;  // kept alive while in flight
-  std::string what_;
+  std::string what_, error_;
 };
 
-std::string pair_key(int a, int b) {
-  return "scaletrain/p2p/" + std::to_string(std::min(a, b)) + "-" + std::to_string(std::max(a, b));
+// Under the attempt's prefix: an agent's store outlives a restart, and a handshake the last
+// attempt left half done must not pair with this one's.
+std::string pair_key(const Dist& d, int a, int b) {
+  return "scaletrain/p2p/" + std::to_string(d.world.restart_count) + "/" +
+         std::to_string(std::min(a, b)) + "-" + std::to_string(std::max(a, b));
 }
 
 SharedLink::Options link_options(const Dist& dist, int peer, const PointToPointOptions& o) {
@@ -84,7 +95,10 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
                            const PointToPointOptions& options)
     : dist_(dist), links_(std::make_shared<LinkSet>()) {
   require_joined(dist_, "PointToPoint");
-  if (!options.shared_memory || !device.is_cpu() || dist_.backend_name != "gloo") return;
+  // Every rank of a Gloo group takes part, each saying whether its tensors live on the CPU, so
+  // both ends of a pair always agree on its path.
+  if (!options.shared_memory || dist_.backend_name != "gloo") return;
+  const bool cpu = device.is_cpu();
   std::vector<int> mine;
   for (int p : peers) {
     if (p >= 0 && p != dist_.rank() && std::find(mine.begin(), mine.end(), p) == mine.end()) {
@@ -96,11 +110,11 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
   std::vector<std::string> made_keys;
   for (int p : mine) {
     if (p < dist_.rank()) continue;
-    const std::string key = pair_key(p, dist_.rank()) + "/" +
-                            std::to_string(dist_.store_add(pair_key(p, dist_.rank()) + "/made", 1));
+    const std::string pair = pair_key(dist_, p, dist_.rank());
+    const std::string key = pair + "/" + std::to_string(dist_.store_add(pair + "/made", 1));
     std::unique_ptr<SharedLink> link;
     try {
-      link = SharedLink::create(link_options(dist_, p, options));
+      if (cpu) link = SharedLink::create(link_options(dist_, p, options));
     } catch (const Error&) {  // no room in /dev/shm: the backend carries this pair
     }
     dist_.store_set(key + "/name", link ? link->name() : "");
@@ -109,13 +123,12 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
   }
   for (int p : mine) {
     if (p > dist_.rank()) continue;
-    const std::string key =
-        pair_key(p, dist_.rank()) + "/" +
-        std::to_string(dist_.store_add(pair_key(p, dist_.rank()) + "/mapped", 1));
+    const std::string pair = pair_key(dist_, p, dist_.rank());
+    const std::string key = pair + "/" + std::to_string(dist_.store_add(pair + "/mapped", 1));
     const std::string name = dist_.store_get(key + "/name");
     std::unique_ptr<SharedLink> link;
     try {
-      if (!name.empty()) link = SharedLink::attach(name, link_options(dist_, p, options));
+      if (cpu && !name.empty()) link = SharedLink::attach(name, link_options(dist_, p, options));
     } catch (const Error&) {  // another machine: the backend carries this pair
     }
     dist_.store_set(key + "/mapped", link ? "1" : "0");
@@ -133,15 +146,23 @@ PointToPoint::~PointToPoint() = default;
 bool PointToPoint::shared(int peer) const { return links_->has(peer); }
 
 bool PointToPoint::uses_link(const at::Tensor& t, int peer) const {
-  if (!links_->has(peer) || !t.device().is_cpu()) return false;
-  if (!t.is_contiguous()) throw UsageError("a point-to-point transfer needs a contiguous tensor");
+  if (!links_->has(peer)) return false;
+  if (!t.device().is_cpu() || !t.is_contiguous()) {
+    throw UsageError("rank " + std::to_string(dist_.rank()) + ": a transfer to or from rank " +
+                     std::to_string(peer) +
+                     " goes through shared memory, which carries contiguous CPU tensors; got " +
+                     (t.is_contiguous() ? "one on " + t.device().str() : "a strided one"));
+  }
   return true;
 }
 
 Pending PointToPoint::isend(const at::Tensor& tensor, int dst, int tag, const std::string& what) {
   if (!uses_link(tensor, dst)) return dist_.isend(tensor, dst, tag, what);
   const auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-  const uint64_t ticket = links_->send(dst, tag, tensor.data_ptr(), bytes);
+  // The link holds the tensor until it is written, even if this send is dropped unwaited.
+  const uint64_t ticket =
+      links_->send(dst, tag, tensor.data_ptr(), bytes,
+                   std::shared_ptr<const void>(tensor.data_ptr(), [t = tensor](const void*) {}));
   return Pending(c10::make_intrusive<LinkWork>(links_, dst, ticket, true, tensor, what), what,
                  dist_);
 }

@@ -5,40 +5,19 @@
 #include <exception>
 #include <thread>
 
+#include "parallel/device_threads.h"
 #include "scaletrain/error.h"
 #include "scaletrain/pipeline.h"
 
 namespace scaletrain {
-namespace {
 
-// Runs fn(k) for every replica on its own thread; the first failure is raised here.
-void on_each(size_t n, const std::vector<at::Device>& devices,
-             const std::function<void(size_t)>& fn) {
-  std::vector<std::exception_ptr> errors(n);
-  std::vector<std::thread> threads;
-  for (size_t k = 0; k < n; ++k) {
-    threads.emplace_back([&, k] {
-      at::init_num_threads();  // a new thread: take the process's intra-op thread count
-      try {
-        fn(k);
-      } catch (...) {
-        errors[k] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (size_t k = 0; k < n; ++k) {
-    if (!errors[k]) continue;
-    try {
-      std::rethrow_exception(errors[k]);
-    } catch (const std::exception& e) {
-      throw Error("DataParallel replica " + std::to_string(k) + " (" + devices[k].str() +
-                  ") failed: " + e.what());
-    }
-  }
+// Runs fn(k) for the first n replicas, each on its device's thread (kept across steps); the first
+// failure is raised here.
+void DataParallel::on_each(size_t n, const std::function<void(size_t)>& fn) {
+  if (!threads_) threads_ = std::make_shared<DeviceThreads>(devices_, false);
+  threads_->run_or_throw(
+      fn, [](size_t k) { return "DataParallel replica " + std::to_string(k); }, n);
 }
-
-}  // namespace
 
 void DataParallel::check_devices(const std::vector<at::Device>& devices) {
   if (devices.empty()) throw UsageError("DataParallel needs at least one device");
@@ -103,7 +82,7 @@ at::Tensor DataParallel::forward(const at::Tensor& input) {
   sync_replicas();
   auto xs = split_microbatches(input, static_cast<int>(replicas_.size()));
   std::vector<at::Tensor> outs(xs.size());
-  on_each(xs.size(), devices_,
+  on_each(xs.size(),
           [&](size_t k) { outs[k] = replicas_[k].forward(xs[k].to(devices_[k])).to(devices_[0]); });
   return at::cat(outs);
 }
@@ -120,7 +99,7 @@ at::Tensor DataParallel::train_step(
   for (size_t k = 1; k < replicas_.size(); ++k) {
     for (auto& p : replicas_[k].module->parameters()) p.mutable_grad() = at::Tensor();
   }
-  on_each(xs.size(), devices_, [&](size_t k) {
+  on_each(xs.size(), [&](size_t k) {
     const double share = static_cast<double>(xs[k].size(0)) / total;
     auto out = replicas_[k].forward(xs[k].to(devices_[k]));
     losses[k] = loss_fn(out, ys[k].to(devices_[k])) * share;

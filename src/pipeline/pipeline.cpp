@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "parallel/device_threads.h"
 #include "pipeline/split_backward.h"
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
@@ -196,102 +197,14 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   return at::cat(outs);
 }
 
-// Note [Stage threads]: one thread per device, started at the first step and kept for the
-// pipeline's life, runs its column of the schedule in order, waiting only for its data — a
-// forward for the previous stage's forward, a backward for the next stage's input gradient —
-// not for a whole tick. A slow task (a backward costs about two forwards) then delays only what
-// depends on it. A thread that finds its data missing spins for a few microseconds before it
-// sleeps: on a machine with a core per stage, a micro-batch handed over by the neighbour is
-// usually there by then, and a sleeping thread takes tens of microseconds to wake.
-class StageThreads {
- public:
-  explicit StageThreads(const std::vector<at::Device>& devices) {
-    errors_.resize(devices.size());
-    try {
-      for (size_t d = 0; d < devices.size(); ++d) {
-        threads_.emplace_back([this, d, device = devices[d]] { loop(d, device); });
-      }
-    } catch (...) {  // a thread that could not start: stop those that did, then report it
-      stop();
-      throw;
-    }
-  }
-  ~StageThreads() { stop(); }
-  StageThreads(const StageThreads&) = delete;
-  StageThreads& operator=(const StageThreads&) = delete;
-
-  /// Runs job(d) on device d's thread, for every device; returns each one's exception, if any.
-  std::vector<std::exception_ptr> run(const std::function<void(size_t)>& job) {
-    std::unique_lock lock(mu_);
-    job_ = &job;
-    finished_ = 0;
-    for (auto& e : errors_) e = nullptr;
-    ++generation_;
-    start_.notify_all();
-    done_.wait(lock, [&] { return finished_ == threads_.size(); });
-    job_ = nullptr;
-    return errors_;
-  }
-
- private:
-  void stop() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    start_.notify_all();
-    for (auto& t : threads_) {
-      if (t.joinable()) t.join();
-    }
-  }
-
-  void loop(size_t d, at::Device device) {
-#ifdef SCALETRAIN_WITH_CUDA
-    // Each CUDA device's stages work on a stream of their own, so two on one GPU overlap.
-    std::optional<c10::cuda::CUDAStreamGuard> stream;
-    if (device.is_cuda()) stream.emplace(c10::cuda::getStreamFromPool(false, device.index()));
-#else
-    (void)device;
-#endif
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(size_t)>* job = nullptr;
-      {
-        std::unique_lock lock(mu_);
-        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        job = job_;
-      }
-      std::exception_ptr error;
-      try {
-        // The process's intra-op setting as it is now (a new thread starts with OpenMP's
-        // default team, every core: stages would oversubscribe them). An error here is the
-        // step's, raised on the caller's thread.
-        at::init_num_threads();
-        (*job)(d);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mu_);
-        errors_[d] = error;
-        ++finished_;
-      }
-      done_.notify_all();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable start_, done_;
-  const std::function<void(size_t)>* job_ = nullptr;
-  uint64_t generation_ = 0;
-  size_t finished_ = 0;
-  bool stop_ = false;
-  std::vector<std::exception_ptr> errors_;
-  std::vector<std::thread> threads_;
-};
-
+// Note [Stage threads]: one thread per device (DeviceThreads, src/parallel/device_threads.h),
+// started at the first step and kept for the pipeline's life, runs its column of the schedule in
+// order, waiting only for its data — a forward for the previous stage's forward, a backward for the
+// next stage's input gradient — not for a whole tick. A slow task (a backward costs about two
+// forwards) then delays only what depends on it. A thread that finds its data missing spins for a
+// few microseconds before it sleeps: on a machine with a core per stage, a micro-batch handed over
+// by the neighbour is usually there by then, and a sleeping thread takes tens of microseconds to
+// wake.
 std::vector<std::vector<PipeTask>> Pipeline::orders(int m) const {
   const int p = static_cast<int>(options_.devices.size());
   switch (options_.schedule) {
@@ -521,19 +434,11 @@ at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& targe
       throw;
     }
   };
-  if (!threads_) threads_ = std::make_unique<StageThreads>(options_.devices);
-  const auto errors = threads_->run(job);
-  for (size_t d = 0; d < errors.size(); ++d) {
-    if (!errors[d]) continue;
-    try {
-      std::rethrow_exception(errors[d]);
-    } catch (const std::exception& e) {
-      const std::string where = stages_.size() == options_.devices.size()
-                                    ? "pipeline stage " + std::to_string(d)
-                                    : "pipeline device " + std::to_string(d);
-      throw Error(where + " (" + options_.devices[d].str() + ") failed: " + e.what());
-    }
-  }
+  if (!threads_) threads_ = std::make_unique<DeviceThreads>(options_.devices, true);
+  threads_->run_or_throw(job, [&](size_t d) {
+    return stages_.size() == options_.devices.size() ? "pipeline stage " + std::to_string(d)
+                                                     : "pipeline device " + std::to_string(d);
+  });
   return step.loss();
 }
 

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 
 #include "launch/proc_tree.h"
@@ -75,7 +76,8 @@ struct SharedLink::State {
     uint64_t ticket;
     char header[kHeader];
     const char* data;
-    size_t bytes, done = 0;  // done counts the header's bytes too
+    size_t bytes, done = 0;             // done counts the header's bytes too
+    std::shared_ptr<const void> owner;  // keeps `data` alive until written
   };
   struct In {
     uint64_t ticket;
@@ -135,9 +137,13 @@ SharedLink::~SharedLink() {
   h.side[1 - side_].doorbell.fetch_add(1);
   shm::wake(&h.side[1 - side_].doorbell);  // a waiting peer looks now
   shm::close({name_, base_, bytes_});
+  if (side_ == 0 && !unlinked_) shm_unlink(name_.c_str());  // never mapped by the peer
 }
 
-void SharedLink::unlink() { shm_unlink(name_.c_str()); }
+void SharedLink::unlink() {
+  shm_unlink(name_.c_str());
+  unlinked_ = true;
+}
 
 namespace {
 
@@ -166,6 +172,11 @@ bool SharedLink::push() {
   const uint64_t start = tail;
   while (!s.out.empty()) {
     State::Out& o = s.out.front();
+    if (o.done == kHeader + o.bytes) {  // written (an empty message: its header alone)
+      s.sent_below = o.ticket + 1;
+      s.out.pop_front();
+      continue;
+    }
     const size_t room = cap - static_cast<size_t>(tail - ring.head.load(std::memory_order_acquire));
     if (room == 0) break;
     if (o.done < kHeader) {
@@ -179,10 +190,6 @@ bool SharedLink::push() {
     ring_copy(data, cap, tail, const_cast<char*>(o.data) + (o.done - kHeader), n, true);
     o.done += n;
     tail += n;
-    if (o.done == kHeader + o.bytes) {
-      s.sent_below = o.ticket + 1;
-      s.out.pop_front();
-    }
   }
   if (tail == start) return false;
   ring.tail.store(tail, std::memory_order_release);
@@ -211,7 +218,7 @@ bool SharedLink::pull() {
       if (s.header_got == kHeader) start_message();
     } else {
       const size_t n = std::min(ready, s.length - s.got);
-      ring_copy(data, cap, head, s.dest + s.got, n, false);
+      if (s.dest != nullptr) ring_copy(data, cap, head, s.dest + s.got, n, false);
       s.got += n;
       head += n;
     }
@@ -270,38 +277,49 @@ void SharedLink::end_message() {
   s.header_got = 0;
   s.got = s.length = 0;
   s.dest = nullptr;
+  s.dest_ticket = 0;
 }
 
 bool SharedLink::pump() {
-  const bool out = push();
-  const bool in = pull();
-  return out || in;
+  if (!broken_.empty()) throw Error(broken_);
+  try {
+    const bool out = push();
+    const bool in = pull();
+    return out || in;
+  } catch (const Error& e) {  // its stream is out of step from here: every later use fails
+    broken_ = e.what();
+    throw;
+  }
 }
 
-// After a wait that saw nothing move: throws when the peer is gone, dead, or the wait is past
-// the timeout.
-void SharedLink::check_peer(std::chrono::steady_clock::time_point start,
-                            const std::string& what) const {
+// What keeps the peer from answering, or "": it is gone, dead, or (with `start`) the wait began
+// longer than the timeout ago. Read before a last look at the rings: whatever the peer wrote
+// before it left is still read.
+std::string SharedLink::trouble(const std::string& what,
+                                std::optional<std::chrono::steady_clock::time_point> start) const {
   const auto& other = Layout::header(base_).side[1 - side_];
   const int pid = other.pid.load();
-  const std::string me = "rank " + std::to_string(options_.rank) + ": " + what + ": rank " +
+  const std::string me = "rank " + std::to_string(options_.rank) + ": " +
+                         (what.empty() ? "a point-to-point transfer" : what) + ": rank " +
                          std::to_string(options_.peer);
   if (other.gone.load() != 0) {
-    throw Error(me + " left (its pipeline was destroyed, e.g. by an error) before sending or " +
-                "reading it. Its own error, above or in its log, says why.");
+    return me + " left (its pipeline was destroyed, e.g. by an error) before sending or " +
+           "reading it. Its own error, above or in its log, says why.";
   }
   if (shm::exited(pid)) {
-    throw Error(me + " (pid " + std::to_string(pid) + ") exited. Its own error, above or in " +
-                "its log, says why.");
+    return me + " (pid " + std::to_string(pid) + ") exited. Its own error, above or in its " +
+           "log, says why.";
   }
-  if (std::chrono::steady_clock::now() - start > options_.timeout) {
-    const auto secs = std::chrono::duration_cast<std::chrono::seconds>(options_.timeout).count();
-    throw Error(me + " never answered: timed out after " + std::to_string(secs) + " s" +
-                (proc::is_stopped(pid) ? "; it (pid " + std::to_string(pid) +
-                                             ") is stopped by a signal: `kill -CONT " +
-                                             std::to_string(pid) + "` lets it go on"
-                                       : ""));
+  if (start && std::chrono::steady_clock::now() - *start > options_.timeout) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", std::chrono::duration<double>(options_.timeout).count());
+    return me + " never answered: timed out after " + secs + " s" +
+           (proc::is_stopped(pid)
+                ? "; it (pid " + std::to_string(pid) + ") is stopped by a signal: `kill -CONT " +
+                      std::to_string(pid) + "` lets it go on"
+                : "");
   }
+  return "";
 }
 
 LinkSet::LinkSet() = default;
@@ -324,6 +342,8 @@ bool LinkSet::pump_all() {
 }
 
 // Moves messages on every link until done(); spins a little, then sleeps on `peer`'s doorbell.
+// After each nap it looks at the peer whatever moved elsewhere, so traffic on other links never
+// holds off the timeout.
 template <typename Done>
 void LinkSet::wait(int peer, Done done, const std::string& what) {
   SharedLink& l = link(peer);
@@ -335,39 +355,45 @@ void LinkSet::wait(int peer, Done done, const std::string& what) {
     if (done()) return;
     shm::cpu_relax();
   }
-  const timespec nap{0, (links_.size() > 1 ? 1 : 20) * 1000 * 1000};
+  const auto every = std::chrono::milliseconds(links_.size() > 1 ? 1 : 20);
+  const timespec nap{0, static_cast<long>(every.count()) * 1000 * 1000};
+  auto look = clock::now() + every;
   while (true) {
     const uint32_t seen = bell.load(std::memory_order_acquire);
-    if (pump_all()) {
-      if (done()) return;
-      continue;
+    std::string trouble;
+    if (clock::now() >= look) {
+      trouble = l.trouble(what, start);
+      look = clock::now() + every;
     }
+    const bool moved = pump_all();
     if (done()) return;
-    shm::wait(&bell, seen, nap);
-    if (pump_all() || done()) {
-      if (done()) return;
-      continue;
-    }
-    l.check_peer(start, what);
+    if (!trouble.empty()) throw Error(trouble);
+    if (!moved) shm::wait(&bell, seen, nap);
   }
 }
 
-uint64_t LinkSet::send(int peer, int32_t tag, const void* data, size_t bytes) {
+std::string LinkSet::failure(int peer, const std::string& what) const {
+  return link(peer).trouble(what, std::nullopt);
+}
+
+uint64_t LinkSet::send(int peer, int32_t tag, const void* data, size_t bytes,
+                       std::shared_ptr<const void> owner) {
   SharedLink& l = link(peer);
   auto& s = *l.state_;
-  SharedLink::State::Out o{s.next_send++, {}, static_cast<const char*>(data), bytes};
+  SharedLink::State::Out o{s.next_send++, {}, static_cast<const char*>(data),
+                           bytes,         0,  std::move(owner)};
   const uint64_t length = bytes;
   std::memcpy(o.header, &tag, sizeof(tag));
   std::memcpy(o.header + 8, &length, sizeof(length));
-  s.out.push_back(o);
+  const uint64_t ticket = o.ticket;
+  s.out.push_back(std::move(o));
   l.pump();
-  return o.ticket;
+  return ticket;
 }
 
 bool LinkSet::sent(int peer, uint64_t ticket) {
-  SharedLink& l = link(peer);
-  l.pump();
-  return ticket < l.state_->sent_below;
+  pump_all();
+  return ticket < link(peer).state_->sent_below;
 }
 
 void LinkSet::wait_sent(int peer, uint64_t ticket, const std::string& what) {
@@ -416,9 +442,8 @@ bool take(std::vector<uint64_t>& completed, uint64_t ticket) {
 }  // namespace
 
 bool LinkSet::received(int peer, uint64_t ticket) {
-  SharedLink& l = link(peer);
-  l.pump();
-  const auto& c = l.state_->completed;
+  pump_all();
+  const auto& c = link(peer).state_->completed;
   return std::find(c.begin(), c.end(), ticket) != c.end();
 }
 
@@ -442,9 +467,8 @@ void LinkSet::withdraw(int peer, uint64_t ticket) {
       }
     }
   }
-  if (s.dest_ticket == ticket) {  // being read: the rest goes to a copy that is dropped
-    s.holding.assign(s.length, 0);
-    s.dest = s.holding.data();
+  if (s.dest_ticket == ticket) {  // being read: the rest is passed over
+    s.dest = nullptr;
     s.dest_ticket = kDrop;
   }
 }

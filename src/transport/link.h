@@ -7,6 +7,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,8 @@ class SharedLink {
   void end_message();
   [[noreturn]] void wrong_length(size_t expected) const;  // of the message being read
   [[noreturn]] void wrong_length(size_t expected, int32_t tag, size_t length) const;
-  void check_peer(std::chrono::steady_clock::time_point start, const std::string& what) const;
+  std::string trouble(const std::string& what,
+                      std::optional<std::chrono::steady_clock::time_point> start) const;
 
   std::string name_;
   Options options_;
@@ -57,6 +59,8 @@ class SharedLink {
   size_t bytes_;
   int side_;  // 0: create's, 1: attach's
   std::unique_ptr<State> state_;
+  std::string broken_;  // the error that broke the stream, thrown again at every later use
+  bool unlinked_ = false;
 };
 
 /// A rank's links, by peer rank: sends and receives matched by (peer, tag), in order per tag,
@@ -72,8 +76,10 @@ class LinkSet {
   bool has(int peer) const { return links_.count(peer) != 0; }
 
   /// Queues `bytes` at `data` for `peer` under `tag` and writes what fits now. `data` must stay
-  /// untouched until sent(). Returns the send's ticket.
-  uint64_t send(int peer, int32_t tag, const void* data, size_t bytes);
+  /// untouched until sent(); `owner`, held until then, keeps it alive (a send dropped unwaited
+  /// after a failure). Returns the send's ticket.
+  uint64_t send(int peer, int32_t tag, const void* data, size_t bytes,
+                std::shared_ptr<const void> owner = nullptr);
   bool sent(int peer, uint64_t ticket);
   void wait_sent(int peer, uint64_t ticket, const std::string& what);
 
@@ -82,6 +88,9 @@ class LinkSet {
   uint64_t post(int peer, int32_t tag, void* data, size_t bytes);
   bool received(int peer, uint64_t ticket);
   void wait_received(int peer, uint64_t ticket, const std::string& what);
+  /// Why `peer` cannot answer any more (gone, its process dead), or "": what a poll of sent() or
+  /// received() checks to see a failure without waiting.
+  std::string failure(int peer, const std::string& what) const;
   /// Withdraws a posted receive not yet complete (a message half read into it is dropped).
   void withdraw(int peer, uint64_t ticket);
 

@@ -19,6 +19,7 @@
 #include "scaletrain/flops.h"
 #include "scaletrain/launch.h"
 #include "scaletrain/trainer.h"
+#include "scaletrain_zoo.h"
 #include "scaletrain/version.h"
 
 namespace scaletrain::cli {

@@ -3,13 +3,13 @@
 communication).
 
   check-structure.py functions [--max-lines N] [PATH...]
-      Every function defined in PATH (files or folders; default: src/ and cli/) spans at most N
+      Every function defined in PATH (files or folders; default: src/, cli/ and zoo/) spans at most N
       lines (80), from its first line to its closing brace. Function extents come from
       universal-ctags (`--output-format=json`, the `end` field).
 
   check-structure.py c10d [PATH...]
       No c10d outside src/dist/ and include/scaletrain/dist.h: no `c10d::` name and no call on a
-      Dist's backend or store (`.backend->`, `.store->`) in PATH (default: src/, cli/,
+      Dist's backend or store (`.backend->`, `.store->`) in PATH (default: src/, cli/, zoo/,
       include/ and benchmarks/; the tests may reach behind Dist to test it). Comments and string literals do not count. Callers use Dist's methods.
 
 Prints one line per offence (path:line: what, and the fix) and exits 1 if there is any, 0 if
@@ -154,10 +154,10 @@ def main():
     cd.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.check == "functions":
-        bad = check_functions(args.paths or [ROOT / "src", ROOT / "cli"], args.max_lines)
+        bad = check_functions(args.paths or [ROOT / "src", ROOT / "cli", ROOT / "zoo"], args.max_lines)
     else:
         bad = check_c10d(
-            args.paths or [ROOT / d for d in ("src", "cli", "include", "benchmarks")])
+            args.paths or [ROOT / d for d in ("src", "cli", "zoo", "include", "benchmarks")])
     return 1 if bad else 0
 
 

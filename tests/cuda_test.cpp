@@ -18,6 +18,7 @@
 #include "scaletrain/models.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/trainer.h"
+#include "scaletrain_zoo.h"
 #include "scaletrain/version.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"

@@ -2,6 +2,7 @@
 // restart), and bad input refused before any training.
 
 #include "scaletrain/trainer.h"
+#include "scaletrain_zoo.h"
 
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>

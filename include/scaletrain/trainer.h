@@ -1,7 +1,7 @@
 #pragma once
 // The trainer: one loop for every strategy, any model and any data set. `scaletrain train` is
-// this trainer with the zoo's models and data sets (TrainOptions below); a program trains its own
-// model by giving a TrainTask:
+// this trainer with the zoo's models and data sets (TrainOptions, in the command line's own
+// target: zoo/scaletrain_zoo.h); a program trains its own model by giving a TrainTask:
 //
 //   auto dist = scaletrain::init_process_group();
 //   scaletrain::TrainTask task;
@@ -327,46 +327,5 @@ void require_free_output_folder(const TrainerOptions& options);
 /// Trains on this rank; every rank calls it with the same task and options. Rank 0 owns
 /// `out_dir` meanwhile (one run per folder at a time; another is refused, naming this one).
 TrainResult train(const TrainTask& task, const TrainerOptions& options, const Dist& dist);
-
-// ---- The zoo: what `scaletrain train` trains --------------------------------------------------
-
-struct TrainOptions : TrainerOptions {
-  std::string model = "lenet";            // models.h's names
-  std::string dataset = "fashion-mnist";  // "synthetic", or "folder": data_dir holds train/
-                                          // and val/, ImageNet-style (image_folder.h)
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  int64_t image_size = 224;  // folder data: crop size
-  int64_t limit_train = 0;   // >0: use only the first N training samples
-  int64_t limit_test = 0;
-  std::string optimizer = "sgd";  // "sgd" or "adam"
-  double lr = 0.05;
-  double momentum = 0.9;
-  double weight_decay = 5e-4;
-  std::string lr_schedule = "none";  // "none", "step" (x gamma every step_size epochs), "cosine"
-  int step_size = 2;
-  double gamma = 0.5;
-  std::string init_weights;        // a state dict (Python's torch.save) to start from
-  double dropout = 0;              // mlp, GPTs: their dropout's probability
-  bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
-  int64_t context = 0;             // GPTs: the longest sequence, the text windows' length
-  int64_t vocab_size = 0;  // GPTs: the vocabulary's rows (0: the model's own); a larger one pads
-                           // it, so that a tensor-parallel degree divides it
-                           // (0: the size's own: gpt-tiny 64, gpt2-small 1024)
-};
-
-/// The zoo's task for `options`: the model by name, the data set by name, the optimizer and
-/// learning-rate schedule by name.
-TrainTask zoo_task(const TrainOptions& options);
-
-/// validate(options, world) of the trainer, and the zoo's names and numbers.
-void validate(const TrainOptions& options, int world_size);
-/// The process-group backend for a run of `options` on a node with `gpus` GPUs: `requested`,
-/// unless it is "auto" and the tensors the trainer's collectives carry live on the CPU
-/// (--device cpu; dp and pipeline whose first device is the CPU), which NCCL cannot carry:
-/// then "gloo".
-std::string train_backend(const TrainOptions& options, const std::string& requested, int gpus);
-
-/// train(zoo_task(options), options, dist).
-TrainResult train(const TrainOptions& options, const Dist& dist);
 
 }  // namespace scaletrain

@@ -18,6 +18,7 @@
 #include "scaletrain/lr_schedule.h"
 #include "scaletrain/tokens.h"
 #include "scaletrain/trainer.h"
+#include "scaletrain_zoo.h"
 #include "train/balance.h"
 #include "train/validation.h"
 

@@ -17,6 +17,21 @@
 namespace scaletrain::proc {
 namespace {
 
+// /proc/<pid>/stat, or "" when the process is gone. Regression ProcStatReadRacedAnExitingWorker:
+// a process reaped between the open and the read makes read() fail with ESRCH, and libstdc++'s
+// filebuf throws on a failed read whatever the stream's exception mask (`scaletrain run` once
+// stopped with "basic_filebuf::underflow error reading the file: No such process").
+std::string read_proc_stat(pid_t pid) {
+  try {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string s;
+    std::getline(in, s);
+    return s;
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 struct Entry {
   pid_t ppid = 0;
   bool zombie = false;
@@ -24,9 +39,8 @@ struct Entry {
 
 // "pid (comm) S ppid ...": comm may hold spaces and parentheses, so read after the last ')'.
 bool read_stat(pid_t pid, Entry& e) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string s;
-  if (!std::getline(in, s)) return false;
+  const std::string s = read_proc_stat(pid);
+  if (s.empty()) return false;
   const size_t close = s.rfind(')');
   if (close == std::string::npos || close + 4 >= s.size()) return false;
   char state = s[close + 2];
@@ -109,8 +123,7 @@ int kill_descendants(const std::vector<pid_t>& keep, int rounds) {
 
 bool is_stopped(pid_t pid) {
   if (pid <= 0) return false;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string stat = read_proc_stat(pid);
   const auto close = stat.rfind(')');  // the state follows the command's closing parenthesis
   if (close == std::string::npos || close + 2 >= stat.size()) return false;
   const char state = stat[close + 2];

@@ -2,7 +2,9 @@
 # Fault-tolerant replicas on two network-namespace hosts (scripts/lib/netns.sh, each with a
 # /dev/shm of its own): the lighthouse and replica 0 on host a, replica 1 on host b, each replica
 # 2 ranks under its own launcher. Once replica 1 has logged steps, host b's link goes down for
-# 8 s, then comes back. Prints the lighthouse's and both replicas' output and "replica R exit S";
+# 8 s, then comes back. The run is long enough (10 epochs, ~25 s for replica 0 alone) that
+# replica 0 cannot finish while the link is down (with 5 epochs it once did, under load, and
+# replica 1 came back to a finished run). Prints the lighthouse's and both replicas' output and "replica R exit S";
 # exits 77 when the sandbox refuses namespaces.
 # usage: ft_netns_link_down.sh SCALETRAIN OUT_DIR
 set -u
@@ -13,7 +15,7 @@ netns_hosts "fd$$" private > /dev/null || exit 77
 mkdir -p "$out"
 on_host "$NETNS_A" "$cli" lighthouse --port 29415 --replicas 2 --join-timeout 3 > "$out/lighthouse.log" 2>&1 &
 lighthouse=$!
-train="train --device cpu --limit-train 8192 --limit-test 1000 --epochs 5 --batch-size 64 --log-every 1 --no-progress --timeout 20 --ft-timeout 3 --checkpoint-every 40 --fault-tolerant --lighthouse $NETNS_MASTER:29415 --out $out/run"
+train="train --device cpu --limit-train 8192 --limit-test 1000 --epochs 10 --batch-size 64 --log-every 1 --no-progress --timeout 20 --ft-timeout 3 --checkpoint-every 40 --fault-tolerant --lighthouse $NETNS_MASTER:29415 --out $out/run"
 on_host "$NETNS_A" "$cli" run --nproc-per-node 2 --master-port 0 --max-restarts 5 -- "$cli" $train --replica-id 0 > "$out/replica-0.log" 2>&1 &
 r0=$!
 on_host "$NETNS_B" "$cli" run --nproc-per-node 2 --master-port 0 --max-restarts 5 -- "$cli" $train --replica-id 1 > "$out/replica-1.log" 2>&1 &

@@ -19,8 +19,8 @@
 #include "scaletrain/flops.h"
 #include "scaletrain/launch.h"
 #include "scaletrain/trainer.h"
-#include "scaletrain_zoo.h"
 #include "scaletrain/version.h"
+#include "scaletrain_zoo.h"
 
 namespace scaletrain::cli {
 namespace {

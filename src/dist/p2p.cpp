@@ -69,7 +69,7 @@ class LinkWork : public c10d::Work {
   int peer_;
   uint64_t ticket_;
   bool send_, finished_ = false;
-  at::Tensor tensor_;  // kept alive while in flight
+  at::Tensor tensor_;  // a receive's buffer, kept alive while in flight (a send's: by the link)
   std::string what_, error_;
 };
 
@@ -106,8 +106,12 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
     }
   }
   // Makers first (never wait), then the mappers, then the makers read the answers.
-  std::vector<std::pair<int, std::unique_ptr<SharedLink>>> made;
-  std::vector<std::string> made_keys;
+  struct Made {
+    int peer;
+    std::string key;
+    std::unique_ptr<SharedLink> link;  // null: none could be made
+  };
+  std::vector<Made> made;
   for (int p : mine) {
     if (p < dist_.rank()) continue;
     const std::string pair = pair_key(dist_, p, dist_.rank());
@@ -118,8 +122,7 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
     } catch (const Error&) {  // no room in /dev/shm: the backend carries this pair
     }
     dist_.store_set(key + "/name", link ? link->name() : "");
-    made.emplace_back(p, std::move(link));
-    made_keys.push_back(key);
+    made.push_back({p, key, std::move(link)});
   }
   for (int p : mine) {
     if (p > dist_.rank()) continue;
@@ -134,10 +137,11 @@ PointToPoint::PointToPoint(const Dist& dist, const std::vector<int>& peers, at::
     dist_.store_set(key + "/mapped", link ? "1" : "0");
     if (link) links_->add(p, std::move(link));
   }
-  for (size_t i = 0; i < made.size(); ++i) {
-    const bool mapped = dist_.store_get(made_keys[i] + "/mapped") == "1";
-    if (made[i].second) made[i].second->unlink();
-    if (mapped && made[i].second) links_->add(made[i].first, std::move(made[i].second));
+  for (auto& m : made) {
+    const bool mapped = dist_.store_get(m.key + "/mapped") == "1";
+    if (!m.link) continue;
+    m.link->unlink();
+    if (mapped) links_->add(m.peer, std::move(m.link));
   }
 }
 
@@ -158,19 +162,17 @@ bool PointToPoint::uses_link(const at::Tensor& t, int peer) const {
 
 Pending PointToPoint::isend(const at::Tensor& tensor, int dst, int tag, const std::string& what) {
   if (!uses_link(tensor, dst)) return dist_.isend(tensor, dst, tag, what);
-  const auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
   // The link holds the tensor until it is written, even if this send is dropped unwaited.
   const uint64_t ticket =
-      links_->send(dst, tag, tensor.data_ptr(), bytes,
+      links_->send(dst, tag, tensor.data_ptr(), tensor.nbytes(),
                    std::shared_ptr<const void>(tensor.data_ptr(), [t = tensor](const void*) {}));
-  return Pending(c10::make_intrusive<LinkWork>(links_, dst, ticket, true, tensor, what), what,
+  return Pending(c10::make_intrusive<LinkWork>(links_, dst, ticket, true, at::Tensor(), what), what,
                  dist_);
 }
 
 Pending PointToPoint::irecv(at::Tensor& tensor, int src, int tag, const std::string& what) {
   if (!uses_link(tensor, src)) return dist_.irecv(tensor, src, tag, what);
-  const auto bytes = static_cast<size_t>(tensor.numel()) * tensor.element_size();
-  const uint64_t ticket = links_->post(src, tag, tensor.data_ptr(), bytes);
+  const uint64_t ticket = links_->post(src, tag, tensor.data_ptr(), tensor.nbytes());
   return Pending(c10::make_intrusive<LinkWork>(links_, src, ticket, false, tensor, what), what,
                  dist_);
 }

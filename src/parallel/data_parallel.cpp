@@ -1,10 +1,5 @@
 #include "scaletrain/data_parallel.h"
 
-#include <ATen/Parallel.h>
-
-#include <exception>
-#include <thread>
-
 #include "parallel/device_threads.h"
 #include "scaletrain/error.h"
 #include "scaletrain/pipeline.h"

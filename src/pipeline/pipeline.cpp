@@ -1,17 +1,12 @@
 #include "scaletrain/pipeline.h"
 
-#include <ATen/Parallel.h>
-
 #include <chrono>
 #include <condition_variable>
-#include <exception>
 #include <mutex>
-#include <optional>
 #include <sstream>
 #include <thread>
 
 #ifdef SCALETRAIN_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 

@@ -33,6 +33,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <set>
 
 #include "launch/proc_tree.h"
 #include "scaletrain/error.h"
@@ -79,9 +80,8 @@ struct SharedLink::State {
     size_t bytes, done = 0;             // done counts the header's bytes too
     std::shared_ptr<const void> owner;  // keeps `data` alive until written
   };
-  struct In {
+  struct In {  // a posted receive
     uint64_t ticket;
-    int32_t tag;
     char* data;
     size_t bytes;
   };
@@ -90,7 +90,7 @@ struct SharedLink::State {
   uint64_t sent_below = 1;  // every send with a smaller ticket is written
   std::map<int32_t, std::deque<In>> posted;
   std::map<int32_t, std::deque<std::vector<char>>> held;  // arrived, not yet asked for
-  std::vector<uint64_t> completed;                        // receives filled (tickets)
+  std::set<uint64_t> completed;                           // receives filled (tickets)
   // The message being read: its header so far, then where its bytes go.
   char header[kHeader];
   size_t header_got = 0;
@@ -132,12 +132,17 @@ std::unique_ptr<SharedLink> SharedLink::attach(const std::string& name, const Op
 }
 
 SharedLink::~SharedLink() {
-  auto& h = Layout::header(base_);
-  h.side[side_].gone.store(1);
-  h.side[1 - side_].doorbell.fetch_add(1);
-  shm::wake(&h.side[1 - side_].doorbell);  // a waiting peer looks now
+  Layout::header(base_).side[side_].gone.store(1);
+  ring_peer();  // a waiting peer looks now
   shm::close({name_, base_, bytes_});
   if (side_ == 0 && !unlinked_) shm_unlink(name_.c_str());  // never mapped by the peer
+}
+
+// Tells the other side it has something new to look at.
+void SharedLink::ring_peer() {
+  auto& bell = Layout::header(base_).side[1 - side_].doorbell;
+  bell.fetch_add(1, std::memory_order_acq_rel);
+  shm::wake(&bell);
 }
 
 void SharedLink::unlink() {
@@ -147,16 +152,16 @@ void SharedLink::unlink() {
 
 namespace {
 
-// Copies n bytes between a ring of `cap` bytes at `ring` (from position `pos`) and `buf`.
-void ring_copy(char* ring, size_t cap, uint64_t pos, char* buf, size_t n, bool into_ring) {
+// n bytes into / out of a ring of `cap` bytes at `ring`, from position `pos` (wrapping).
+void to_ring(char* ring, size_t cap, uint64_t pos, const char* from, size_t n) {
   const size_t at = static_cast<size_t>(pos % cap), first = std::min(n, cap - at);
-  if (into_ring) {
-    std::memcpy(ring + at, buf, first);
-    std::memcpy(ring, buf + first, n - first);
-  } else {
-    std::memcpy(buf, ring + at, first);
-    std::memcpy(buf + first, ring, n - first);
-  }
+  std::memcpy(ring + at, from, first);
+  std::memcpy(ring, from + first, n - first);
+}
+void from_ring(const char* ring, size_t cap, uint64_t pos, char* to, size_t n) {
+  const size_t at = static_cast<size_t>(pos % cap), first = std::min(n, cap - at);
+  std::memcpy(to, ring + at, first);
+  std::memcpy(to + first, ring, n - first);
 }
 
 }  // namespace
@@ -181,20 +186,19 @@ bool SharedLink::push() {
     if (room == 0) break;
     if (o.done < kHeader) {
       const size_t n = std::min(room, kHeader - o.done);
-      ring_copy(data, cap, tail, o.header + o.done, n, true);
+      to_ring(data, cap, tail, o.header + o.done, n);
       o.done += n;
       tail += n;
       continue;
     }
     const size_t n = std::min(room, o.bytes - (o.done - kHeader));
-    ring_copy(data, cap, tail, const_cast<char*>(o.data) + (o.done - kHeader), n, true);
+    to_ring(data, cap, tail, o.data + (o.done - kHeader), n);
     o.done += n;
     tail += n;
   }
   if (tail == start) return false;
   ring.tail.store(tail, std::memory_order_release);
-  h.side[1 - side_].doorbell.fetch_add(1, std::memory_order_acq_rel);
-  shm::wake(&h.side[1 - side_].doorbell);
+  ring_peer();
   return true;
 }
 
@@ -212,13 +216,13 @@ bool SharedLink::pull() {
     const size_t ready = static_cast<size_t>(tail - head);
     if (s.header_got < kHeader) {
       const size_t n = std::min(ready, kHeader - s.header_got);
-      ring_copy(data, cap, head, s.header + s.header_got, n, false);
+      from_ring(data, cap, head, s.header + s.header_got, n);
       s.header_got += n;
       head += n;
       if (s.header_got == kHeader) start_message();
     } else {
       const size_t n = std::min(ready, s.length - s.got);
-      if (s.dest != nullptr) ring_copy(data, cap, head, s.dest + s.got, n, false);
+      if (s.dest != nullptr) from_ring(data, cap, head, s.dest + s.got, n);
       s.got += n;
       head += n;
     }
@@ -226,8 +230,7 @@ bool SharedLink::pull() {
   }
   if (head == start) return false;
   ring.head.store(head, std::memory_order_release);
-  h.side[1 - side_].doorbell.fetch_add(1, std::memory_order_acq_rel);
-  shm::wake(&h.side[1 - side_].doorbell);
+  ring_peer();
   return true;
 }
 
@@ -266,13 +269,11 @@ void SharedLink::wrong_length(size_t expected, int32_t tag, size_t length) const
 
 void SharedLink::end_message() {
   State& s = *state_;
-  if (s.dest_ticket == kDrop) {
-    s.holding = {};
-  } else if (s.dest_ticket != 0) {
-    s.completed.push_back(s.dest_ticket);
-  } else {
+  if (s.dest_ticket == 0) {
     s.held[s.tag].push_back(std::move(s.holding));
     s.holding = {};
+  } else if (s.dest_ticket != kDrop) {
+    s.completed.insert(s.dest_ticket);
   }
   s.header_got = 0;
   s.got = s.length = 0;
@@ -412,7 +413,7 @@ uint64_t LinkSet::post(int peer, int32_t tag, void* data, size_t bytes) {
     held->second.pop_front();
     if (m.size() != bytes) l.wrong_length(bytes, tag, m.size());
     std::memcpy(data, m.data(), bytes);
-    s.completed.push_back(ticket);
+    s.completed.insert(ticket);
     return ticket;
   }
   if (s.header_got == kHeader && s.dest_ticket == 0 && s.tag == tag) {
@@ -423,42 +424,29 @@ uint64_t LinkSet::post(int peer, int32_t tag, void* data, size_t bytes) {
     s.dest = static_cast<char*>(data);
     s.dest_ticket = ticket;
   } else {
-    s.posted[tag].push_back({ticket, tag, static_cast<char*>(data), bytes});
+    s.posted[tag].push_back({ticket, static_cast<char*>(data), bytes});
   }
   l.pump();
   return ticket;
 }
 
-namespace {
-bool take(std::vector<uint64_t>& completed, uint64_t ticket) {
-  for (auto it = completed.begin(); it != completed.end(); ++it) {
-    if (*it == ticket) {
-      completed.erase(it);
-      return true;
-    }
-  }
-  return false;
-}
-}  // namespace
-
 bool LinkSet::received(int peer, uint64_t ticket) {
   pump_all();
-  const auto& c = link(peer).state_->completed;
-  return std::find(c.begin(), c.end(), ticket) != c.end();
+  return link(peer).state_->completed.count(ticket) != 0;
 }
 
 void LinkSet::wait_received(int peer, uint64_t ticket, const std::string& what) {
   SharedLink& l = link(peer);
   auto& c = l.state_->completed;
   wait(
-      peer, [&] { return std::find(c.begin(), c.end(), ticket) != c.end(); }, what);
-  take(c, ticket);
+      peer, [&] { return c.count(ticket) != 0; }, what);
+  c.erase(ticket);
 }
 
 void LinkSet::withdraw(int peer, uint64_t ticket) {
   SharedLink& l = link(peer);
   auto& s = *l.state_;
-  if (take(s.completed, ticket)) return;
+  if (s.completed.erase(ticket) != 0) return;
   for (auto& p : s.posted) {
     for (auto it = p.second.begin(); it != p.second.end(); ++it) {
       if (it->ticket == ticket) {

@@ -48,6 +48,7 @@ class SharedLink {
   bool pull();
   void start_message();
   void end_message();
+  void ring_peer();
   [[noreturn]] void wrong_length(size_t expected) const;  // of the message being read
   [[noreturn]] void wrong_length(size_t expected, int32_t tag, size_t length) const;
   std::string trouble(const std::string& what,

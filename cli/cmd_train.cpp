@@ -293,7 +293,7 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
                   "Pipelines: blocks per stage: auto or time (measured), size, or N,M,...")
       ->capture_default_str();
   cmd->add_option("--checkpoint-activations", a.checkpointing,
-                  "Pipeline: recompute activations in backward: never, except-last or always")
+                  "Pipeline, grid: recompute activations in backward: never, except-last or always")
       ->capture_default_str();
   cmd->add_option("--pipeline-stages", a.o.pipeline_stages, "Grid: ranks per pipeline")
       ->capture_default_str();

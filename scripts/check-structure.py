@@ -12,6 +12,11 @@ communication).
       Dist's backend or store (`.backend->`, `.store->`) in PATH (default: src/, cli/, zoo/,
       include/ and benchmarks/; the tests may reach behind Dist to test it). Comments and string literals do not count. Callers use Dist's methods.
 
+  check-structure.py zoo [PATH...]
+      The library does not depend on the zoo: no file in PATH (default: src/ and include/)
+      includes a zoo header (zoo_models.h, scaletrain_zoo.h, gpt.h, kernels/) or calls
+      make_model(), ModelOptions or zoo_task. Comments and string literals do not count.
+
 Prints one line per offence (path:line: what, and the fix) and exits 1 if there is any, 0 if
 none, 2 when it cannot check (no universal-ctags: install it, scripts/setup.sh does).
 """
@@ -144,6 +149,32 @@ def check_c10d(paths):
     return bad
 
 
+ZOO_INCLUDE = re.compile(r'#\s*include\s*"(?:zoo_models\.h|scaletrain_zoo\.h|gpt\.h|kernels/)')
+ZOO_USE = re.compile(r"\b(?:make_model|ModelOptions|zoo_task|TrainOptions)\b")
+
+
+def check_zoo(paths):
+    bad = 0
+    files = list(source_files(paths))
+    for f in files:
+        in_comment = False
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if ZOO_INCLUDE.search(line):
+                what = "includes a zoo header"
+            else:
+                code, in_comment = code_only(line, in_comment)
+                if not ZOO_USE.search(code):
+                    continue
+                what = "names the zoo"
+            print(f"{shown(f)}:{n}: the library {what}: {line.strip()}\n"
+                  "    the zoo (zoo/) builds on the library, never the other way round: take a "
+                  "scaletrain::Model or a TrainTask from the caller")
+            bad += 1
+    print(f"check-structure: {len(files)} files, {bad} use(s) of the zoo in the library",
+          file=sys.stderr)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="check", required=True)
@@ -152,9 +183,13 @@ def main():
     fn.add_argument("paths", nargs="*")
     cd = sub.add_parser("c10d", help="c10d used outside src/dist")
     cd.add_argument("paths", nargs="*")
+    zo = sub.add_parser("zoo", help="the library depending on the zoo")
+    zo.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.check == "functions":
         bad = check_functions(args.paths or [ROOT / "src", ROOT / "cli", ROOT / "zoo"], args.max_lines)
+    elif args.check == "zoo":
+        bad = check_zoo(args.paths or [ROOT / "src", ROOT / "include"])
     else:
         bad = check_c10d(
             args.paths or [ROOT / d for d in ("src", "cli", "zoo", "include", "benchmarks")])

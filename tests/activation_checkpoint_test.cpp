@@ -13,9 +13,9 @@
 #include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
-#include "scaletrain/models.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -15,7 +15,6 @@
 #include "scaletrain/data.h"
 #include "scaletrain/data_parallel.h"
 #include "scaletrain/ddp.h"
-#include "scaletrain/models.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/version.h"
@@ -24,6 +23,7 @@
 #include "support/subprocess.h"
 #include "support/tolerance.h"
 #include "support/zoo.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -11,8 +11,8 @@
 #include <torch/optim/sgd.h>
 
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "support/tolerance.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -10,10 +10,14 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/functional.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
 
+#include <array>
+#include <atomic>
 #include <mutex>
+#include <utility>
 
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
@@ -91,6 +95,7 @@ struct Case {
   PipelineSchedule schedule;
   int per_rank = 1;   // interleaved: stages per rank; stage k on rank k mod p
   bool deep = false;  // make_model(deep)
+  PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
 };
 
 // e.g. "1f1b_3stages_4chunks": the test's name, and its parameter in ctest's list.
@@ -98,7 +103,10 @@ std::string describe(const Case& c) {
   static const char* const schedules[] = {"gpipe", "1f1b", "interleaved", "zbh1"};
   return std::string(schedules[static_cast<int>(c.schedule)]) + "_" +
          std::to_string(c.cuts.size() - 1) + "stages_" + std::to_string(c.chunks) + "chunks" +
-         (c.deep ? "_deep" : "");
+         (c.deep ? "_deep" : "") +
+         (c.checkpoint == PipelineCheckpoint::kAlways       ? "_recomputed"
+          : c.checkpoint == PipelineCheckpoint::kExceptLast ? "_recomputedbutlast"
+                                                            : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
 std::string case_name(const ::testing::TestParamInfo<Case>& i) { return describe(i.param); }
@@ -120,6 +128,7 @@ TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
       o.chunks = c.chunks;
       o.schedule = c.schedule;
       o.shared_memory = shared_memory;
+      o.checkpoint = c.checkpoint;
       std::vector<torch::nn::Sequential> mine;  // stages rank, rank + p, ...
       for (int k = d.rank(); k < stages; k += p) {
         mine.push_back(slice(make_model(c.deep), c.cuts[static_cast<size_t>(k)],
@@ -152,23 +161,64 @@ TEST_P(DistPipelineTransparency, GradientsEqualTheWholeModel) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, DistPipelineTransparency,
-    ::testing::Values(Case{{0, 2, 5}, 1, PipelineSchedule::kGPipe},
-                      Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
-                      Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
-                      Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
-                      Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B},
-                      Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1},
-                      Case{{0, 1, 3, 5}, 5, PipelineSchedule::kZeroBubbleH1},
-                      // 2 ranks x 2 chunks; 3 and 1 micro-batches: not whole
-                      // rounds of 2, fill-drain over the chunks
-                      Case{{0, 1, 2, 3, 5}, 4, PipelineSchedule::kInterleaved1F1B, 2},
-                      Case{{0, 1, 2, 3, 5}, 8, PipelineSchedule::kInterleaved1F1B, 2},
-                      Case{{0, 1, 2, 3, 5}, 3, PipelineSchedule::kInterleaved1F1B, 2},
-                      Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2},
-                      // 3 ranks x 2 chunks: the ring's two directions differ
-                      Case{{0, 1, 2, 3, 4, 5, 7}, 6, PipelineSchedule::kInterleaved1F1B, 2, true},
-                      Case{{0, 1, 2, 3, 4, 5, 7}, 4, PipelineSchedule::kInterleaved1F1B, 2, true}),
+    ::testing::Values(
+        Case{{0, 2, 5}, 1, PipelineSchedule::kGPipe}, Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe},
+        Case{{0, 3, 5}, 3, PipelineSchedule::k1F1B},
+        Case{{0, 1, 3, 5}, 5, PipelineSchedule::kGPipe},
+        Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B},
+        Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1},
+        Case{{0, 1, 3, 5}, 5, PipelineSchedule::kZeroBubbleH1},
+        // 2 ranks x 2 chunks; 3 and 1 micro-batches: not whole
+        // rounds of 2, fill-drain over the chunks
+        Case{{0, 1, 2, 3, 5}, 4, PipelineSchedule::kInterleaved1F1B, 2},
+        Case{{0, 1, 2, 3, 5}, 8, PipelineSchedule::kInterleaved1F1B, 2},
+        Case{{0, 1, 2, 3, 5}, 3, PipelineSchedule::kInterleaved1F1B, 2},
+        Case{{0, 1, 2, 3, 5}, 1, PipelineSchedule::kInterleaved1F1B, 2},
+        // 3 ranks x 2 chunks: the ring's two directions differ
+        Case{{0, 1, 2, 3, 4, 5, 7}, 6, PipelineSchedule::kInterleaved1F1B, 2, true},
+        Case{{0, 1, 2, 3, 4, 5, 7}, 4, PipelineSchedule::kInterleaved1F1B, 2, true},
+        // Activation checkpointing: forwards keep their inputs only and run
+        // again in backward (I under zero bubble), whatever the schedule
+        Case{{0, 2, 5}, 4, PipelineSchedule::kGPipe, 1, false, PipelineCheckpoint::kAlways},
+        Case{{0, 1, 3, 5}, 4, PipelineSchedule::k1F1B, 1, false, PipelineCheckpoint::kExceptLast},
+        Case{{0, 2, 5}, 4, PipelineSchedule::kZeroBubbleH1, 1, false, PipelineCheckpoint::kAlways},
+        Case{{0, 1, 2, 3, 5},
+             4,
+             PipelineSchedule::kInterleaved1F1B,
+             2,
+             false,
+             PipelineCheckpoint::kAlways}),
     case_name);
+
+// Activation checkpointing across ranks is done, not only equal: a checkpointed micro-batch's
+// forward runs again in its backward (GPipe, 4 micro-batches: 4 forwards, 7 when all but the
+// last are checkpointed, 8 when all are).
+TEST(DistPipeline, CheckpointedMicroBatchesRunTheirForwardAgainInBackward) {
+  const Batch b = batch(8);
+  for (const auto& [policy, runs] :
+       {std::pair{PipelineCheckpoint::kNever, 4}, std::pair{PipelineCheckpoint::kExceptLast, 7},
+        std::pair{PipelineCheckpoint::kAlways, 8}}) {
+    std::array<std::atomic<int>, 2> forwards{};
+    auto errors = testing::run_ranks(2, [&, policy = policy](Dist& d) {
+      DistPipelineOptions o;
+      o.stage_ranks = {0, 1};
+      o.chunks = 4;
+      o.checkpoint = policy;
+      const auto r = static_cast<size_t>(d.rank());
+      auto stage = r == 0 ? slice(make_model(), 0, 2) : slice(make_model(), 2, 5);
+      auto& count = forwards[r];
+      stage->push_back("count", torch::nn::Functional([&count](const at::Tensor& x) {
+                         ++count;
+                         return x;
+                       }));
+      DistPipeline pipe(stage, o, d);
+      pipe.train_step(r == 0 ? b.x : at::Tensor(), r == 1 ? b.y : at::Tensor(), mse);
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(2));
+    EXPECT_EQ(forwards[0].load(), runs) << static_cast<int>(policy);
+    EXPECT_EQ(forwards[1].load(), runs) << static_cast<int>(policy);
+  }
+}
 
 // Interleaved forward (no grad) chunk by chunk across 2 ranks: the whole model's output.
 TEST(DistPipeline, InterleavedForwardEqualsTheWholeModel) {

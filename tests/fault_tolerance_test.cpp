@@ -25,12 +25,12 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/trainer.h"
 #include "support/net.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -14,13 +14,14 @@
 #include <string>
 #include <vector>
 
-#include "models/gpt.h"
+#include "gpt.h"
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

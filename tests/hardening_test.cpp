@@ -22,7 +22,6 @@
 #include "scaletrain/data.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/rng.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/zero.h"
@@ -31,6 +30,7 @@
 #include "support/subprocess.h"
 #include "train/atomic_file.h"
 #include "train/run_folder.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -9,8 +9,8 @@
 #include <torch/nn/modules/conv.h>
 
 #include "scaletrain/intra_op_threads.h"
-#include "scaletrain/models.h"
 #include "support/tolerance.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

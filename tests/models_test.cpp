@@ -1,4 +1,4 @@
-#include "scaletrain/models.h"
+#include "zoo_models.h"
 
 #include <gtest/gtest.h>
 #include <torch/nn/functional/pooling.h>

@@ -151,17 +151,5 @@ TEST(Schedule, DeadlockingOrderIsRefused) {
   EXPECT_THROW(gpipe_schedule(0, 3), UsageError);
 }
 
-TEST(Balance, HandSolvedCases) {
-  EXPECT_EQ(balance_by_cost({1, 1, 1, 1}, 2), (std::vector<int>{2, 2}));
-  EXPECT_EQ(balance_by_cost({4, 1, 1, 1, 1}, 2), (std::vector<int>{1, 4}));
-  // {1,2,3 | 4,5 | 6}: slowest 9; every other split has a stage of 10 or more.
-  EXPECT_EQ(balance_by_cost({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{3, 2, 1}));
-  // One stage per layer when stages == layers.
-  EXPECT_EQ(balance_by_cost({5, 1, 7}, 3), (std::vector<int>{1, 1, 1}));
-  // Ties: {1,1 | 1} and {1 | 1,1} are both 2; earlier stages fullest.
-  EXPECT_EQ(balance_by_cost({1, 1, 1}, 2), (std::vector<int>{2, 1}));
-  EXPECT_THROW(balance_by_cost({1, 2}, 3), UsageError);
-}
-
 }  // namespace
 }  // namespace scaletrain

@@ -49,6 +49,7 @@ struct Case {
   PipelineSchedule schedule = PipelineSchedule::kGPipe;
   int chunks = 0;
   double max_norm = 0;  // TrainerOptions::max_grad_norm
+  PipelineCheckpoint checkpointing = PipelineCheckpoint::kNever;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -105,6 +106,7 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
     o.schedule = c.schedule;
     o.chunks = c.chunks;
     o.max_grad_norm = c.max_norm;
+    o.checkpointing = c.checkpointing;
     o.epochs = kSteps;
     o.batch_size = kSamples;  // one step per epoch, over every sample
     o.workers = 0;
@@ -177,6 +179,31 @@ INSTANTIATE_TEST_SUITE_P(
              4},
         Case{"grid", Strategy::kGrid, 4, {}, PipelineSchedule::k1F1B, 3},
         Case{"grid_zb_h1", Strategy::kGrid, 2, {}, PipelineSchedule::kZeroBubbleH1, 4},
+        // Activation checkpointing: the forwards run again in backward, the steps are the same.
+        Case{"pipeline_recomputed",
+             Strategy::kPipeline,
+             1,
+             {"cpu", "cpu"},
+             PipelineSchedule::k1F1B,
+             4,
+             0,
+             PipelineCheckpoint::kAlways},
+        Case{"grid_recomputed",
+             Strategy::kGrid,
+             4,
+             {},
+             PipelineSchedule::k1F1B,
+             3,
+             0,
+             PipelineCheckpoint::kExceptLast},
+        Case{"grid_zb_h1_recomputed",
+             Strategy::kGrid,
+             2,
+             {},
+             PipelineSchedule::kZeroBubbleH1,
+             4,
+             0,
+             PipelineCheckpoint::kAlways},
         Case{"zero1", Strategy::kZero1, 2, {}}, Case{"zero2", Strategy::kZero2, 3, {}},
         Case{"fsdp", Strategy::kFsdp, 4, {}},
         // Clipping by the global norm, wherever each rank holds which part of the gradients.

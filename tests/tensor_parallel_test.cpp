@@ -29,16 +29,16 @@
 #include <set>
 #include <string>
 
-#include "models/gpt.h"
+#include "gpt.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
-#include "scaletrain/models.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
 #include "support/ranks.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -19,6 +19,7 @@
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
 #include "support/temp_dir.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -16,9 +16,9 @@
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -17,11 +17,11 @@
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/tokens.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "train/strategy.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

@@ -13,10 +13,10 @@
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "support/subprocess.h"
 #include "support/tolerance.h"
 #include "support/zoo.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 namespace {

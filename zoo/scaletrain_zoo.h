@@ -8,6 +8,7 @@
 #include <string>
 
 #include "scaletrain/trainer.h"
+#include "zoo_models.h"
 
 namespace scaletrain {
 

@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "models/gpt.h"
+#include "gpt.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/image_folder.h"

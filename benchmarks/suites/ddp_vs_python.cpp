@@ -23,9 +23,9 @@
 #include "scaletrain/data.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/sampler.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

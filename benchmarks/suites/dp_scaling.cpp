@@ -16,10 +16,10 @@
 #include "scaletrain/data.h"
 #include "scaletrain/data_parallel.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/sampler.h"
 #include "scaletrain/version.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

@@ -11,10 +11,10 @@
 
 #include <chrono>
 
-#include "scaletrain/models.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/version.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "kernels/ops.h"
-#include "scaletrain/models.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

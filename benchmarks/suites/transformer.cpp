@@ -30,14 +30,14 @@
 #include <fstream>
 #include <map>
 
-#include "models/gpt.h"
+#include "gpt.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
-#include "scaletrain/models.h"
 #include "scaletrain/zero.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "counting_allocator.h"
+#include "gpt.h"
 #include "launch/net.h"
-#include "models/gpt.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "suites_internal.h"

@@ -21,9 +21,9 @@
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
-#include "scaletrain/models.h"
 #include "scaletrain/zero.h"
 #include "suites_internal.h"
+#include "zoo_models.h"
 
 namespace scaletrain::bench {
 namespace {

@@ -18,7 +18,7 @@
 //   });
 //   scaletrain::check_chain(*net, chain, sample);   // the same tensors and the same function
 //
-// The zoo's models come as chains already (as_sequential() in models.h).
+// A Model with a block form gives its chain through as_sequential() (model.h).
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>

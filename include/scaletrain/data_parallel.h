@@ -61,8 +61,8 @@ class DataParallel {
   /// Replicas already built, one per device, the first being the primary: the others take its
   /// parameters and buffers. Throws UsageError when their parameters differ in count or shape.
   DataParallel(std::vector<Replica> replicas, std::vector<at::Device> devices);
-  /// Every replica from a factory, the first being the primary (the zoo's block chains).
-  ///   DataParallel dp([] { return as_sequential(make_model("resnet18")); }, devices);
+  /// Every replica from a factory, the first being the primary (a model as a block chain).
+  ///   DataParallel dp([] { return as_sequential(make_net()); }, devices);
   DataParallel(const std::function<torch::nn::Sequential()>& make, std::vector<at::Device> devices);
 
   /// Outputs of the whole batch, scattered over the replicas and gathered on devices[0].

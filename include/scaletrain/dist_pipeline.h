@@ -59,6 +59,9 @@ struct DistPipelineOptions {
   /// group's backend. Stages on other machines, and device tensors, always use the backend.
   /// Every rank passes the same value.
   bool shared_memory = true;
+  /// Activation checkpointing, as Pipeline's: a checkpointed micro-batch keeps only its input
+  /// through forward and runs its forward again in backward. Every rank passes the same value.
+  PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
 };
 
 class DistPipeline {
@@ -116,8 +119,6 @@ class DistPipeline {
     std::vector<int64_t> shape;  // dtype, then sizes
   };
   std::vector<Expected> expected_receives(const std::vector<PipeTask>& order) const;
-  void backward(Transfers& io, int microbatch, int chunk, bool averages, const at::Tensor& input,
-                const at::Tensor& output, const at::Tensor& loss, const at::Tensor& output_grad);
   bool first_of_model(int chunk) const;
   bool last_of_model(int chunk) const;
   int previous_rank() const;

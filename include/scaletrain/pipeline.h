@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "scaletrain/placement.h"
+#include "scaletrain/balance.h"
 #include "scaletrain/schedule.h"
 
 namespace scaletrain {
@@ -92,34 +92,6 @@ class Pipeline {
   PipelineOptions options_;
   std::unique_ptr<DeviceThreads> threads_;
 };
-
-/// One layer's measured cost, as balance_by_time() uses it.
-struct LayerProfile {
-  double seconds = 0;            // forward + backward, the fastest of the repeats
-  int64_t activation_bytes = 0;  // the layer's output for the sample
-  int64_t parameter_bytes = 0;   // its parameters and buffers
-};
-
-/// Runs `sample` through the layers `repeats` times (after one warm-up), each layer on a graph
-/// of its own so that its forward and its backward are timed alone. Leaves no gradients.
-std::vector<LayerProfile> profile_layers(const torch::nn::Sequential& model,
-                                         const at::Tensor& sample, int repeats = 3);
-
-/// The contiguous balance that minimises the slowest stage (schedule.h's balance_by_cost), with
-/// the profiled forward+backward time of each layer as its cost (torchgpipe's balance_by_time).
-std::vector<int> balance_by_time(const torch::nn::Sequential& model, const at::Tensor& sample,
-                                 int stages, int repeats = 3);
-/// The same with each layer's parameter bytes as its cost.
-std::vector<int> balance_by_size(const torch::nn::Sequential& model, int stages);
-
-/// device_map="auto" for a Sequential (seed 001): each layer's parameter and buffer bytes are
-/// placed by place_layers() (placement.h) — GPUs first, each filled to its budget, then the
-/// CPU — and returned as PipelineOptions (balance and devices; chunks and schedule at their
-/// defaults). `report`, when given, receives one line per stage: its device, layers, bytes and
-/// parameter count.
-PipelineOptions place_by_memory(const torch::nn::Sequential& model,
-                                const std::vector<DeviceBudget>& budgets,
-                                std::string* report = nullptr);
 
 /// Splits a batch into `chunks` micro-batches along dimension 0 (sizes differ by at most one,
 /// larger first, as torch.chunk does not guarantee); fewer when the batch is smaller.

@@ -7,7 +7,7 @@
 //   1. Each rank draws its own stream: seed rank r with rank_seed(seed, r) after the model is
 //      built (the weights come from rank 0 anyway), so ranks do not draw the same dropout masks.
 //      Except within a tensor-parallel group, whose ranks must draw the same masks (a split
-//      model's dropout, Note [Coordinated dropout] in src/models/gpt.cpp): they share one stream,
+//      model's dropout, Note [Coordinated dropout] in zoo/gpt.cpp): they share one stream,
 //      e.g. rank_seed(seed, rank / tp) where groups are consecutive ranks (the trainer's).
 //   2. A checkpoint holds every rank's generators, not rank 0's alone: only rank 0 writes the
 //      file, so the states travel to it first (gather_rng_states(), collective), and each rank

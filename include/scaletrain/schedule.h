@@ -90,10 +90,4 @@ int peak_in_flight(const ScheduleTable& table, int device);
 /// per tick; with chunks, each task's chunk after a dot ("F3.1").
 std::string draw(const ScheduleTable& table);
 
-/// Contiguous partition of layers into `stages` minimising the most expensive stage (costs:
-/// measured time, or parameter sizes). Returns layers per stage, each at least 1. Among equally
-/// good partitions, the one whose earlier stages are fullest. Throws UsageError when there are
-/// fewer layers than stages.
-std::vector<int> balance_by_cost(const std::vector<double>& costs, int stages);
-
 }  // namespace scaletrain

@@ -51,7 +51,7 @@
 #include "scaletrain/dist.h"
 #include "scaletrain/fault_tolerance.h"
 #include "scaletrain/loader.h"
-#include "scaletrain/models.h"
+#include "scaletrain/model.h"
 #include "scaletrain/module_call.h"
 #include "scaletrain/pipeline.h"
 

@@ -1,7 +1,7 @@
 #include "scaletrain/dist_pipeline.h"
 
 #include "dist/p2p.h"
-#include "pipeline/split_backward.h"
+#include "pipeline/stage_runner.h"
 #include "pipeline/transfers.h"
 
 #include <ATen/ATen.h>
@@ -253,69 +253,46 @@ std::vector<PipeTask> DistPipeline::my_tasks(int m) const {
   return order;
 }
 
-// One training step on this stage: the micro-batches, their tensors per (micro-batch, chunk) at
-// index i·v + c, and the transfers; run() does one task of the stage's column of the schedule.
-class DistPipeline::Step {
+// One training step on this stage: the micro-batches, the transfers, and a StageRunner over the
+// rank's chunks (Note [Pipeline runner] in stage_runner.h) whose link they are: the runner's
+// tasks receive and send through them.
+class DistPipeline::Step : public StageLink {
  public:
   Step(DistPipeline& pipe, const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn)
-      : p_(pipe), loss_fn_(loss_fn), io_(pipe.p2p(), pipe.options_.device) {
-    first_ = p_.stage_ == 0;
-    last_ = p_.stage_ == p_.num_stages() - 1;
-    xs_ = first_ ? p_.split(input, "input") : std::vector<at::Tensor>{};
+      : p_(pipe), io_(pipe.p2p(), pipe.options_.device) {
+    const bool first = p_.stage_ == 0, last = p_.stage_ == p_.num_stages() - 1;
+    if (first) step_.inputs = p_.split(input, "input");
     agreed_ = p_.agree_microbatches(input);
-    const auto m = static_cast<size_t>(agreed_.count);
     // Note [Shapes once]: the same batch shape as the last step's sends no shapes, and receives
     // are posted ahead (Gloo matches them by tag; NCCL's, in issue order on one stream, would
     // wait for a receive posted before the send it depends on).
     const bool post_ahead = agreed_.reuse && p_.dist_.backend_name != "nccl";
     p_.shapes_valid_ = false;
-    ys_ = last_ ? p_.split(target, "target") : std::vector<at::Tensor>{};
-    if (last_ && ys_.size() != m) {
+    if (last) step_.targets = p_.split(target, "target");
+    if (last && step_.targets.size() != static_cast<size_t>(agreed_.count)) {
       throw UsageError("rank " + std::to_string(p_.dist_.rank()) +
                        " (last stage): the batch's target has " + std::to_string(target.size(0)) +
-                       " samples, the input " + std::to_string(m) +
+                       " samples, the input " + std::to_string(agreed_.count) +
                        " micro-batches' worth: give both stages the same batch");
     }
-    total_ = last_ ? static_cast<double>(target.size(0)) : 0;
+    step_.total = last ? static_cast<double>(target.size(0)) : 0;
+    step_.microbatches = agreed_.count;
     order_ = p_.my_tasks(agreed_.count);
     for (const auto& t : order_) {
       if (!t.forward()) last_backward_ = t.microbatch;
     }
-    v_ = static_cast<size_t>(p_.num_chunks());
-    inputs_.resize(m * v_);
-    outputs_.resize(m * v_);
-    losses_.resize(m);
-    // Zero bubble H1 (one chunk): the backward split into I and W (Note [Split backward]).
-    split_ = p_.options_.schedule == PipelineSchedule::kZeroBubbleH1;
-    if (split_) halves_.emplace(p_.stage_module_);
-    graphs_.resize(m);
+    std::vector<StageRunner::Chunk> chunks;
+    for (int c = 0; c < p_.num_chunks(); ++c) {
+      chunks.push_back(
+          {p_.chunks_[static_cast<size_t>(c)], p_.first_of_model(c), p_.last_of_model(c)});
+    }
+    runner_.emplace(std::move(chunks), p_.options_.device, p_.options_.schedule,
+                    p_.options_.checkpoint, *this, loss_fn, step_, around_backward());
     if (post_ahead) io_.expect(p_.expected_receives(order_));
   }
 
   const std::vector<PipeTask>& order() const { return order_; }
-
-  void run(const PipeTask& t) {
-    const int i = t.microbatch, c = t.chunk;
-    const auto ui = static_cast<size_t>(i);
-    const size_t k = ui * v_ + static_cast<size_t>(c);
-    if (t.forward()) {
-      forward(i, c, k);
-    } else if (t.pass == Pass::kInputGrad) {
-      at::Tensor grad =
-          p_.last_of_model(c) ? at::ones_like(losses_[ui]) : receive_gradient(i, c, outputs_[k]);
-      at::Tensor input_grad = halves_->input_gradient(graphs_[ui], grad);
-      if (!p_.first_of_model(c)) {
-        io_.send(input_grad, p_.previous_rank(), gradient_tag(p_.input_id(i, c)));
-      }
-      outputs_[k] = inputs_[k] = at::Tensor();
-    } else if (t.pass == Pass::kWeightGrad) {
-      halves_->weight_gradient(graphs_[ui]);
-    } else {
-      p_.backward(io_, i, c, i == last_backward_, inputs_[k], outputs_[k], losses_[ui],
-                  p_.last_of_model(c) ? at::Tensor() : receive_gradient(i, c, outputs_[k]));
-      outputs_[k] = inputs_[k] = at::Tensor();
-    }
-  }
+  void run(const PipeTask& t) { runner_->run(t); }
 
   // After the last task: the sends are done, the shapes recorded; the loss on the last stage.
   at::Tensor finish() {
@@ -325,56 +302,51 @@ class DistPipeline::Step {
     p_.shaped_count_ = agreed_.count;
     p_.shaped_key_ = agreed_.key;
     p_.shapes_valid_ = true;
-    if (!last_) return {};
-    at::Tensor sum = losses_[0].detach().cpu();
-    for (size_t i = 1; i < losses_.size(); ++i) sum = sum + losses_[i].detach().cpu();
-    return sum;
+    return runner_->loss();
   }
 
- private:
-  void forward(int i, int c, size_t k) {
-    const auto ui = static_cast<size_t>(i);
-    const auto& device = p_.options_.device;
-    inputs_[k] = p_.first_of_model(c)
-                     ? xs_[ui].to(device)
-                     : io_.recv_activation(p_.previous_rank(), p_.input_id(i, c), p_.which(i, c),
-                                           &p_.received_shapes_, agreed_.reuse)
-                           .requires_grad_(true);
-    outputs_[k] = split_ ? halves_->forward(inputs_[k], graphs_[ui])
-                         : p_.chunks_[static_cast<size_t>(c)]->forward(inputs_[k]);
-    if (p_.last_of_model(c)) {
-      const double share = static_cast<double>(ys_[ui].size(0)) / total_;
-      losses_[ui] = loss_fn_(outputs_[k], ys_[ui].to(device)) * share;
-      if (split_) graphs_[ui].back().out = losses_[ui];
-    } else {
-      io_.send_activation(outputs_[k], p_.next_rank(), p_.output_id(i, c), &p_.sent_shapes_,
-                          agreed_.reuse);
-    }
+  at::Tensor input(int i, int c) override {
+    return io_.recv_activation(p_.previous_rank(), p_.input_id(i, c), p_.which(i, c),
+                               &p_.received_shapes_, agreed_.reuse);
   }
-
-  // The gradient of output k (micro-batch i, chunk c), from the next stage.
-  at::Tensor receive_gradient(int i, int c, const at::Tensor& output) {
+  void output(int i, int c, const at::Tensor& out) override {
+    io_.send_activation(out, p_.next_rank(), p_.output_id(i, c), &p_.sent_shapes_, agreed_.reuse);
+  }
+  at::Tensor output_grad(int i, int c, const at::Tensor& out) override {
     const int tag = gradient_tag(p_.output_id(i, c));
     if (auto g = io_.posted(tag, "gradient of " + p_.which(i, c))) return *g;
-    at::Tensor grad = gradient_buffer(output);
+    at::Tensor grad = gradient_buffer(out);
     io_.recv(grad, p_.next_rank(), tag, "gradient of " + p_.which(i, c));
     return grad;
   }
+  void input_grad(int i, int c, const at::Tensor& grad) override {
+    io_.send(grad, p_.previous_rank(), gradient_tag(p_.input_id(i, c)));
+  }
+
+ private:
+  // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates locally;
+  // the last is announced to DDP just before it runs, so it averages the sum.
+  StageRunner::AroundBackward around_backward() {
+    DistributedDataParallel* ddp = p_.options_.ddp;
+    if (ddp == nullptr) return nullptr;
+    return [this, ddp](int i, int, const at::Tensor& output, const std::function<void()>& run) {
+      if (i == last_backward_) {
+        ddp->prepare_for_backward({output});
+        run();
+      } else {
+        DistributedDataParallel::NoSync local(*ddp);
+        run();
+      }
+    };
+  }
 
   DistPipeline& p_;
-  const LossFn& loss_fn_;
   Transfers io_;
-  bool first_ = false, last_ = false;
-  std::vector<at::Tensor> xs_, ys_;
+  StageStep step_;
   Agreed agreed_;
-  double total_ = 0;
   std::vector<PipeTask> order_;
   int last_backward_ = -1;  // the micro-batch whose backward averages gradients (grids)
-  size_t v_ = 1;
-  std::vector<at::Tensor> inputs_, outputs_, losses_;
-  bool split_ = false;
-  std::optional<SplitStage> halves_;
-  std::vector<SplitStage::Graphs> graphs_;
+  std::optional<StageRunner> runner_;
 };
 
 at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& target,
@@ -382,29 +354,6 @@ at::Tensor DistPipeline::train_step(const at::Tensor& input, const at::Tensor& t
   Step step(*this, input, target, loss_fn);
   for (const auto& t : step.order()) step.run(t);
   return step.finish();
-}
-
-void DistPipeline::backward(Transfers& io, int microbatch, int chunk, bool averages,
-                            const at::Tensor& input, const at::Tensor& output,
-                            const at::Tensor& loss, const at::Tensor& output_grad) {
-  // Grids (Note [Pipeline and DDP]): every backward but the stage's last accumulates locally;
-  // the last is announced to DDP just before it runs, so it averages the sum.
-  std::optional<DistributedDataParallel::NoSync> local;
-  if (options_.ddp != nullptr) {
-    if (averages) {
-      options_.ddp->prepare_for_backward({output});
-    } else {
-      local.emplace(*options_.ddp);
-    }
-  }
-  if (last_of_model(chunk)) {
-    loss.backward();
-  } else {
-    output.backward(output_grad);
-  }
-  if (!first_of_model(chunk)) {
-    io.send(input.grad(), previous_rank(), gradient_tag(input_id(microbatch, chunk)));
-  }
 }
 
 at::Tensor DistPipeline::forward(const at::Tensor& input) {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "scaletrain/dist.h"
-#include "scaletrain/models.h"
+#include "scaletrain/model.h"
 
 namespace scaletrain {
 

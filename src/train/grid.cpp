@@ -96,6 +96,7 @@ class GridStrategy : public TrainStrategy {
     po.schedule = o.schedule;
     po.device = dev_;
     po.ddp = ddp_.get();
+    po.checkpoint = o.checkpointing;
     pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
                   : std::make_unique<DistPipeline>(stage_module_, po, d);
   }

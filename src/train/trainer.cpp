@@ -259,7 +259,7 @@ void Run::epoch(int64_t e) {
 }
 
 // This rank's random stream: its own, but one per tensor-parallel group, whose ranks draw the
-// same dropout masks (Note [Coordinated dropout] in src/models/gpt.cpp; the grid's and the
+// same dropout masks (Note [Coordinated dropout] in zoo/gpt.cpp; the grid's and the
 // tensor-parallel strategy's groups are consecutive ranks). Under fault tolerance rank k of every
 // replica is rank k of its own world: the replica's id keeps their streams apart.
 int Run::stream() const {

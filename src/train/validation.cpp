@@ -207,10 +207,8 @@ void validate_grid(const TrainerOptions& o, const Family& f, int world) {
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }
-  if (o.split_size > 0 || o.checkpointing != PipelineCheckpoint::kNever) {
-    refuse(
-        "--split-size and --checkpoint-activations are for --strategy pipeline; a grid's "
-        "stages take --chunks");
+  if (o.split_size > 0) {
+    refuse("--split-size is for --strategy pipeline; a grid's stages take --chunks");
   }
 }
 

@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
-#include "scaletrain/models.h"
 #include "support/tolerance.h"
+#include "zoo_models.h"
 
 namespace scaletrain::testing {
 

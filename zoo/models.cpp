@@ -1,4 +1,4 @@
-#include "scaletrain/models.h"
+#include "zoo_models.h"
 
 #include <torch/nn/functional/pooling.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -7,8 +7,8 @@
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
+#include "gpt.h"
 #include "kernels/ops.h"
-#include "models/gpt.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
 
@@ -325,27 +325,6 @@ Model make_model(const std::string& name, const ModelOptions& o) {
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("unknown model '" + name + "'; the models are: " + known);
-}
-
-torch::nn::Sequential as_sequential(const Model& model) {
-  if (!model.blocks) throw UsageError("model '" + model.name + "' has no block form");
-  return model.blocks();
-}
-
-void to_channels_last(torch::nn::Module& module) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : module.parameters()) {
-    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-  }
-  for (auto& b : module.buffers()) {
-    if (b.dim() == 4) b.set_data(b.contiguous(at::MemoryFormat::ChannelsLast));
-  }
-}
-
-int64_t parameter_count(const torch::nn::Module& module) {
-  int64_t n = 0;
-  for (auto& p : module.parameters()) n += p.numel();
-  return n;
 }
 
 }  // namespace scaletrain

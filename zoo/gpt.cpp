@@ -1,4 +1,4 @@
-#include "models/gpt.h"
+#include "gpt.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>

@@ -1,7 +1,8 @@
-#include "scaletrain/placement.h"
+#include "scaletrain/balance.h"
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 
 #include "scaletrain/error.h"
 
@@ -76,6 +77,48 @@ std::string Placement::report() const {
     first = last + 1;
   }
   return out;
+}
+
+std::vector<int> balance_by_cost(const std::vector<double>& costs, int stages) {
+  const int n = static_cast<int>(costs.size());
+  if (stages < 1 || n < stages) {
+    throw UsageError("cannot split " + std::to_string(n) + " layers into " +
+                     std::to_string(stages) + " stages: every stage needs at least one layer");
+  }
+  std::vector<double> prefix(static_cast<size_t>(n) + 1, 0);
+  for (int i = 0; i < n; ++i)
+    prefix[static_cast<size_t>(i) + 1] =
+        prefix[static_cast<size_t>(i)] + costs[static_cast<size_t>(i)];
+  auto sum = [&](int a, int b) {
+    return prefix[static_cast<size_t>(b)] - prefix[static_cast<size_t>(a)];
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the smallest possible slowest stage when the first i layers form k stages;
+  // cut[k][i]: where the k-th stage starts in that partition (the latest such start, which
+  // keeps earlier stages fullest).
+  std::vector<std::vector<double>> best(static_cast<size_t>(stages) + 1,
+                                        std::vector<double>(static_cast<size_t>(n) + 1, inf));
+  std::vector<std::vector<int>> cut(static_cast<size_t>(stages) + 1,
+                                    std::vector<int>(static_cast<size_t>(n) + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int i = k; i <= n; ++i) {
+      for (int j = k - 1; j < i; ++j) {
+        double v = std::max(best[static_cast<size_t>(k) - 1][static_cast<size_t>(j)], sum(j, i));
+        if (v <= best[static_cast<size_t>(k)][static_cast<size_t>(i)]) {
+          best[static_cast<size_t>(k)][static_cast<size_t>(i)] = v;
+          cut[static_cast<size_t>(k)][static_cast<size_t>(i)] = j;
+        }
+      }
+    }
+  }
+  std::vector<int> sizes(static_cast<size_t>(stages));
+  for (int k = stages, i = n; k > 0; --k) {
+    int j = cut[static_cast<size_t>(k)][static_cast<size_t>(i)];
+    sizes[static_cast<size_t>(k) - 1] = i - j;
+    i = j;
+  }
+  return sizes;
 }
 
 }  // namespace scaletrain

@@ -1,6 +1,7 @@
-// device_map="auto"-style placement, against cases solved by hand.
+// Balancing (balance.h): device_map="auto"-style placement and the cost split, against cases
+// solved by hand.
 
-#include "scaletrain/placement.h"
+#include "scaletrain/balance.h"
 
 #include <gtest/gtest.h>
 
@@ -53,6 +54,18 @@ TEST(Placement, ReportShowsSizes) {
   auto p =
       place_layers({3 << 20, int64_t{3} << 30}, {{"cuda:0", 4 << 20}, {"cpu", int64_t{8} << 30}});
   EXPECT_EQ(p.report(), "cuda:0: layer 0, 3.0 MiB\ncpu: layer 1, 3.0 GiB\n");
+}
+
+TEST(Balance, HandSolvedCases) {
+  EXPECT_EQ(balance_by_cost({1, 1, 1, 1}, 2), (std::vector<int>{2, 2}));
+  EXPECT_EQ(balance_by_cost({4, 1, 1, 1, 1}, 2), (std::vector<int>{1, 4}));
+  // {1,2,3 | 4,5 | 6}: slowest 9; every other split has a stage of 10 or more.
+  EXPECT_EQ(balance_by_cost({1, 2, 3, 4, 5, 6}, 3), (std::vector<int>{3, 2, 1}));
+  // One stage per layer when stages == layers.
+  EXPECT_EQ(balance_by_cost({5, 1, 7}, 3), (std::vector<int>{1, 1, 1}));
+  // Ties: {1,1 | 1} and {1 | 1,1} are both 2; earlier stages fullest.
+  EXPECT_EQ(balance_by_cost({1, 1, 1}, 2), (std::vector<int>{2, 1}));
+  EXPECT_THROW(balance_by_cost({1, 2}, 3), UsageError);
 }
 
 }  // namespace

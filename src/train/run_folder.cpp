@@ -34,12 +34,15 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -177,6 +180,50 @@ std::optional<std::string> FolderLock::holder(const std::string& dir) {
   return describe_holder(dir);
 }
 
+std::string tensor_slice_dir(const std::string& dir, int tp, int slice) {
+  return (fs::path(dir) / ("tp" + std::to_string(tp) + "-" + std::to_string(slice))).string();
+}
+
+namespace {
+// "tp<T>-<t>" with 0 <= t < T: a slice's folder (Note [Sharded checkpoints per slice]).
+std::optional<std::pair<int, int>> slice_of_folder(const std::string& name) {
+  int tp = 0, slice = 0;
+  char tail = 0;
+  if (std::sscanf(name.c_str(), "tp%d-%d%c", &tp, &slice, &tail) != 2) return std::nullopt;
+  if (tp < 2 || slice < 0 || slice >= tp ||
+      name != "tp" + std::to_string(tp) + "-" + std::to_string(slice)) {
+    return std::nullopt;
+  }
+  return std::pair{tp, slice};
+}
+}  // namespace
+
+std::optional<ShardedFound> newest_sharded(const std::string& dir) {
+  std::optional<ShardedFound> best;
+  if (auto own = newest_sharded_checkpoint(dir)) best = ShardedFound{*own, 1};
+  std::map<int, std::map<int, std::optional<int64_t>>> slices;  // degree -> slice -> newest
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    const auto slice = slice_of_folder(e.path().filename().string());
+    if (slice && e.is_directory(ec)) {
+      slices[slice->first][slice->second] = newest_sharded_checkpoint(e.path().string());
+    }
+  }
+  for (const auto& [tp, newest] : slices) {
+    if (static_cast<int>(newest.size()) != tp) continue;  // a slice's folder is missing
+    std::optional<int64_t> common;                        // the newest step every slice has
+    for (const auto& [slice, step] : newest) {
+      if (!step) {
+        common.reset();
+        break;
+      }
+      common = common ? std::min(*common, *step) : *step;
+    }
+    if (common && (!best || *common > best->step)) best = ShardedFound{*common, tp};
+  }
+  return best;
+}
+
 std::vector<fs::path> run_files(const std::string& dir) {
   std::vector<fs::path> out;
   std::error_code ec;
@@ -185,7 +232,8 @@ std::vector<fs::path> run_files(const std::string& dir) {
     const std::string name = e.path().filename().string();
     const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
     const bool ckpt = name.rfind("ckpt-", 0) == 0 && (e.path().extension() == ".st" || tmp);
-    const bool shards = e.is_directory(ec) && name.rfind("world-", 0) == 0;  // sharded ones
+    const bool shards = e.is_directory(ec) && (name.rfind("world-", 0) == 0 ||  // sharded ones
+                                               slice_of_folder(name).has_value());
     if (ckpt || shards || name == "metrics.jsonl" || name == "model.pt" || name == "run.json" ||
         (tmp && name.rfind("model.pt.", 0) == 0) || name.rfind("events.out.tfevents.", 0) == 0) {
       out.push_back(e.path());
@@ -200,10 +248,11 @@ RunStart plan_run_start(const TrainerOptions& o) {
   if (o.resume == "auto" && !o.overwrite) {
     s.resume_from = newest_valid_checkpoint(o.out_dir);
     // The newer of the one-file and the sharded checkpoints (a run may change its format).
-    const auto sharded = newest_sharded_checkpoint(o.out_dir);
-    if (sharded && (!s.resume_from || *sharded > step_of(*s.resume_from))) {
+    const auto sharded = newest_sharded(o.out_dir);
+    if (sharded && (!s.resume_from || sharded->step > step_of(*s.resume_from))) {
       s.resume_from.reset();
-      s.resume_sharded = sharded;
+      s.resume_sharded = sharded->step;
+      s.resume_sharded_tp = sharded->tp;
       return s;
     }
   } else if (o.resume != "auto" && o.resume != "none") {
@@ -231,8 +280,8 @@ RunStart plan_run_start(const TrainerOptions& o) {
       return s;
     }
   }
-  const bool resumable = newest_valid_checkpoint(o.out_dir).has_value() ||
-                         newest_sharded_checkpoint(o.out_dir).has_value();
+  const bool resumable =
+      newest_valid_checkpoint(o.out_dir).has_value() || newest_sharded(o.out_dir).has_value();
   throw UsageError("the output folder '" + o.out_dir + "' holds another run (" + listing(files) +
                    (resumable ? "); continue it with --resume auto, choose another --out, or give "
                                 "--overwrite to delete those files first"

@@ -35,10 +35,24 @@ class FolderLock {
 struct RunStart {
   std::optional<std::string> resume_from;  // the checkpoint to load, if any
   std::optional<int64_t> resume_sharded;   // or: the step of the sharded one in out_dir
+  int resume_sharded_tp = 1;               // the tensor-parallel degree it was saved at
   std::string run_id;                      // a fresh run's id ("" when resuming: the checkpoint's)
   std::vector<std::filesystem::path> stale;  // files to delete first (--overwrite, or an
                                              // earlier attempt's metrics)
 };
+
+/// Note [Sharded checkpoints per slice]: under tensor parallelism each slice t of T keeps its
+/// sharded checkpoints (ZeRO's dir/world-<N>/rank-<r>/, N the data-parallel replicas) in
+/// dir/tp<T>-<t>/, so that the slices' shards of one parameter never meet.
+std::string tensor_slice_dir(const std::string& dir, int tp, int slice);
+
+/// The newest sharded checkpoint in `dir` — ZeRO's own, or one whose every slice is complete —
+/// and the tensor-parallel degree it was saved at (1 for ZeRO's own); nullopt when none.
+struct ShardedFound {
+  int64_t step = 0;
+  int tp = 1;
+};
+std::optional<ShardedFound> newest_sharded(const std::string& dir);
 
 /// The files a training run writes in `dir`: checkpoints (and their temporaries; the sharded
 /// ones' world-<N> folders), metrics.jsonl,

@@ -34,6 +34,7 @@
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
+#include "train/run_folder.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -193,6 +194,23 @@ class TensorParallelStrategy : public TrainStrategy {
     return true;
   }
 
+  // Note [Sharded checkpoints per slice] in run_folder.h: each tensor-parallel slice's ZeRO
+  // group writes and reads its own folder, resharding over the data-parallel replicas.
+  std::string save_sharded(const std::string& dir, const TrainingState& state,
+                           const torch::optim::Optimizer& opt, int keep,
+                           AsyncCheckpointer* writer) override {
+    if (!zero_) return TrainStrategy::save_sharded(dir, state, opt, keep, writer);
+    return zero_->save(slice_dir(dir), state, opt, keep, writer);
+  }
+  TrainingState load_sharded(const std::string& dir, int64_t step,
+                             torch::optim::Optimizer& opt) override {
+    if (!zero_) return TrainStrategy::load_sharded(dir, step, opt);
+    return zero_->load(slice_dir(dir), step, opt, /*reshard=*/true);
+  }
+  bool weights_finite() override {  // one verdict for every rank, nothing gathered
+    return on_every_rank(dist_, all_finite(parameters()), dev_);
+  }
+
   std::vector<DeviceReport> devices() const override {  // ZeRO: the shards the rank holds
     int64_t n = 0;
     for (const auto& p : zero_ ? zero_->parameters() : split_.module->parameters()) n += p.numel();
@@ -259,6 +277,9 @@ class TensorParallelStrategy : public TrainStrategy {
   }
 
   const Dist& tp() const { return groups_.at("tp"); }
+  std::string slice_dir(const std::string& dir) const {
+    return tensor_slice_dir(dir, mesh_.size("tp"), tp().rank());
+  }
   at::Device collective() const {
     return dist_.backend_name == "nccl" ? dev_ : at::Device(at::kCPU);
   }
@@ -305,11 +326,6 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
                      " goes with --strategy ddp, zero1, zero2, fsdp or grid (" +
                      to_string(o.strategy) + " does not split layers yet)");
-  }
-  if (zero && o.checkpoint_format == CheckpointFormat::kSharded) {
-    throw UsageError(
-        "--tp with --checkpoint-format sharded is not supported yet: the one-file "
-        "checkpoint (full) holds the whole model at any degree");
   }
   if (world % o.tensor_parallel != 0) {
     throw UsageError("--tp " + std::to_string(o.tensor_parallel) +

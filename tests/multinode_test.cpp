@@ -246,9 +246,11 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
 }
 
 // An elastic job whose node b is cut off (tests/scripts/elastic_link_down.sh: its link goes down
-// for good, --node-timeout 4): the rendezvous counts b as gone once it has been silent 4 s, and
-// the job goes on at world 1 and ends; b's launcher, hearing nothing from the host as long, stops
-// its workers and exits 1, saying why. Nothing is left on either host.
+// for good, --node-timeout 4, --rdzv-timeout 15): the rendezvous counts b as gone once it has
+// been silent 4 s, and the job goes on at world 1 and ends; b's launcher, hearing nothing from
+// the host as long, stops its workers, tries to reach the host again for --rdzv-timeout (Note
+// [Cut-off node] in src/launch/elastic.cpp) and exits 1, saying why. Nothing is left on either
+// host.
 TEST(MultiNode, ElasticNodeCutOffIsLeftOutAfterTheNodeTimeoutAndTheJobEndsWithoutIt) {
   const auto out = std::filesystem::temp_directory_path() /
                    ("scaletrain_elastic_cut_" + std::to_string(getpid()));
@@ -269,6 +271,37 @@ TEST(MultiNode, ElasticNodeCutOffIsLeftOutAfterTheNodeTimeoutAndTheJobEndsWithou
   EXPECT_EQ(worlds_of(host_a), (std::vector<int>{2, 1})) << r.output;
   EXPECT_TRUE(contains(host_a, "resumed from")) << r.output;
   EXPECT_TRUE(contains(host_b, "no word from the rendezvous host")) << r.output;
+  EXPECT_TRUE(contains(host_b, "connecting to the rendezvous again")) << r.output;
+  EXPECT_TRUE(contains(host_b, "this node was cut off from the rendezvous host and cannot reach"))
+      << r.output;
+}
+
+// Regression (CutOffElasticNodeExitedInsteadOfRejoining): node b's link goes down for 6 s and
+// comes back. b's launcher stops its workers after --node-timeout, connects again once the
+// network is back and joins the running job as a node that comes: the world goes 2, 1, 2, the
+// last world resumes from the newest checkpoint, and both launchers end with 0. Before, b's
+// launcher exited 1 at the cut and the job ended at world 1.
+TEST(MultiNode, ElasticNodeCutOffRejoinsWhenTheLinkReturns) {
+  const auto out = std::filesystem::temp_directory_path() /
+                   ("scaletrain_elastic_back_" + std::to_string(getpid()));
+  std::filesystem::remove_all(out);
+  auto r = run_command(
+      script_path("elastic_link_down.sh") + " " + cli_path() + " " + out.string() + " 6", 200);
+  std::filesystem::remove_all(out);
+  if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto b_at = r.output.find("== b ==");
+  ASSERT_NE(b_at, std::string::npos) << r.output;
+  const std::string host_a = r.output.substr(0, b_at), host_b = r.output.substr(b_at);
+  EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "b exit 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;
+  EXPECT_EQ(worlds_of(host_a), (std::vector<int>{2, 1, 2})) << r.output;
+  EXPECT_TRUE(contains(host_a, "joined): stopped the workers")) << r.output;
+  EXPECT_TRUE(contains(host_b, "reached the rendezvous")) << r.output;
+  EXPECT_TRUE(contains(host_a, "resumed from")) << r.output;
+  EXPECT_FALSE(contains(host_a, "1 of 0 restarts used")) << "a leave and a join are no failures\n"
+                                                         << r.output;
 }
 
 TEST(MultiNode, CollectiveTimeoutNamesOperationAndRank) {

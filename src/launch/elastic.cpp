@@ -50,12 +50,46 @@ struct HostStays {
   }
 };
 
-// Rounds until the job ends; `client` is this node's connection to the rendezvous.
-int run_rounds(const LaunchOptions& o, RendezvousClient& client) {
+// Note [Cut-off node]: a node that hears nothing from the rendezvous host for --node-timeout is
+// cut off by the network (a closed connection means the host's launcher ended instead). It stops
+// its workers, as every node of a round that ends does, and then connects again, retrying until
+// --rdzv-timeout: once the network is back it joins as a node that comes (the world grows again
+// if it has room) and its workers resume from the newest checkpoint. The host does the same as
+// for any node: it counted the node as gone after --node-timeout, and neither the leave nor the
+// join counts against --max-restarts. The host's own node is never cut off from its rendezvous.
+std::unique_ptr<RendezvousClient> reconnect(std::unique_ptr<RendezvousClient> old,
+                                            const RendezvousOptions& ro, const std::string& why) {
+  spdlog::warn(
+      "scaletrain run: {}: stopped the workers; connecting to the rendezvous again (for up to "
+      "{:.0f} s, --rdzv-timeout)",
+      why, ro.join_timeout_s);
+  old.reset();  // closes the connection the host may still hold
+  try {
+    auto client = std::make_unique<RendezvousClient>(ro, false, &g_stop_signal);
+    spdlog::info("scaletrain run: reached the rendezvous {}:{} again: joining", ro.host, ro.port);
+    return client;
+  } catch (const Error& e) {
+    throw Error(std::string("this node was cut off from the rendezvous host and ") + e.what());
+  }
+}
+
+// Rounds until the job ends.
+int run_rounds(const LaunchOptions& o, const RendezvousOptions& ro, bool hosting) {
   const std::vector<pid_t> not_ours = proc::children_of_self();
   bool last_failed = false;
+  auto client = std::make_unique<RendezvousClient>(ro, hosting, &g_stop_signal);
   while (true) {
-    const Round r = client.join(o.nproc_per_node, pick_free_port());
+    Round r;
+    try {
+      r = client->join(o.nproc_per_node, pick_free_port());
+    } catch (const Error& e) {
+      if (hosting || !client->cut_off() || g_stop_signal.load() != 0) throw;
+      std::string why = e.what();  // cut off while joining
+      const std::string prefix = "scaletrain run: ";
+      if (why.rfind(prefix, 0) == 0) why = why.substr(prefix.size());
+      client = reconnect(std::move(client), ro, why);
+      continue;
+    }
     if (g_stop_signal.load() != 0) return 128 + g_stop_signal.load();
     if (r.kind == Round::kClosed) {
       spdlog::info("scaletrain run: {}", r.reason);
@@ -74,21 +108,27 @@ int run_rounds(const LaunchOptions& o, RendezvousClient& client) {
     GroupWorld world{r.node_rank, r.nnodes, r.master_addr, r.master_port, r.restarts, r.round};
     int status;
     {
-      Group group(o, world, not_ours, [&client] { return client.recalled(); });
+      RendezvousClient& c = *client;
+      Group group(o, world, not_ours, [&c] { return c.recalled(); });
       group.start();
       status = group.supervise();
     }
     last_failed = status == 1;
     if (status == 0) {
-      client.report_done();
+      client->report_done();
       return 0;
     }
     if (status >= 128) return status;
-    if (status == kRecalled) {
-      if (const int s = after_recall(client); s != 0) return s;
+    if (status == kRecalled && !hosting && client->cut_off()) {
+      const std::string why = client->take_recall();
+      client = reconnect(std::move(client), ro, why.substr(why.find(' ') + 1));
       continue;
     }
-    client.report_failed();  // the host counts it against --max-restarts
+    if (status == kRecalled) {
+      if (const int s = after_recall(*client); s != 0) return s;
+      continue;
+    }
+    client->report_failed();  // the host counts it against --max-restarts
   }
 }
 
@@ -112,8 +152,7 @@ int launch_elastic(const LaunchOptions& o) {
   }
   HostStays stays{server.get(), o.rdzv_timeout_s};
   try {
-    RendezvousClient client(ro, server != nullptr, &g_stop_signal);
-    return run_rounds(o, client);
+    return run_rounds(o, ro, server != nullptr);
   } catch (const Error&) {
     if (g_stop_signal.load() != 0) return 128 + g_stop_signal.load();
     throw;

@@ -106,6 +106,9 @@ class RendezvousClient {
   std::string take_recall();
   void report_failed();
   void report_done();
+  /// Whether the connection was lost to silence (nothing heard for node_timeout_s: the network
+  /// between this node and the host is down), not closed by the host's end.
+  bool cut_off() const { return cut_off_; }
 
  private:
   void run();
@@ -120,6 +123,7 @@ class RendezvousClient {
   std::deque<std::string> inbox_;
   std::mutex send_mu_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> cut_off_{false};
   std::thread thread_;
 };
 

@@ -102,6 +102,7 @@ void RendezvousClient::run() {
                       o_.host, o_.port));
     }
     if (seconds_since(heard) > o_.node_timeout_s) {
+      cut_off_ = true;
       return lost(
           fmt::format("no word from the rendezvous host {}:{} for {:.1f} s (--node-timeout)",
                       o_.host, o_.port, seconds_since(heard)));

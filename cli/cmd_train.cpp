@@ -109,6 +109,7 @@ struct Args {
   std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
   std::string seed = "0";
   std::string checkpoint_format = "full";
+  std::string amp = "none", uneven_inputs = "fail";
   bool fault_tolerant = false;  // --fault-tolerant and its flags
   std::string lighthouse;
   int replica_id = 0;
@@ -160,6 +161,12 @@ void apply_fault_tolerance_flags(Args& a) {
 // The strategy's flags, from their names into the options.
 void apply_strategy_flags(Args& a) {
   a.o.strategy = parse_strategy(a.strategy);
+  a.o.amp = parse_amp(a.amp);
+  if (a.uneven_inputs == "fail" || a.uneven_inputs == "join") {
+    a.o.uneven_inputs = a.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
+  } else {
+    throw UsageError("unknown --uneven-inputs '" + a.uneven_inputs + "'; use fail or join");
+  }
   a.o.seed = parse_seed(a.seed);
   if (a.checkpoint_format == "full") {
     a.o.checkpoint_format = CheckpointFormat::kFull;
@@ -213,7 +220,8 @@ void apply_strategy_flags(Args& a) {
 }
 
 // The model, its data and where it computes.
-void add_model_flags(CLI::App* cmd, TrainOptions& o) {
+void add_model_flags(CLI::App* cmd, Args& a) {
+  auto& o = a.o;
   cmd->add_option("--model", o.model,
                   "toy, mlp, lenet, resnet18, resnet50, resnet101, gpt-tiny or gpt2-small")
       ->capture_default_str();
@@ -232,7 +240,7 @@ void add_model_flags(CLI::App* cmd, TrainOptions& o) {
                   "One device's peak FLOP/s for the MFU in the summary, e.g. 989e12 (0: measured "
                   "by a short fp32 matmul on the CPU; unknown on CUDA)")
       ->capture_default_str();
-  cmd->add_option("--amp", o.amp,
+  cmd->add_option("--amp", a.amp,
                   "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). grid: bf16 autocast. "
                   "zero1, zero2, fsdp: bf16 parameters over fp32 master shards")
       ->capture_default_str();
@@ -382,7 +390,7 @@ void add_process_flags(CLI::App* cmd, Args& a) {
                   "collective fails, naming it (300: room for a slow first step or a big "
                   "checkpoint; lower it to surface a lost rank sooner)")
       ->capture_default_str();
-  cmd->add_option("--uneven-inputs", o.uneven_inputs,
+  cmd->add_option("--uneven-inputs", a.uneven_inputs,
                   "Ranks with different batch counts: fail (within a step, naming them) or join "
                   "(the others finish the epoch)")
       ->capture_default_str();
@@ -446,7 +454,7 @@ int train_rank(Args& a) {
 void add_train_command(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("train", kTrainDescription);
   auto args = std::make_shared<Args>();
-  add_model_flags(cmd, args->o);
+  add_model_flags(cmd, *args);
   add_optimizer_flags(cmd, args->o);
   add_strategy_flags(cmd, *args);
   add_run_flags(cmd, *args);

@@ -187,7 +187,7 @@ TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   o.batch_size = 64;
   o.progress = false;
   o.device = "cuda";
-  o.amp = "fp16";
+  o.amp = Amp::kFp16;
   o.out_dir = ::testing::TempDir() + "/scaletrain_cuda_trainer";
   o.resume = "none";
   TrainResult r;

@@ -2,6 +2,9 @@
 // server and its clients in one process, on loopback. The launcher around it is tested from the
 // command line in multinode_test.cpp (MultiNode.ElasticJob...).
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <future>
@@ -9,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "launch/net.h"
 #include "launch/rendezvous.h"
 #include "scaletrain/error.h"
 #include "support/subprocess.h"
@@ -188,6 +192,53 @@ TEST(Rendezvous, ALostHostIsARecallThatSaysSo) {
   server.reset();
   ASSERT_TRUE(recalled_within(b, 3));
   EXPECT_NE(b.take_recall().find("closed the connection (its launcher ended)"), std::string::npos);
+}
+
+// Note [Cut-off node]: a node the host hears nothing from is dropped with a word it may still
+// hear (a link down one way, or back just after): the host sends DROPPED before it closes.
+TEST(Rendezvous, ASilentNodeIsToldItWasDropped) {
+  auto o = options(1, 2);
+  o.node_timeout_s = 1;
+  auto server = RendezvousServer::try_host(o);
+  ASSERT_TRUE(server);
+  const int fd = net::connect_to("127.0.0.1", o.port, 1000);  // a node that never beats
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(net::send_all(fd, "JOIN " + o.run_id + " 2 4001 silent:1 0\n"));
+  std::string buf, dropped;
+  const auto end = Clock::now() + std::chrono::seconds(5);
+  while (dropped.empty() && Clock::now() < end) {
+    const bool open = net::read_available(fd, buf);
+    for (const auto& line : net::take_lines(buf)) {
+      if (line.rfind("DROPPED ", 0) == 0) dropped = line;
+    }
+    if (!open) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  close(fd);
+  EXPECT_NE(dropped.find("DROPPED no word from it for"), std::string::npos) << dropped;
+}
+
+// The node's side: told it was dropped, its round ends as a cut-off (it will connect again),
+// not as a host that ended.
+TEST(Rendezvous, ANodeToldItWasDroppedIsCutOff) {
+  auto o = options(1, 1);
+  const int listener = net::listen_on("127.0.0.1", o.port);
+  ASSERT_GE(listener, 0);
+  auto host = std::async(std::launch::async, [&] {
+    pollfd p{listener, POLLIN, 0};
+    if (poll(&p, 1, 5000) != 1) return;
+    const int fd = accept(listener, nullptr, nullptr);
+    net::send_all(fd, "DROPPED no word from it for 4.0 s\n");
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    close(fd);
+  });
+  RendezvousClient b(o);
+  ASSERT_TRUE(recalled_within(b, 3));
+  EXPECT_TRUE(b.cut_off());
+  EXPECT_NE(b.take_recall("LOST").find("dropped this node: no word from it for 4.0 s"),
+            std::string::npos);
+  host.get();
+  close(listener);
 }
 
 TEST(Rendezvous, NoServerToReachFailsNamingTheAddress) {

@@ -317,46 +317,52 @@ TEST(TrainTensorParallel, ZeroTimesTensorParallelResumesExactly) {
   for (const auto& [name, v] : a) EXPECT_TRUE(at::equal(v, b.at(name))) << name;
 }
 
-// Sharded checkpoints under tp (Note [Sharded checkpoints per slice]): zero2 × tp 2 on 4 ranks
-// writes each slice's shards in a folder of its own, stops after step 5 and resumes from them
-// bit for bit the uninterrupted run; a resume at another degree is refused, naming both degrees
-// and the fix, before any step.
+// Sharded checkpoints under tp (Note [Sharded checkpoints per slice]): zero2 × tp 2 and fsdp ×
+// tp 2 on 4 ranks write each slice's shards in a folder of its own, stop after step 5 and resume
+// from them bit for bit the uninterrupted run; at dp 1 within rounding; a resume at another
+// degree is refused, naming both degrees and the fix, before any step. Also regression
+// (FsdpIgnoredTensorParallelism): fsdp with --tp trained the model unsplit, and its shards went
+// to one world-4 folder.
 TEST(TrainTensorParallel, ShardedCheckpointsPerSliceResumeExactly) {
   const TokenTask data;
-  TempDir full("tps_full"), cut("tps_cut");
-  auto o = options(full.path, 2);
-  o.strategy = Strategy::kZero2;
-  auto whole = run(4, data.task(), o);
-  auto oc = options(cut.path, 2);
-  oc.strategy = Strategy::kZero2;
-  oc.checkpoint_format = CheckpointFormat::kSharded;
-  ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), oc));
-  for (const char* slice : {"tp2-0", "tp2-1"}) {
-    EXPECT_TRUE(fs::exists(cut.path / slice / "world-2" / "rank-1" / "ckpt-5.st")) << slice;
+  for (Strategy s : {Strategy::kZero2, Strategy::kFsdp}) {
+    SCOPED_TRACE(to_string(s));
+    TempDir full("tps_full"), cut("tps_cut"), fewer("tps_fewer");
+    auto o = options(full.path, 2);
+    o.strategy = s;
+    auto whole = run(4, data.task(), o);
+    auto oc = options(cut.path, 2);
+    oc.strategy = s;
+    oc.checkpoint_format = CheckpointFormat::kSharded;
+    ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), oc));
+    for (const char* slice : {"tp2-0", "tp2-1"}) {
+      EXPECT_TRUE(fs::exists(cut.path / slice / "world-2" / "rank-1" / "ckpt-5.st")) << slice;
+    }
+    EXPECT_FALSE(fs::exists(cut.path / "world-2") || fs::exists(cut.path / "world-4"))
+        << "the slices' shards must not share a folder";
+    // The same checkpoint, resumed below by one replica of 2 slices.
+    fs::copy(cut.path, fewer.path,
+             fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    oc.resume = "auto";
+    auto other = oc;
+    other.tensor_parallel = 1;
+    auto errors = testing::run_ranks(4, [&](Dist& d) { train(data.task(), other, d); });
+    for (const auto& e : errors) {
+      EXPECT_NE(e.find("is sharded at --tp 2, and this run has --tp 1"), std::string::npos) << e;
+      EXPECT_NE(e.find("resume with --tp 2"), std::string::npos) << e;
+    }
+    auto resumed = run(4, data.task(), oc);
+    EXPECT_EQ(resumed.global_step, 8);
+    const auto a = final_weights(whole.weights_path), b = final_weights(resumed.weights_path);
+    for (const auto& [name, v] : a) EXPECT_TRUE(at::equal(v, b.at(name))) << name;
+    // At dp 1 the shards are cut again over one replica; the sums run in another order, so the
+    // weights are the uninterrupted run's within rounding, not bit for bit.
+    auto of = oc;
+    of.out_dir = fewer.path.string();
+    auto resharded = run(2, data.task(), of);
+    EXPECT_EQ(resharded.global_step, 8);
+    expect_close(final_weights(resharded.weights_path), a, "resumed at dp 1");
   }
-  EXPECT_FALSE(fs::exists(cut.path / "world-2")) << "the slices' shards must not share a folder";
-  TempDir fewer("tps_fewer");  // the same checkpoint, resumed by one replica of 2 slices
-  fs::copy(cut.path, fewer.path,
-           fs::copy_options::recursive | fs::copy_options::overwrite_existing);
-  oc.resume = "auto";
-  auto other = oc;
-  other.tensor_parallel = 1;
-  auto errors = testing::run_ranks(4, [&](Dist& d) { train(data.task(), other, d); });
-  for (const auto& e : errors) {
-    EXPECT_NE(e.find("is sharded at --tp 2, and this run has --tp 1"), std::string::npos) << e;
-    EXPECT_NE(e.find("resume with --tp 2"), std::string::npos) << e;
-  }
-  auto resumed = run(4, data.task(), oc);
-  EXPECT_EQ(resumed.global_step, 8);
-  const auto a = final_weights(whole.weights_path), b = final_weights(resumed.weights_path);
-  for (const auto& [name, v] : a) EXPECT_TRUE(at::equal(v, b.at(name))) << name;
-  // At dp 1 the shards are cut again over one replica; the sums run in another order, so the
-  // weights are the uninterrupted run's within rounding, not bit for bit.
-  auto of = oc;
-  of.out_dir = fewer.path.string();
-  auto resharded = run(2, data.task(), of);
-  EXPECT_EQ(resharded.global_step, 8);
-  expect_close(final_weights(resharded.weights_path), a, "resumed at dp 1");
 }
 
 // Regression (TensorParallelDegreeAboveTheWorldDividedByZero): train() itself, not only
@@ -386,7 +392,7 @@ TEST(TrainTensorParallel, AutocastLearnsAtTp2InBf16AndFp16) {
   for (const std::string amp : {"none", "bf16", "fp16"}) {
     TempDir dir("tp_amp_" + amp);
     auto o = options(dir.path, 2);
-    o.amp = amp;
+    o.amp = parse_amp(amp);
     o.sequence_parallel = true;
     o.epochs = 4;
     TrainTask t;
@@ -427,7 +433,7 @@ TEST(TrainTensorParallel, GridLearnsUnderBf16Autocast) {
       o.pipeline_stages = 2;
       o.schedule = PipelineSchedule::k1F1B;
       o.chunks = 2;
-      o.amp = amp;
+      o.amp = parse_amp(amp);
       o.sequence_parallel = tp > 1;
       o.epochs = 4;
       TrainTask t;
@@ -600,7 +606,7 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   expect(b, 2, "at least 1");
   b = o;
   b.strategy = Strategy::kZero2;
-  b.amp = "fp16";
+  b.amp = Amp::kFp16;
   expect(b, 4, "--amp fp16 needs loss scaling, which the sharded strategies do not do");
 }
 

@@ -898,7 +898,7 @@ TEST(Train, Bf16AutocastLearns) {
   o.limit_test = 1000;
   auto r32 = train_alone(o);
   o.out_dir = b.path.string();
-  o.amp = "bf16";
+  o.amp = Amp::kBf16;
   auto r16 = train_alone(o);
   EXPECT_GT(r16.test_accuracy, 0.6);
   EXPECT_NEAR(r16.test_accuracy, r32.test_accuracy, 0.05);

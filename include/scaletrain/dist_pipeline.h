@@ -61,6 +61,8 @@ struct DistPipelineOptions {
   bool shared_memory = true;
   /// Activation checkpointing, as Pipeline's: a checkpointed micro-batch keeps only its input
   /// through forward and runs its forward again in backward. Every rank passes the same value.
+  /// The recomputation does not replay random generators (dropout draws new masks) and updates
+  /// a BatchNorm's running statistics again: use it with deterministic layers.
   PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
 };
 

@@ -80,7 +80,8 @@ class Pipeline {
   at::Tensor forward(const at::Tensor& input);
 
   /// One training step's forward and backward under the schedule; parameter gradients are
-  /// accumulated (call the optimizer afterwards). Returns the whole batch's loss.
+  /// accumulated (call the optimizer afterwards). Returns the whole batch's loss. Throws
+  /// UsageError when the target's rows are not the input's (both are cut alike).
   at::Tensor train_step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss);
 
   const std::vector<torch::nn::Sequential>& stages() const { return stages_; }

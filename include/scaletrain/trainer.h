@@ -48,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/fault_tolerance.h"
 #include "scaletrain/loader.h"
@@ -206,6 +207,13 @@ enum class CheckpointFormat { kFull, kSharded };
 Strategy parse_strategy(const std::string& name);
 std::string to_string(Strategy s);
 
+/// Mixed precision (amp.h): none; bf16 autocast (ddp, grid) or bf16 parameters over fp32 master
+/// shards (zero1, zero2, fsdp); fp16 autocast with loss scaling (ddp).
+enum class Amp { kNone, kBf16, kFp16 };
+/// "none", "bf16", "fp16"; throws UsageError naming them for anything else.
+Amp parse_amp(const std::string& name);
+std::string to_string(Amp a);
+
 struct TrainerOptions {
   Strategy strategy = Strategy::kDDP;
   int epochs = 5;
@@ -240,15 +248,17 @@ struct TrainerOptions {
   // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
   // cpu), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
-  // "none", "bf16", "fp16" (with loss scaling): ddp's autocast; zero1, zero2, fsdp: "bf16" is
-  // the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype)
   // > 0: before each optimizer step the gradients are scaled down to this global L2 norm where
   // it is larger (PyTorch's clip_grad_norm_), the norm over the whole model whichever rank holds
   // which part (shards, stages, slices). StepReport::grad_norm gives the norm before clipping.
   double max_grad_norm = 0;
-  std::string amp = "none";
+  // Autocast under ddp (fp16 with loss scaling) and grid (bf16); under zero1, zero2 and fsdp,
+  // kBf16 is the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype).
+  Amp amp = Amp::kNone;
   bool channels_last = true;           // convolution weights and image batches in NHWC memory
-  std::string uneven_inputs = "fail";  // ddp: "fail" within a step, naming the ranks, or "join"
+  // ddp: kFail within a step, naming the ranks, or kJoin (ddp.h; kOff is refused: the trainer
+  // always checks).
+  UnevenInputs uneven_inputs = UnevenInputs::kFail;
   double timeout_s = 300;  // collective timeout of the process group (the tool's --timeout)
   // dp and pipeline: the devices, one per replica or stage ("cpu" may repeat). Empty: every GPU,
   // else two CPU "devices".

@@ -215,5 +215,11 @@ class ShardedDataParallel {
 /// The newest step in `dir` with a valid shard for every rank of the world it was saved at;
 /// nullopt when there is none.
 std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir);
+/// The steps of the sharded checkpoints in `dir` (rank 0's files, of any world), newest first,
+/// complete or not; reads only names.
+std::vector<int64_t> sharded_checkpoint_steps(const std::string& dir);
+/// Whether `dir` holds every rank's file of `step` for a world that saved it, each sound (its
+/// CRC) and of one run. Damaged files are reported (logged) as skipped.
+bool sharded_checkpoint_complete(const std::string& dir, int64_t step);
 
 }  // namespace scaletrain

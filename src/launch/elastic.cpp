@@ -65,7 +65,7 @@ std::unique_ptr<RendezvousClient> reconnect(std::unique_ptr<RendezvousClient> ol
       why, ro.join_timeout_s);
   old.reset();  // closes the connection the host may still hold
   try {
-    auto client = std::make_unique<RendezvousClient>(ro, false, &g_stop_signal);
+    auto client = std::make_unique<RendezvousClient>(ro, false, &g_stop_signal, true);
     spdlog::info("scaletrain run: reached the rendezvous {}:{} again: joining", ro.host, ro.port);
     return client;
   } catch (const Error& e) {
@@ -120,7 +120,12 @@ int run_rounds(const LaunchOptions& o, const RendezvousOptions& ro, bool hosting
     }
     if (status >= 128) return status;
     if (status == kRecalled && !hosting && client->cut_off()) {
-      const std::string why = client->take_recall();
+      const std::string abort = client->take_recall("ABORT");  // queued before the cut
+      if (!abort.empty()) {
+        spdlog::error("scaletrain run: {}", abort.substr(abort.find(' ') + 1));
+        return 1;
+      }
+      const std::string why = client->take_recall("LOST");
       client = reconnect(std::move(client), ro, why.substr(why.find(' ') + 1));
       continue;
     }

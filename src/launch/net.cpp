@@ -67,16 +67,17 @@ int connect_to(const std::string& host, int port, int timeout_ms) {
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return -1;
-  int fd = -1;
+  int fd = -1, err = 0;
   for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    err = 0;
     fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
     if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      err = errno;
       close(fd), fd = -1;
       continue;
     }
     pollfd p{fd, POLLOUT, 0};
-    int err = 0;
     socklen_t len = sizeof(err);
     if (poll(&p, 1, timeout_ms) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 ||
         err != 0) {
@@ -84,6 +85,7 @@ int connect_to(const std::string& host, int port, int timeout_ms) {
     }
   }
   freeaddrinfo(found);
+  if (fd < 0 && err != 0) errno = err;  // e.g. ECONNREFUSED: no one listens there
   return fd;
 }
 

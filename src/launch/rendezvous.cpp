@@ -178,8 +178,10 @@ void RendezvousServer::State::read_all() {
     if (c.buf.size() != had) c.heard = Clock::now();
     for (const auto& line : net::take_lines(c.buf)) handle(c, line);
     if (!c.closed && seconds_since(c.heard) > o.node_timeout_s) {
+      const std::string why = fmt::format("no word from it for {:.1f} s", seconds_since(c.heard));
+      c.say("DROPPED " + why);  // a node cut off one way, or whose link returns, still hears it
       c.closed = true;
-      c.why_closed = fmt::format("no word from it for {:.1f} s", seconds_since(c.heard));
+      c.why_closed = why;
     }
   }
 }

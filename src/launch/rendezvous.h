@@ -90,8 +90,11 @@ class RendezvousClient {
  public:
   /// Connects, retrying until join_timeout_s. Throws Error naming the address when it cannot.
   /// `hosting`: this launcher hosts the server; its node is then node 0 of every round it is in.
+  /// `refused_is_final`: a host that refuses the connection (no launcher listens there) is an
+  /// error at once, not waited for (a node cut off while the job ended).
   explicit RendezvousClient(const RendezvousOptions& options, bool hosting = false,
-                            const std::atomic<int>* stop_signal = nullptr);
+                            const std::atomic<int>* stop_signal = nullptr,
+                            bool refused_is_final = false);
   ~RendezvousClient();
   RendezvousClient(const RendezvousClient&) = delete;
   RendezvousClient& operator=(const RendezvousClient&) = delete;
@@ -102,12 +105,13 @@ class RendezvousClient {
   Round join(int nproc, int port);
   /// Whether the current round has ended (a restart, an abort or a lost server is waiting).
   bool recalled();
-  /// Why: the message that ended the round ("RESTART <reason>", "ABORT <reason>", "LOST <why>").
-  std::string take_recall();
+  /// Why: the message that ended the round ("RESTART <reason>", "ABORT <reason>", "LOST <why>"),
+  /// the first one queued, or the first whose verb is `verb`; "" when there is none.
+  std::string take_recall(const std::string& verb = "");
   void report_failed();
   void report_done();
-  /// Whether the connection was lost to silence (nothing heard for node_timeout_s: the network
-  /// between this node and the host is down), not closed by the host's end.
+  /// Whether the connection was lost to the network: nothing heard for node_timeout_s, or the
+  /// host dropped this node for its silence (DROPPED); not closed by the host's launcher ending.
   bool cut_off() const { return cut_off_; }
 
  private:

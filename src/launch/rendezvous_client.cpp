@@ -37,12 +37,19 @@ std::string this_host() {
 }  // namespace
 
 RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hosting,
-                                   const std::atomic<int>* stop_signal)
+                                   const std::atomic<int>* stop_signal, bool refused_is_final)
     : o_(options), hosting_(hosting), stop_signal_(stop_signal) {
   const auto start = Clock::now();
   while ((fd_ = net::connect_to(o_.host, o_.port, 1000)) < 0) {
     if (stop_signal_ && stop_signal_->load() != 0) {
       throw Error("scaletrain run: interrupted while waiting for the rendezvous");
+    }
+    if (refused_is_final && errno == ECONNREFUSED) {
+      throw Error(fmt::format(
+          "the rendezvous host {}:{} is reachable again but refuses the connection: its launcher "
+          "has ended (the job finished or stopped while this node was cut off); see the host's "
+          "log",
+          o_.host, o_.port));
     }
     if (seconds_since(start) > o_.join_timeout_s) {
       throw Error(fmt::format(
@@ -92,6 +99,11 @@ void RendezvousClient::run() {
     if (buf.size() != had) heard = Clock::now();
     for (auto& line : net::take_lines(buf)) {
       if (line == "BEAT") continue;
+      if (line.rfind("DROPPED ", 0) == 0) {  // the host counted this node gone: cut off
+        cut_off_ = true;
+        return lost(fmt::format("the rendezvous host {}:{} dropped this node: {} (--node-timeout)",
+                                o_.host, o_.port, line.substr(8)));
+      }
       std::lock_guard<std::mutex> lock(mu_);
       inbox_.push_back(std::move(line));
       cv_.notify_all();
@@ -103,6 +115,7 @@ void RendezvousClient::run() {
     }
     if (seconds_since(heard) > o_.node_timeout_s) {
       cut_off_ = true;
+      shutdown(fd_, SHUT_RDWR);  // the host, if it still hears this node, sees it go at once
       return lost(
           fmt::format("no word from the rendezvous host {}:{} for {:.1f} s (--node-timeout)",
                       o_.host, o_.port, seconds_since(heard)));
@@ -205,10 +218,10 @@ bool RendezvousClient::recalled() {
   return false;
 }
 
-std::string RendezvousClient::take_recall() {
+std::string RendezvousClient::take_recall(const std::string& verb) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = inbox_.begin(); it != inbox_.end(); ++it) {
-    if (is_recall(*it)) {
+    if (is_recall(*it) && (verb.empty() || starts_with(*it, (verb + " ").c_str()))) {
       std::string m = *it;
       inbox_.erase(it);
       return m;

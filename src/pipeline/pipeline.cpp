@@ -205,18 +205,14 @@ class HandOff : public StageLink {
  public:
   HandOff(HandOffSlots& slots, size_t d, size_t p, at::Device device)
       : slots_(slots), d_(d), p_(p), device_(device) {}
-  at::Tensor input(int i, int c) override { return take(slots_.outputs[stage(c) - 1][mb(i)]); }
+  at::Tensor input(int i, int c) override {
+    return read_here(take(slots_.outputs[stage(c) - 1][mb(i)]));
+  }
   void output(int i, int c, const at::Tensor& out) override {
     slots_.outputs[stage(c)][mb(i)] = out.detach();
   }
   at::Tensor output_grad(int i, int c, const at::Tensor&) override {
-    at::Tensor g = take(slots_.input_grads[stage(c) + 1][mb(i)]).to(device_);
-#ifdef SCALETRAIN_WITH_CUDA
-    // Made on the next stage's stream, read by kernels this thread queues on its own: the
-    // caching allocator must not hand the block back to that stream before they ran.
-    if (g.is_cuda()) g.record_stream(c10::cuda::getCurrentCUDAStream(device_.index()));
-#endif
-    return g;
+    return read_here(take(slots_.input_grads[stage(c) + 1][mb(i)])).to(device_);
   }
   void input_grad(int i, int c, const at::Tensor& grad) override {
     slots_.input_grads[stage(c)][mb(i)] = grad;
@@ -224,6 +220,17 @@ class HandOff : public StageLink {
 
  private:
   size_t stage(int c) const { return static_cast<size_t>(c) * p_ + d_; }
+  // A tensor another stage's thread made on its stream, now read (copied, or computed on) by
+  // kernels this thread queues on its own, and possibly freed here before they ran: the caching
+  // allocator must not hand its block back to the maker's stream until they did.
+  static at::Tensor read_here(at::Tensor t) {
+#ifdef SCALETRAIN_WITH_CUDA
+    if (t.defined() && t.is_cuda()) {
+      t.record_stream(c10::cuda::getCurrentCUDAStream(t.device().index()));
+    }
+#endif
+    return t;
+  }
   static size_t mb(int i) { return static_cast<size_t>(i); }
   HandOffSlots& slots_;
   size_t d_, p_;
@@ -235,10 +242,18 @@ class HandOff : public StageLink {
 at::Tensor Pipeline::train_step(const at::Tensor& input, const at::Tensor& target,
                                 const LossFn& loss_fn) {
   const size_t p = options_.devices.size(), stages = stages_.size();
+  if (target.dim() == 0 || target.size(0) != input.size(0)) {
+    throw UsageError("Pipeline::train_step: the target has " +
+                     (target.dim() == 0 ? std::string("no batch dimension")
+                                        : std::to_string(target.size(0)) + " rows") +
+                     " and the input " + std::to_string(input.size(0)) +
+                     ": both are cut into the same micro-batches, so give one target row per "
+                     "input row");
+  }
   StageStep step;
   step.inputs = split_microbatches(input, chunks_for(input.size(0)));
   step.targets = split_microbatches(target, static_cast<int>(step.inputs.size()));
-  step.total = static_cast<double>(input.size(0));
+  step.total = static_cast<double>(target.size(0));
   step.microbatches = static_cast<int>(step.inputs.size());
   const auto order = orders(step.microbatches);
   TaskBoard board(stages, step.inputs.size());

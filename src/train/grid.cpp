@@ -70,7 +70,7 @@ class GridStrategy : public TrainStrategy {
         replica_(mesh_.coordinate(d.rank(), "dp")),
         stage_(mesh_.coordinate(d.rank(), "pp")),
         dev_(rank_device(o.device, d)),
-        bf16_(o.amp == "bf16") {
+        bf16_(o.amp == Amp::kBf16) {
     // The mesh {dp, pp, tp}: DDP over this stage's replicas (its "dp" group), the pipeline along
     // this replica's stages (its "pp" group), the split over "tp".
     groups_ = mesh_groups(

@@ -66,17 +66,17 @@ class DdpStrategy : public TrainStrategy {
         model_(model),
         loss_(task.loss),
         dev_(rank_device(o.device, d)),
-        amp_(o.amp != "none"),
-        fp16_(o.amp == "fp16"),
-        amp_dtype_(o.amp == "fp16" ? at::kHalf : at::kBFloat16),
+        amp_(o.amp != Amp::kNone),
+        fp16_(o.amp == Amp::kFp16),
+        amp_dtype_(o.amp == Amp::kFp16 ? at::kHalf : at::kBFloat16),
         scaler_([&] {
           GradScalerOptions so;
-          so.enabled = o.amp == "fp16";  // bf16 has fp32's range: no scaling
+          so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
           return so;
         }()) {
     model.module->to(dev_);
     DDPOptions ddpo;
-    ddpo.uneven_inputs = o.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
+    ddpo.uneven_inputs = o.uneven_inputs;
     ddp_ = std::make_unique<DistributedDataParallel>(model.module, d, ddpo);
   }
 
@@ -274,6 +274,10 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
       return make_zero_strategy(task, options, dist, model,
                                 options.strategy == Strategy::kZero1 ? 1 : 2);
     case Strategy::kFsdp:
+      // Regression (FsdpIgnoredTensorParallelism): --strategy fsdp --tp T trained unsplit.
+      if (options.tensor_parallel > 1) {  // FSDP over dp, the model split over tp
+        return make_tensor_parallel_strategy(task, options, dist, model);
+      }
       return make_zero_strategy(task, options, dist, model, 3);
   }
   throw Error("unknown strategy");

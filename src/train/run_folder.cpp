@@ -45,6 +45,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
@@ -201,25 +202,43 @@ std::optional<std::pair<int, int>> slice_of_folder(const std::string& name) {
 std::optional<ShardedFound> newest_sharded(const std::string& dir) {
   std::optional<ShardedFound> best;
   if (auto own = newest_sharded_checkpoint(dir)) best = ShardedFound{*own, 1};
-  std::map<int, std::map<int, std::optional<int64_t>>> slices;  // degree -> slice -> newest
+  std::map<int, std::map<int, std::string>> slices;  // degree -> slice -> folder
   std::error_code ec;
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const auto slice = slice_of_folder(e.path().filename().string());
-    if (slice && e.is_directory(ec)) {
-      slices[slice->first][slice->second] = newest_sharded_checkpoint(e.path().string());
-    }
+    if (slice && e.is_directory(ec)) slices[slice->first][slice->second] = e.path().string();
   }
-  for (const auto& [tp, newest] : slices) {
-    if (static_cast<int>(newest.size()) != tp) continue;  // a slice's folder is missing
-    std::optional<int64_t> common;                        // the newest step every slice has
-    for (const auto& [slice, step] : newest) {
-      if (!step) {
-        common.reset();
+  for (const auto& [tp, folders] : slices) {
+    if (static_cast<int>(folders.size()) != tp) continue;  // a slice's folder is missing
+    // The newest step every slice holds complete (the slices rotate their files on their own:
+    // one may have dropped a step another still needs).
+    std::set<int64_t> common;
+    bool first = true;
+    for (const auto& [slice, folder] : folders) {
+      const auto steps = sharded_checkpoint_steps(folder);
+      std::set<int64_t> mine(steps.begin(), steps.end());
+      if (first) {
+        common = std::move(mine);
+        first = false;
+      } else {
+        std::set<int64_t> both;
+        for (int64_t s : common) {
+          if (mine.count(s)) both.insert(s);
+        }
+        common = std::move(both);
+      }
+    }
+    for (auto it = common.rbegin(); it != common.rend(); ++it) {
+      if (best && *it <= best->step) break;
+      bool complete = true;
+      for (const auto& [slice, folder] : folders) {
+        complete = complete && sharded_checkpoint_complete(folder, *it);
+      }
+      if (complete) {
+        best = ShardedFound{*it, tp};
         break;
       }
-      common = common ? std::min(*common, *step) : *step;
     }
-    if (common && (!best || *common > best->step)) best = ShardedFound{*common, tp};
   }
   return best;
 }

@@ -55,12 +55,12 @@ class TensorParallelStrategy : public TrainStrategy {
         mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
         dev_(rank_device(o.device, d)),
-        amp_(o.amp == "bf16"   ? std::optional<at::ScalarType>(at::kBFloat16)
-             : o.amp == "fp16" ? std::optional<at::ScalarType>(at::kHalf)
+        amp_(o.amp == Amp::kBf16   ? std::optional<at::ScalarType>(at::kBFloat16)
+             : o.amp == Amp::kFp16 ? std::optional<at::ScalarType>(at::kHalf)
                                : std::nullopt),
         scaler_([&] {
           GradScalerOptions so;
-          so.enabled = o.amp == "fp16";  // bf16 has fp32's range: no scaling
+          so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
           so.agree_over = &d;            // the ranks hold different slices: they skip together
           return so;
         }()),

@@ -345,7 +345,7 @@ void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double 
       << " (--resume it with a lower --lr). ";
   }
   s << "Lower the learning rate (now " << lr() << ")"
-    << (o_.amp == "fp16" ? "" : ", or check the data for inf/NaN values") << ".";
+    << (o_.amp == Amp::kFp16 ? "" : ", or check the data for inf/NaN values") << ".";
   throw Error(s.str());
 }
 
@@ -453,6 +453,25 @@ std::string to_string(Strategy s) {
       return "fsdp";
   }
   return "?";
+}
+
+Amp parse_amp(const std::string& name) {
+  if (name == "none") return Amp::kNone;
+  if (name == "bf16") return Amp::kBf16;
+  if (name == "fp16") return Amp::kFp16;
+  throw UsageError("unknown --amp '" + name + "'; use none, bf16 or fp16");
+}
+
+std::string to_string(Amp a) {
+  switch (a) {
+    case Amp::kNone:
+      return "none";
+    case Amp::kBf16:
+      return "bf16";
+    case Amp::kFp16:
+      return "fp16";
+  }
+  return "unknown";
 }
 
 void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_strategy.cpp

@@ -31,17 +31,16 @@ void validate_trainer_numbers(const TrainerOptions& o) {
       o.device.rfind("cuda:", 0) != 0) {
     throw UsageError("unknown --device '" + o.device + "'; use auto, cpu, cuda or cuda:N");
   }
-  if (o.amp != "none" && o.amp != "bf16" && o.amp != "fp16") {
-    throw UsageError("unknown --amp '" + o.amp + "'; use none, bf16 or fp16");
-  }
-  if (o.uneven_inputs != "fail" && o.uneven_inputs != "join") {
-    throw UsageError("unknown --uneven-inputs '" + o.uneven_inputs + "'; use fail or join");
+  if (o.uneven_inputs == UnevenInputs::kOff) {
+    throw UsageError(
+        "uneven_inputs kOff is DDP's own: the trainer checks every step; use kFail or kJoin "
+        "(--uneven-inputs fail or join)");
   }
   require(o.peak_flops >= 0 && std::isfinite(o.peak_flops), "--peak-flops", o.peak_flops,
           "0 (unknown: measured on the CPU) or a device's peak FLOP/s, e.g. 989e12");
   require(o.max_grad_norm >= 0 && std::isfinite(o.max_grad_norm), "--max-grad-norm",
           o.max_grad_norm, "0 (no clipping) or a positive norm");
-  if (o.max_grad_norm > 0 && o.amp == "fp16") {
+  if (o.max_grad_norm > 0 && o.amp == Amp::kFp16) {
     throw UsageError(
         "--max-grad-norm with --amp fp16 is not supported yet (the loss scale is "
         "in the gradients); use --amp bf16 or none");
@@ -130,24 +129,24 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
         "the pipeline strategies (pipeline, grid), not --strategy " +
         f.name);
   }
-  if (f.zero && o.amp == "fp16") {
+  if (f.zero && o.amp == Amp::kFp16) {
     refuse(
         "--amp fp16 needs loss scaling, which the sharded strategies do not do; use --amp bf16 "
         "(bf16 parameters over fp32 master shards) with --strategy " +
         f.name);
-  } else if (f.grid && o.amp == "fp16") {
+  } else if (f.grid && o.amp == Amp::kFp16) {
     refuse(
         "--amp fp16 needs one loss scale agreed over every stage, which the grid does not keep "
         "yet; use --amp bf16 (bf16 has float32's range: no scaling) with --strategy grid");
-  } else if (!f.ddp && !f.zero && !f.grid && o.amp != "none") {
-    refuse("--amp " + o.amp +
+  } else if (!f.ddp && !f.zero && !f.grid && o.amp != Amp::kNone) {
+    refuse("--amp " + to_string(o.amp) +
            " runs with --strategy ddp (autocast), grid (bf16 autocast) and zero1, zero2, fsdp "
            "(bf16 parameters), not " +
            f.name +
            " (dp's replicas and a pipeline's stages run on threads of their own, which autocast "
            "does not reach yet)");
   }
-  if (!f.ddp && o.uneven_inputs != "fail") refuse("--uneven-inputs is for --strategy ddp");
+  if (!f.ddp && o.uneven_inputs != UnevenInputs::kFail) refuse("--uneven-inputs is for --strategy ddp");
   if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {
     refuse("--checkpoint-format sharded is for the sharded strategies (zero1, zero2, fsdp), not " +
            f.name + "; its checkpoints are one file (--checkpoint-format full)");
@@ -240,7 +239,7 @@ void validate_fault_tolerance(const TrainerOptions& o) {
            to_string(s) + ")");
   }
   if (o.accumulate != 1) refuse(what + " takes one batch per step: leave --accumulate at 1");
-  if (o.amp == "fp16") refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
+  if (o.amp == Amp::kFp16) refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
   if (o.tensor_parallel > 1) refuse(what + " with --tp is not supported yet");
   if (o.checkpoint_format != CheckpointFormat::kFull) {
     refuse(what + " writes full checkpoints: leave --checkpoint-format at full");

@@ -27,7 +27,7 @@ class ZeroStrategy : public TrainStrategy {
     model.module->to(dev_);
     ShardOptions so;
     so.stage = stage;
-    if (o.amp == "bf16") {
+    if (o.amp == Amp::kBf16) {
       so.param_dtype = so.buffer_dtype = at::kBFloat16;
       so.reduce_dtype = at::kFloat;
     }

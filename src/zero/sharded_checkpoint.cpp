@@ -369,7 +369,7 @@ TrainingState ShardedDataParallel::load(const std::string& dir, int64_t global_s
   return out;
 }
 
-std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {
+std::vector<int64_t> sharded_checkpoint_steps(const std::string& dir) {
   std::set<int64_t> steps;
   std::error_code ec;
   for (auto& w : fs::directory_iterator(dir, ec)) {
@@ -384,11 +384,19 @@ std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {
       }
     }
   }
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    std::vector<std::string> damaged;
-    const bool complete = !complete_worlds(dir, *it, &damaged).empty();
-    for (const auto& d : damaged) report_skipped(d);
-    if (complete) return *it;
+  return {steps.rbegin(), steps.rend()};
+}
+
+bool sharded_checkpoint_complete(const std::string& dir, int64_t step) {
+  std::vector<std::string> damaged;
+  const bool complete = !complete_worlds(dir, step, &damaged).empty();
+  for (const auto& d : damaged) report_skipped(d);
+  return complete;
+}
+
+std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {
+  for (int64_t step : sharded_checkpoint_steps(dir)) {
+    if (sharded_checkpoint_complete(dir, step)) return step;
   }
   return std::nullopt;
 }

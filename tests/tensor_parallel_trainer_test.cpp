@@ -19,6 +19,7 @@
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
 #include "support/temp_dir.h"
+#include "train/run_folder.h"
 #include "zoo_models.h"
 
 namespace scaletrain {
@@ -343,6 +344,21 @@ TEST(TrainTensorParallel, ShardedCheckpointsPerSliceResumeExactly) {
     // The same checkpoint, resumed below by one replica of 2 slices.
     fs::copy(cut.path, fewer.path,
              fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    // A slice of another run at the same steps is no part of this one: no step has both.
+    {
+      TempDir other("tps_other"), mixed("tps_mixed");
+      auto oo = oc;
+      oo.out_dir = other.path.string();
+      ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), oo));
+      fs::copy(cut.path, mixed.path,
+               fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+      fs::remove_all(mixed.path / "tp2-1");
+      fs::copy(other.path / "tp2-1", mixed.path / "tp2-1", fs::copy_options::recursive);
+      ASSERT_TRUE(newest_sharded(cut.path.string()).has_value());
+      EXPECT_EQ(newest_sharded(cut.path.string())->step, 5);
+      EXPECT_EQ(newest_sharded(cut.path.string())->tp, 2);
+      EXPECT_FALSE(newest_sharded(mixed.path.string()).has_value());
+    }
     oc.resume = "auto";
     auto other = oc;
     other.tensor_parallel = 1;

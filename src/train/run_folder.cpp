@@ -197,6 +197,15 @@ std::optional<std::pair<int, int>> slice_of_folder(const std::string& name) {
   }
   return std::pair{tp, slice};
 }
+// The run that wrote a slice's checkpoint of `step` (its first world's rank 0 file).
+std::optional<std::string> run_of_slice(const std::string& folder, int64_t step) {
+  std::error_code ec;
+  for (auto& w : fs::directory_iterator(folder, ec)) {
+    const fs::path file = w.path() / "rank-0" / ("ckpt-" + std::to_string(step) + ".st");
+    if (fs::exists(file, ec)) return checkpoint_run(file.string());
+  }
+  return std::nullopt;
+}
 }  // namespace
 
 std::optional<ShardedFound> newest_sharded(const std::string& dir) {
@@ -230,9 +239,15 @@ std::optional<ShardedFound> newest_sharded(const std::string& dir) {
     }
     for (auto it = common.rbegin(); it != common.rend(); ++it) {
       if (best && *it <= best->step) break;
+      // Complete in every slice, and every slice's of one run (not a slice left by another).
       bool complete = true;
+      std::optional<std::optional<std::string>> run;
       for (const auto& [slice, folder] : folders) {
         complete = complete && sharded_checkpoint_complete(folder, *it);
+        if (!complete) break;
+        const auto mine = run_of_slice(folder, *it);
+        if (run && *run != mine) complete = false;
+        run = mine;
       }
       if (complete) {
         best = ShardedFound{*it, tp};

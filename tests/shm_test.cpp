@@ -88,6 +88,35 @@ TEST_P(SharedAllreduce, SumsInRankOrderOnEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, SharedAllreduce, ::testing::Values(2, 3, 4));
 
+// The float all-gather: parts of 0, 1, an odd count and several chunks (the last one short),
+// mixed with all-reduces: every rank gets every rank's part, bit for bit, in rank order.
+TEST_P(SharedAllreduce, AllgatherGivesEveryRanksPartOnEveryRank) {
+  const int size = GetParam();
+  const int64_t chunk = 1000;
+  auto errors = run_group(size, chunk, [&](int rank, SharedGroup& g) {
+    int round = 0;
+    for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{999}, int64_t{2503}}) {
+      std::vector<float> mine(static_cast<size_t>(n)), out(static_cast<size_t>(n * size), -1);
+      for (int64_t i = 0; i < n; ++i) mine[static_cast<size_t>(i)] = value(rank, i, round);
+      g.allgather(mine.data(), n, out.data(), "test all-gather");
+      for (int r = 0; r < size; ++r) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (out[static_cast<size_t>(r * n + i)] != value(r, i, round)) {
+            throw Error("rank " + std::to_string(rank) + ", n " + std::to_string(n) + ": rank " +
+                        std::to_string(r) + "'s element " + std::to_string(i) + " is " +
+                        std::to_string(out[static_cast<size_t>(r * n + i)]));
+          }
+        }
+      }
+      std::vector<float> ones(7, 1.0f);  // an all-reduce between: the slots are shared
+      g.allreduce_sum(ones.data(), 7, "test all-reduce");
+      if (ones[6] != static_cast<float>(size)) throw Error("the all-reduce between went wrong");
+      ++round;
+    }
+  });
+  for (auto& e : errors) EXPECT_EQ(e, "");
+}
+
 // Back-to-back all-gathers, mixed with all-reduces, never read a value of another round.
 TEST(SharedGroup, AllgathersBackToBackKeepTheirRounds) {
   const int size = 3;

@@ -44,6 +44,17 @@
 namespace scaletrain {
 namespace {
 
+// An all-gather's sizes, checked on the caller's rank before any rank waits.
+void check_gather(const at::Tensor& out, const at::Tensor& mine, int size,
+                  const std::string& what) {
+  if (out.numel() != mine.numel() * size || out.scalar_type() != mine.scalar_type()) {
+    throw Error(what + ": the all-gather's output holds " + std::to_string(out.numel()) + " " +
+                std::string(c10::toString(out.scalar_type())) + " elements, not " +
+                std::to_string(size) + " x " + std::to_string(mine.numel()) + " " +
+                c10::toString(mine.scalar_type()));
+  }
+}
+
 // The backend's collectives.
 class BackendCollectives : public Collectives {
  public:
@@ -59,6 +70,11 @@ class BackendCollectives : public Collectives {
       flags.push_back(t.item<int32_t>());
     }
     return flags;
+  }
+
+  void all_gather_into(at::Tensor& out, const at::Tensor& mine, const std::string& what) override {
+    check_gather(out, mine, dist_.size(), what);
+    dist_.all_gather_into_tensor_async(out, mine, what).wait();
   }
 
   bool shared_memory() const override { return false; }
@@ -85,6 +101,16 @@ class SharedMemoryCollectives : public BackendCollectives {
 
   std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) override {
     return group_->allgather(mine, what);
+  }
+
+  void all_gather_into(at::Tensor& out, const at::Tensor& mine, const std::string& what) override {
+    const auto shared = [](const at::Tensor& t) {
+      return t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+    };
+    if (!shared(out) || !shared(mine)) return BackendCollectives::all_gather_into(out, mine, what);
+    check_gather(out, mine, dist_.size(), what);
+    group_->allgather(mine.const_data_ptr<float>(), mine.numel(), out.mutable_data_ptr<float>(),
+                      what);
   }
 
   bool shared_memory() const override { return true; }

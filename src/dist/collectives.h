@@ -27,6 +27,12 @@ class Collectives {
   /// Every rank's `mine`, by rank (blocking).
   virtual std::vector<int32_t> all_gather_flags(int32_t mine, const std::string& what) = 0;
 
+  /// `out` = every rank's `mine` in rank order (PyTorch's all_gather_into_tensor: `out` holds
+  /// the group's size times mine's elements, of mine's dtype, on its device). Blocking. Every
+  /// rank calls it with the same sizes, in the same order.
+  virtual void all_gather_into(at::Tensor& out, const at::Tensor& mine,
+                               const std::string& what) = 0;
+
   /// Whether float32 CPU tensors go through one shared-memory segment of the whole group.
   virtual bool shared_memory() const = 0;
 

@@ -10,6 +10,9 @@
 //   round:    copy my chunk to my slot -> barrier -> sum my 1/n of the chunk over the slots,
 //             in rank order, into "sum" -> barrier -> copy the whole "sum" back
 //
+// An all-gather of floats is the same round without the sum: copy my part to my slot -> barrier
+// -> copy every slot to its place -> barrier.
+//
 // Every element is added by one rank in rank order, so every rank gets the same bits. A rank
 // writes its slot again only after the second barrier of the round before, which every rank
 // passes only when done reading the slots; it writes "sum" again only after the next round's
@@ -229,6 +232,21 @@ void SharedGroup::allreduce_sum(float* data, int64_t n, const std::string& what)
     }
     barrier(what);
     std::memcpy(data + offset, sum, static_cast<size_t>(c) * sizeof(float));
+  }
+}
+
+void SharedGroup::allgather(const float* mine, int64_t n, float* out, const std::string& what) {
+  const int64_t size = options_.size, chunk = options_.chunk_floats;
+  float* slot = Layout::slot(base_, size, chunk, options_.rank);
+  for (int64_t offset = 0; offset < n; offset += chunk) {
+    const int64_t c = std::min(chunk, n - offset);
+    std::memcpy(slot, mine + offset, static_cast<size_t>(c) * sizeof(float));
+    barrier(what);
+    for (int64_t r = 0; r < size; ++r) {
+      std::memcpy(out + r * n + offset, Layout::slot(base_, size, chunk, r),
+                  static_cast<size_t>(c) * sizeof(float));
+    }
+    barrier(what);  // every rank has read the slots: the next round (or collective) may write
   }
 }
 

@@ -40,6 +40,10 @@ class SharedGroup {
   void allreduce_sum(float* data, int64_t n, const std::string& what);
   /// Every rank's `mine`, by rank. Collective.
   std::vector<int32_t> allgather(int32_t mine, const std::string& what);
+  /// out[r·n, (r+1)·n) = rank r's mine[0, n), on every rank: every rank's bits, nothing summed.
+  /// Collective; every rank gives the same n; `out` holds size·n floats and may not overlap
+  /// `mine`.
+  void allgather(const float* mine, int64_t n, float* out, const std::string& what);
 
   struct Layout;
 

@@ -91,16 +91,13 @@ void ShardedDataParallel::Impl::gather_sync(size_t u, at::Tensor out) {
   }
   const auto what = "all-gather of unit " + std::to_string(u) + "'s parameters";
   if (shm(gather_shm, shard)) {
-    // All-gather as a sum, in the master dtype: every rank contributes its shard in its own
-    // place and zeros elsewhere, x + 0 is exact, so every rank ends with every shard's bits (and
-    // the compute copies are those bits rounded, as a cast before the gather would give).
+    // Through the segment in the master dtype (float32): every rank ends with every shard's
+    // bits, and the compute copies are those bits rounded, as a cast before the gather gives.
     const bool direct = out.scalar_type() == shard.scalar_type();
-    auto sum = direct ? out : at::empty({unit.padded}, shard.options());
-    const auto mine = shard.storage().is_alias_of(sum.storage()) ? shard.clone() : shard;
-    sum.zero_();
-    sum.narrow(0, rank * unit.shard_numel, unit.shard_numel).copy_(mine);
-    gather_shm->all_reduce_sum(sum, what).wait();
-    if (!direct) out.copy_(sum);
+    auto all = direct ? out : at::empty({unit.padded}, shard.options());
+    const auto mine = shard.storage().is_alias_of(all.storage()) ? shard.clone() : shard;
+    gather_shm->all_gather_into(all, mine.contiguous(), what);
+    if (!direct) out.copy_(all);
     return;
   }
   auto input = shard.to(out.scalar_type());

@@ -80,6 +80,20 @@ TEST(Launch, ProcStatReadRacedAnExitingWorker) {
   EXPECT_FALSE(threw);
 }
 
+// Regression (StorePortTakenByAnOutgoingConnection): an automatic store port came from bind(0),
+// in the ephemeral range, and another job's outgoing connection took it before rank 0 listened
+// (EADDRINUSE). It now lies below that range, which outgoing connections never use.
+TEST(Launch, StorePortTakenByAnOutgoingConnection) {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  if (low - 8192 < 1024) GTEST_SKIP() << "no room below the ephemeral range here";
+  for (int i = 0; i < 20; ++i) {
+    const int port = pick_free_port();
+    EXPECT_LT(port, low);
+    EXPECT_GE(port, low - 8192);
+  }
+}
+
 TEST(Launch, EachWorkerGetsTorchrunEnvironment) {
   auto r = run_command(cli_path() + " run --nproc-per-node 3 --master-port 0 --run-id abc -- " +
                        script_path("print_env.sh"));

@@ -66,7 +66,9 @@ int launch(const LaunchOptions& options);
 /// (when `use_gpus` and there are any), else one per CPU core, at most 8.
 int auto_nproc_per_node(bool use_gpus = true);
 
-/// A TCP port that was free on this host a moment ago.
+/// A TCP port that was free on this host a moment ago: below the ephemeral range
+/// (ip_local_port_range) where there is room, so that no outgoing connection takes it before the
+/// store listens (Note [Store port] in src/launch/launch.cpp).
 int pick_free_port();
 
 }  // namespace scaletrain

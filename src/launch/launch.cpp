@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -55,7 +56,29 @@ std::string random_run_id() {
 
 }  // namespace
 
+// Note [Store port]: a port the kernel hands out for bind(0) lies in the ephemeral range
+// (ip_local_port_range), from which every outgoing connection of the machine also takes its
+// local port, and Gloo's meshes make many. Between the pick and rank 0's listen (a process start
+// and LibTorch's load, a second or more) another job's connection could take it, and rank 0
+// failed with EADDRINUSE (regression StorePortTakenByAnOutgoingConnection, seen with two jobs at
+// once). A port below the ephemeral range is never an outgoing connection's: one is drawn at
+// random from the 8192 below it and checked to bind; bind(0) is the fallback.
 int pick_free_port() {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  const int lo = std::max(1024, ephemeral_low - 8192), hi = ephemeral_low;  // [lo, hi)
+  if (hi - lo >= 1024) {
+    std::mt19937 gen(std::random_device{}());
+    std::uniform_int_distribution<int> draw(lo, hi - 1);
+    for (int i = 0; i < 64; ++i) {
+      const int port = draw(gen);
+      const int probe = net::bind_tcp(port, /*loopback_only=*/false, /*listen=*/false);
+      if (probe >= 0) {
+        close(probe);
+        return port;
+      }
+    }
+  }
   int fd = net::bind_tcp(0, /*loopback_only=*/false, /*listen=*/false);
   int port = fd >= 0 ? net::bound_port(fd) : -1;
   if (fd >= 0) close(fd);

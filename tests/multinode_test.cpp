@@ -245,6 +245,27 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
                             << r.output;
 }
 
+// tests/scripts/elastic_link_down.sh in a fresh folder: host b's link down for `down` seconds,
+// or for good when it is empty.
+testing::CommandResult elastic_link_down(const std::string& name, const std::string& down) {
+  const auto out = std::filesystem::temp_directory_path() /
+                   ("scaletrain_elastic_" + name + "_" + std::to_string(getpid()));
+  std::filesystem::remove_all(out);
+  auto r = run_command(
+      script_path("elastic_link_down.sh") + " " + cli_path() + " " + out.string() + " " + down,
+      200);
+  std::filesystem::remove_all(out);
+  return r;
+}
+
+// The script's output as host a's log and host b's ("== b ==" on); b's is empty when missing.
+std::pair<std::string, std::string> hosts_of(const std::string& output) {
+  const auto b_at = output.find("== b ==");
+  EXPECT_NE(b_at, std::string::npos) << output;
+  if (b_at == std::string::npos) return {output, ""};
+  return {output.substr(0, b_at), output.substr(b_at)};
+}
+
 // An elastic job whose node b is cut off (tests/scripts/elastic_link_down.sh: its link goes down
 // for good, --node-timeout 4, --rdzv-timeout 15): the rendezvous counts b as gone once it has
 // been silent 4 s, and the job goes on at world 1 and ends; b's launcher, hearing nothing from
@@ -252,17 +273,10 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
 // [Cut-off node] in src/launch/elastic.cpp) and exits 1, saying why. Nothing is left on either
 // host.
 TEST(MultiNode, ElasticNodeCutOffIsLeftOutAfterTheNodeTimeoutAndTheJobEndsWithoutIt) {
-  const auto out = std::filesystem::temp_directory_path() /
-                   ("scaletrain_elastic_cut_" + std::to_string(getpid()));
-  std::filesystem::remove_all(out);
-  auto r =
-      run_command(script_path("elastic_link_down.sh") + " " + cli_path() + " " + out.string(), 200);
-  std::filesystem::remove_all(out);
+  const auto r = elastic_link_down("cut", "");
   if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto b_at = r.output.find("== b ==");
-  ASSERT_NE(b_at, std::string::npos) << r.output;
-  const std::string host_a = r.output.substr(0, b_at), host_b = r.output.substr(b_at);
+  const auto [host_a, host_b] = hosts_of(r.output);
   EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "b exit 1")) << r.output;
   EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;
@@ -282,17 +296,10 @@ TEST(MultiNode, ElasticNodeCutOffIsLeftOutAfterTheNodeTimeoutAndTheJobEndsWithou
 // last world resumes from the newest checkpoint, and both launchers end with 0. Before, b's
 // launcher exited 1 at the cut and the job ended at world 1.
 TEST(MultiNode, ElasticNodeCutOffRejoinsWhenTheLinkReturns) {
-  const auto out = std::filesystem::temp_directory_path() /
-                   ("scaletrain_elastic_back_" + std::to_string(getpid()));
-  std::filesystem::remove_all(out);
-  auto r = run_command(
-      script_path("elastic_link_down.sh") + " " + cli_path() + " " + out.string() + " 6", 200);
-  std::filesystem::remove_all(out);
+  const auto r = elastic_link_down("back", "6");
   if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto b_at = r.output.find("== b ==");
-  ASSERT_NE(b_at, std::string::npos) << r.output;
-  const std::string host_a = r.output.substr(0, b_at), host_b = r.output.substr(b_at);
+  const auto [host_a, host_b] = hosts_of(r.output);
   EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "b exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;

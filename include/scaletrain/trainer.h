@@ -255,7 +255,7 @@ struct TrainerOptions {
   // Autocast under ddp (fp16 with loss scaling) and grid (bf16); under zero1, zero2 and fsdp,
   // kBf16 is the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype).
   Amp amp = Amp::kNone;
-  bool channels_last = true;           // convolution weights and image batches in NHWC memory
+  bool channels_last = true;  // convolution weights and image batches in NHWC memory
   // ddp: kFail within a step, naming the ranks, or kJoin (ddp.h; kOff is refused: the trainer
   // always checks).
   UnevenInputs uneven_inputs = UnevenInputs::kFail;

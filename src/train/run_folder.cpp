@@ -219,38 +219,24 @@ std::optional<ShardedFound> newest_sharded(const std::string& dir) {
   }
   for (const auto& [tp, folders] : slices) {
     if (static_cast<int>(folders.size()) != tp) continue;  // a slice's folder is missing
-    // The newest step every slice holds complete (the slices rotate their files on their own:
-    // one may have dropped a step another still needs).
-    std::set<int64_t> common;
-    bool first = true;
+    // The newest step every slice holds complete, and every slice's of one run (the slices
+    // rotate their files on their own: one may have dropped a step another still needs).
+    std::map<int64_t, int> holders;  // step -> slices that have its files
     for (const auto& [slice, folder] : folders) {
-      const auto steps = sharded_checkpoint_steps(folder);
-      std::set<int64_t> mine(steps.begin(), steps.end());
-      if (first) {
-        common = std::move(mine);
-        first = false;
-      } else {
-        std::set<int64_t> both;
-        for (int64_t s : common) {
-          if (mine.count(s)) both.insert(s);
-        }
-        common = std::move(both);
-      }
+      for (int64_t step : sharded_checkpoint_steps(folder)) ++holders[step];
     }
-    for (auto it = common.rbegin(); it != common.rend(); ++it) {
-      if (best && *it <= best->step) break;
-      // Complete in every slice, and every slice's of one run (not a slice left by another).
+    for (auto it = holders.rbegin(); it != holders.rend(); ++it) {
+      const int64_t step = it->first;
+      if (best && step <= best->step) break;
+      if (it->second != tp) continue;
+      std::set<std::optional<std::string>> runs;
       bool complete = true;
-      std::optional<std::optional<std::string>> run;
       for (const auto& [slice, folder] : folders) {
-        complete = complete && sharded_checkpoint_complete(folder, *it);
-        if (!complete) break;
-        const auto mine = run_of_slice(folder, *it);
-        if (run && *run != mine) complete = false;
-        run = mine;
+        complete = complete && sharded_checkpoint_complete(folder, step);
+        if (complete) runs.insert(run_of_slice(folder, step));
       }
-      if (complete) {
-        best = ShardedFound{*it, tp};
+      if (complete && runs.size() == 1) {
+        best = ShardedFound{step, tp};
         break;
       }
     }

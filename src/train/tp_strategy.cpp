@@ -57,11 +57,11 @@ class TensorParallelStrategy : public TrainStrategy {
         dev_(rank_device(o.device, d)),
         amp_(o.amp == Amp::kBf16   ? std::optional<at::ScalarType>(at::kBFloat16)
              : o.amp == Amp::kFp16 ? std::optional<at::ScalarType>(at::kHalf)
-                               : std::nullopt),
+                                   : std::nullopt),
         scaler_([&] {
           GradScalerOptions so;
           so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
-          so.agree_over = &d;            // the ranks hold different slices: they skip together
+          so.agree_over = &d;                // the ranks hold different slices: they skip together
           return so;
         }()),
         sequence_parallel_(o.sequence_parallel) {

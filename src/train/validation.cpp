@@ -146,7 +146,8 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
            " (dp's replicas and a pipeline's stages run on threads of their own, which autocast "
            "does not reach yet)");
   }
-  if (!f.ddp && o.uneven_inputs != UnevenInputs::kFail) refuse("--uneven-inputs is for --strategy ddp");
+  if (!f.ddp && o.uneven_inputs != UnevenInputs::kFail)
+    refuse("--uneven-inputs is for --strategy ddp");
   if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {
     refuse("--checkpoint-format sharded is for the sharded strategies (zero1, zero2, fsdp), not " +
            f.name + "; its checkpoints are one file (--checkpoint-format full)");
@@ -239,7 +240,8 @@ void validate_fault_tolerance(const TrainerOptions& o) {
            to_string(s) + ")");
   }
   if (o.accumulate != 1) refuse(what + " takes one batch per step: leave --accumulate at 1");
-  if (o.amp == Amp::kFp16) refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
+  if (o.amp == Amp::kFp16)
+    refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
   if (o.tensor_parallel > 1) refuse(what + " with --tp is not supported yet");
   if (o.checkpoint_format != CheckpointFormat::kFull) {
     refuse(what + " writes full checkpoints: leave --checkpoint-format at full");

@@ -5,7 +5,8 @@
 # STEP: train (seed 003's ResNet-18 on Fashion-MNIST, 10 epochs, fp32 and bf16 autocast, the data
 # on the device, and 3 epochs through the loader), gpt2-small (10 and 100 steps of the 124M GPT
 # on the bytes of Python's standard library, bf16: the difference is the steady step), peers
-# (PyTorch's Python path on the same models: benchmarks/python/gpu_peer.py), or a
+# (PyTorch's Python path on the same models: benchmarks/python/gpu_peer.py), tp-memory (GPT-2
+# small's peak memory per rank at --tp 1 and 2, with and without the sequence split), or a
 # `scaletrain bench` suite (full sizes). No STEP: all of them but ddp-vs-python (a CPU suite).
 # Everything lands in OUT_DIR: logs, the runs' metrics, the suites' CSV/JSON/report (and their
 # plots, or the gnuplot scripts to draw them where gnuplot is missing).
@@ -23,7 +24,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] ||
-  steps=(train gpt2-small peers mp-vs-single split-sweep dp-scaling async allreduce pipeline-bubble
+  steps=(train gpt2-small tp-memory peers mp-vs-single split-sweep dp-scaling async allreduce pipeline-bubble
     pipeline-memory loader)
 tokens() {  # train.bin/val.bin of the standard library's bytes, once
   [ -f "$out/tokens/train.bin" ] && return
@@ -55,6 +56,20 @@ for step in "${steps[@]}"; do
         --log-every 20 --peak-flops 989e12 --resume none --no-progress --overwrite \
         --out "$out/gpt2-small-$n" 2>&1 | tee "$out/gpt2-small-$n.log"
     done
+    ;;
+  tp-memory)
+    # GPT-2 small (vocabulary padded to 50304, which 2 divides) at --tp 1, --tp 2 and --tp 2
+    # --sequence-parallel: two processes share the one GPU over Gloo (NCCL takes one rank per
+    # GPU), so the figure is each rank's peak memory in training, and the losses, not speed.
+    tokens
+    g=(--model gpt2-small --vocab-size 50304 --dataset text --data-dir "$out/tokens" --amp bf16
+      --optimizer adam --lr 3e-4 --batch-size 8 --epochs 1 --limit-train 32 --limit-test 1
+      --log-every 1 --resume none --no-progress --overwrite)
+    "$bin" train "${g[@]}" --out "$out/tp1" 2>&1 | tee "$out/tp1.log"
+    tp2=(--nproc-per-node 2 --tp 2 --device cuda --backend gloo)
+    "$bin" train "${g[@]}" "${tp2[@]}" --out "$out/tp2" 2>&1 | tee "$out/tp2.log"
+    "$bin" train "${g[@]}" "${tp2[@]}" --sequence-parallel --out "$out/tp2sp" 2>&1 |
+      tee "$out/tp2sp.log"
     ;;
   peers)
     tokens

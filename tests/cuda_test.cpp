@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -384,6 +385,66 @@ TEST(Cuda, GptTrainsInBf16WithCheckpointedBlocks_CUDA) {
   const auto at = last.find("\"loss\":");
   ASSERT_NE(at, std::string::npos) << last;
   EXPECT_LT(std::stod(last.substr(at + 7)), 0.8 * std::log(256.0)) << last;
+  fs::remove_all(dir);
+}
+
+// Tensor parallelism on the GPU: two processes share cuda:0 over Gloo (NCCL takes one rank per
+// GPU), --tp 2 with and without the sequence split, and train gpt-tiny on text to the weights of
+// one process at --tp 1: 4 SGD steps (lr 0.1, no momentum), the same batches (one replica). The
+// split layers sum their halves in another order, so a weight may differ by the rounding of its
+// gradient's sums: their longest chains (the batch's 1024 tokens, the MLP's 256 fan-in, the 256
+// logits) are under 2^14 terms, each step's change is at most the whole change |dw| in size, and
+// the update rounds 4 times a step. A missing all-reduce in the row-parallel layers or a missing
+// reduce-scatter in the sequence split is off by the size of the change itself.
+TEST(Cuda, TensorParallelTwoProcessesShareOneGpuOverGloo_CUDA) {
+  REQUIRE_GPU();
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_tp_gloo";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 400; ++i) text << "a stitch in time saves nine, " << i * 7919 << "\n";
+  }
+  auto data = testing::run_command(testing::cli_path() + " data text --input " +
+                                   (dir / "text.txt").string() + " --out " +
+                                   (dir / "tokens").string() + " 2>&1");
+  ASSERT_EQ(data.exit_code, 0) << data.output;
+  torch::manual_seed(3);
+  Model start = make_model("gpt-tiny");
+  save_weights((dir / "start.pt").string(), *start.module);
+  auto train_with = [&](int procs, const std::string& flags) {
+    const fs::path out = dir / ("run" + std::to_string(procs) + (flags.empty() ? "" : "sp"));
+    auto r = testing::run_command(
+        testing::cli_path() + " train --nproc-per-node " + std::to_string(procs) + " --tp " +
+            std::to_string(procs) + flags +
+            " --device cuda --backend gloo --model gpt-tiny --dataset text --data-dir " +
+            (dir / "tokens").string() +
+            " --limit-train 64 --limit-test 16 --epochs 1 --batch-size 16 --optimizer sgd"
+            " --lr 0.1 --momentum 0 --weight-decay 0 --no-progress --no-tensorboard"
+            " --resume none --init-weights " +
+            (dir / "start.pt").string() + " --out " + out.string() + " 2>&1",
+        240);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    Model m = make_model("gpt-tiny");
+    load_weights((out / "model.pt").string(), *m.module);
+    std::map<std::string, at::Tensor> w;
+    for (const auto& p : m.module->named_parameters()) w[p.key()] = p.value().detach().clone();
+    return w;
+  };
+  const auto one = train_with(1, "");
+  const double steps = 4, eps = std::ldexp(1.0, -24), terms = 1 << 14;
+  for (const std::string flags : {"", " --sequence-parallel"}) {
+    const auto two = train_with(2, flags);
+    for (const auto& p : start.module->named_parameters()) {
+      const auto& want = one.at(p.key());
+      const double change = (want - p.value()).abs().max().item<double>();
+      const double bound = terms * eps * change + 4 * steps * eps * want.abs().max().item<double>();
+      const double err = (two.at(p.key()) - want).abs().max().item<double>();
+      EXPECT_LE(err, bound) << "--tp 2" << flags << ": " << p.key() << " (changed by " << change
+                            << ")";
+    }
+  }
   fs::remove_all(dir);
 }
 

@@ -262,6 +262,9 @@ void add_optimizer_flags(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--epochs", o.epochs)->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "Global batch, split over the ranks")
       ->capture_default_str();
+  cmd->add_option("--eval-batch-size", o.eval_batch_size,
+                  "Evaluation's batch per replica (0: the training batch per replica)")
+      ->capture_default_str();
   cmd->add_option("--optimizer", o.optimizer, "sgd or adam")->capture_default_str();
   cmd->add_option("--lr", o.lr)->capture_default_str();
   cmd->add_option("--momentum", o.momentum)->capture_default_str();

@@ -8,14 +8,17 @@
 #include <torch/optim/sgd.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
 
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/tokens.h"
 #include "support/ranks.h"
@@ -535,6 +538,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Bad{"--limit-test -1", "--limit-test -1 must be 0 (every sample) or more"},
                       Bad{"--keep 0", "--keep 0 must be at least 1"},
                       Bad{"--keep -1", "--keep -1 must be at least 1"},
+                      Bad{"--eval-batch-size -4", "--eval-batch-size -4 must be 0 (the training"},
                       Bad{"--timeout 0", "--timeout 0 must be a positive number of seconds"},
                       Bad{"--init-weights /tmp", "--init-weights '/tmp' is a folder"}));
 
@@ -625,6 +629,72 @@ TEST(Train, DataOnDeviceAndDeferredReadsGiveTheLoadersStepByStepRun) {
   EXPECT_EQ(text.exit_code, 2) << text.output;
   EXPECT_NE(text.output.find("--dataset text is read from files"), std::string::npos)
       << text.output;
+}
+
+// Regression (EvaluationBatchFollowsTheTrainingBatch): the evaluation took batches of at least
+// 256 samples whatever the training batch. A language model's logits grow with the batch
+// (batch x context x vocabulary): 256 windows of GPT-2 small are 53 GB of fp32 logits, where its
+// training batch of 8 fit in 11 GB. The evaluation now takes the training batch per replica, or
+// TrainerOptions::eval_batch_size. The mean loss is the same to the rounding of a sample's
+// forward (its longest sums: the MLP's fan-ins 785 and 257, the 10 classes), which a batch of
+// another size may order otherwise; the accuracy is not compared, as near-tied logits flip.
+TEST(Train, EvaluationBatchFollowsTheTrainingBatch) {
+  Dataset train_set = make_synthetic(64, 1, 28, 28, 10, 1);
+  Dataset test_set = make_synthetic(300, 1, 28, 28, 10, 2);
+  // One start for both runs (rank threads share the process's generator, so a model each
+  // builds from a seed may draw in either order).
+  torch::manual_seed(4);
+  Model start = make_model("mlp");
+  auto build = [&start] {
+    Model m = make_model("mlp");
+    torch::NoGradGuard no_grad;
+    auto from = start.module->parameters();
+    auto to = m.module->parameters();
+    for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+    return m;
+  };
+  auto run = [&](int64_t eval_batch, const std::string& name) {
+    TempDir dir(name);
+    std::vector<int64_t> rows;  // every evaluation batch's, on every rank
+    std::mutex m;
+    double loss = -1;
+    auto errors = testing::run_ranks(2, [&](Dist& d) {
+      TrainTask task;
+      task.model = build;
+      task.train_data = in_memory(train_set);
+      task.test_data = in_memory(test_set);
+      Metric counted = token_loss();
+      auto inner = counted.per_sample;
+      counted.per_sample = [&, inner](const at::Tensor& out, const at::Tensor& y) {
+        std::lock_guard<std::mutex> lock(m);
+        rows.push_back(out.size(0));
+        return inner(out, y);
+      };
+      task.metrics = {counted};
+      TrainerOptions o;
+      o.epochs = 1;
+      o.batch_size = 16;  // 8 per replica
+      o.eval_batch_size = eval_batch;
+      o.device = "cpu";
+      o.progress = false;
+      o.tensorboard = false;
+      o.resume = "none";
+      o.out_dir = (dir.path / "out").string();
+      auto r = train(task, o, d);
+      if (d.rank() == 0) loss = r.metrics.at("test_loss");
+    });
+    EXPECT_EQ(errors, std::vector<std::string>(2));
+    return std::make_pair(rows, loss);
+  };
+  const auto [by_default, loss_by_default] = run(0, "eval_default");
+  ASSERT_EQ(by_default.size(), 2u * 19) << "150 samples per replica in batches of 8";
+  for (int64_t r : by_default) EXPECT_LE(r, 8);
+  const auto [set, loss_set] = run(50, "eval_set");
+  ASSERT_EQ(set.size(), 2u * 3);
+  for (int64_t r : set) EXPECT_EQ(r, 50);
+  const double terms = 785 + 257 + 10 + 10;
+  EXPECT_GT(loss_by_default, 0);
+  EXPECT_NEAR(loss_set, loss_by_default, 4 * terms * std::ldexp(1.0, -24) * loss_by_default);
 }
 
 // Regression (CpuDevicesOnAGpuMachineAskedNccl): on a machine with one GPU, `--strategy dp

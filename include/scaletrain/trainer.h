@@ -219,6 +219,10 @@ struct TrainerOptions {
   int epochs = 5;
   int64_t batch_size = 256;  // global: split over the ranks (ddp) or the data-parallel replicas
   int accumulate = 1;        // gradient accumulation: batches per optimizer step
+  // Evaluation's batch per data-parallel replica. 0: the training batch per replica, as a
+  // PyTorch loop evaluates with its loader's batch (a language model's logits grow with it:
+  // batch x context x vocabulary).
+  int64_t eval_batch_size = 0;
   uint64_t seed = 0;  // the weights' start; rank r draws dropout from rank_seed(seed, r / tp)
                       // (rng.h: a tensor-parallel group's ranks draw alike)
   std::string out_dir = "runs/latest";

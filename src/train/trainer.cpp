@@ -298,7 +298,7 @@ std::map<std::string, double> Run::evaluate() {
   strategy_->train_mode(false);
   DistributedSampler s(
       {task_.test_data.size, strategy_->data_replicas(), strategy_->data_rank(), false, 0, false});
-  const int64_t batch = std::max<int64_t>(2 * per_replica_, 256);
+  const int64_t batch = o_.eval_batch_size > 0 ? o_.eval_batch_size : per_replica_;
   auto next = batch_stream(task_.test_data, test_rows_, s.indices(), loader_options(batch, 0, 0));
   const auto k = static_cast<int64_t>(task_.metrics.size());
   auto sums = at::zeros({2 * k}, at::kDouble);  // each metric's weighted sum, and its weight

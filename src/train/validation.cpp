@@ -260,6 +260,10 @@ void validate_strategy(const TrainerOptions& o, int world) {
   validate_interleaving(o, f);
   validate_grid(o, f, world);
   validate_balance(o, f);
+  if (o.eval_batch_size < 0) {
+    refuse("--eval-batch-size " + std::to_string(o.eval_batch_size) +
+           " must be 0 (the training batch per replica) or more");
+  }
   const int n = replicas(o, world);
   if (o.batch_size < n || o.batch_size % n != 0) {
     refuse("--batch-size " + std::to_string(o.batch_size) + " does not split evenly over the " +

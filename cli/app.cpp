@@ -2,11 +2,65 @@
 // parsing with one exit status for each kind of outcome.
 
 #include <iostream>
+#include <map>
+#include <regex>
 
 #include "commands.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain::cli {
+
+// The library's errors name its options (TrainerOptions::batch_size); the command line's user
+// set them as flags (--batch-size). Names without a flag stay as they are.
+std::string in_flag_names(const std::string& message) {
+  static const std::map<std::string, std::string> flags = {
+      {"TrainerOptions::accumulate", "--accumulate"},
+      {"TrainerOptions::amp", "--amp"},
+      {"TrainerOptions::async_checkpoint", "--async-checkpoint"},
+      {"TrainerOptions::balance", "--balance"},
+      {"TrainerOptions::batch_size", "--batch-size"},
+      {"TrainerOptions::checkpoint_every", "--checkpoint-every"},
+      {"TrainerOptions::checkpoint_format", "--checkpoint-format"},
+      {"TrainerOptions::checkpointing", "--checkpoint-activations"},
+      {"TrainerOptions::chunks", "--chunks"},
+      {"TrainerOptions::data_on_device", "--data-on-device"},
+      {"TrainerOptions::device", "--device"},
+      {"TrainerOptions::devices", "--devices"},
+      {"TrainerOptions::epochs", "--epochs"},
+      {"TrainerOptions::eval_batch_size", "--eval-batch-size"},
+      {"TrainerOptions::fault_tolerant", "--fault-tolerant"},
+      {"TrainerOptions::keep", "--keep"},
+      {"TrainerOptions::log_every", "--log-every"},
+      {"TrainerOptions::max_grad_norm", "--max-grad-norm"},
+      {"TrainerOptions::out_dir", "--out"},
+      {"TrainerOptions::overwrite", "--overwrite"},
+      {"TrainerOptions::peak_flops", "--peak-flops"},
+      {"TrainerOptions::pipeline_stages", "--pipeline-stages"},
+      {"TrainerOptions::resume", "--resume"},
+      {"TrainerOptions::schedule", "--schedule"},
+      {"TrainerOptions::sequence_parallel", "--sequence-parallel"},
+      {"TrainerOptions::split_size", "--split-size"},
+      {"TrainerOptions::stages_per_device", "--stages-per-device"},
+      {"TrainerOptions::strategy", "--strategy"},
+      {"TrainerOptions::tensor_parallel", "--tp"},
+      {"TrainerOptions::timeout_s", "--timeout"},
+      {"TrainerOptions::uneven_inputs", "--uneven-inputs"},
+      {"TrainerOptions::workers", "--workers"},
+      {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
+      {"ReplicaGroupOptions::replica_id", "--replica-id"},
+  };
+  static const std::regex name(R"((TrainerOptions|ReplicaGroupOptions)::[a-z_]+)");
+  std::string out;
+  auto from = message.cbegin();
+  for (std::sregex_iterator it(message.begin(), message.end(), name), end; it != end; ++it) {
+    out.append(from, (*it)[0].first);
+    auto flag = flags.find(it->str());
+    out += flag == flags.end() ? it->str() : flag->second;
+    from = (*it)[0].second;
+  }
+  return out.append(from, message.cend());
+}
+
 namespace {
 std::vector<std::string> g_args;
 
@@ -60,10 +114,10 @@ int parse_and_run(CLI::App& app, const Action& action, int argc, char** argv) {
   try {
     return action ? action() : 0;
   } catch (const UsageError& e) {
-    std::cerr << "scaletrain: " << e.what() << "\n";
+    std::cerr << "scaletrain: " << in_flag_names(e.what()) << "\n";
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "scaletrain: error: " << e.what() << "\n";
+    std::cerr << "scaletrain: error: " << in_flag_names(e.what()) << "\n";
     return 1;
   }
 }

@@ -62,6 +62,9 @@ void configure_app(CLI::App& app);
 /// success, 1 failure of the job, 2 bad input (an unknown subcommand or flag, named), 128+N when
 /// stopped by signal N.
 int parse_and_run(CLI::App& app, const Action& action, int argc, char** argv);
+/// The library's option names in an error message (TrainerOptions::batch_size) as the flags
+/// that set them (--batch-size); other text unchanged.
+std::string in_flag_names(const std::string& message);
 
 /// The tool's own command line (argv), for subcommands that start themselves again.
 const std::vector<std::string>& program_args();

@@ -81,6 +81,44 @@ TEST(TokenMetrics, MeansAreOverTokensWithIgnoredTargetsLeftOut) {
 // A model whose logits are a lookup of the input token, trained with lr 0: the trainer's
 // test_loss, test_perplexity and test_accuracy on 2 ranks (7 test samples: one padded
 // duplicate) equal the token means by hand.
+// A class-split output (tensor parallelism's vocabulary over 2 and 4 ranks) scores as the whole
+// one: accuracy() the same argmax, the lowest class among equal largest ones on different ranks
+// included, and token_loss() the same cross entropy (float64: a per-token rounding of the log of
+// a sum of 8 exponentials), for targets on every rank's slice and ignored ones.
+TEST(TokenMetrics, ASplitOutputScoresAsTheWholeOne) {
+  constexpr int64_t vocab = 8;
+  auto g = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto logits = at::randn({6, kPositions, vocab}, g, at::kDouble);
+  logits[0][0][1] = 9;  // ties across the slices: class 1 (rank 0) wins at tp 2 and 4
+  logits[0][0][6] = 9;
+  logits[1][2][3] = 7;  // class 3 (rank 0 at tp 2, rank 1 at tp 4) against class 5
+  logits[1][2][5] = 7;
+  auto y = at::randint(vocab, {6, kPositions}, g, at::kLong);
+  y[2][3] = -100;
+  y[3][0] = -100;
+  y[0][0] = 1;
+  y[1][2] = 5;  // the tie's loser: a wrong answer either way
+  const auto acc = accuracy(), loss = token_loss();
+  const auto whole_acc = acc.per_sample(logits, y), whole_loss = loss.per_sample(logits, y);
+  EXPECT_EQ(logits.argmax(-1)[0][0].item<int64_t>(), 1) << "argmax picks the first of equals";
+  for (int tp : {2, 4}) {
+    std::vector<at::Tensor> accs(tp), losses(tp);
+    auto errors = testing::run_ranks(tp, [&](Dist& d) {
+      const int64_t width = vocab / tp, offset = d.rank() * width;
+      const ClassSlice where{&d, offset};
+      const auto slice = logits.narrow(-1, offset, width);
+      accs[d.rank()] = acc.per_sample_split(slice, y, where);
+      losses[d.rank()] = loss.per_sample_split(slice, y, where);
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(tp));
+    for (int r = 0; r < tp; ++r) {
+      EXPECT_TRUE(at::equal(accs[r], whole_acc)) << "tp " << tp << ", rank " << r;
+      EXPECT_TRUE(at::allclose(losses[r], whole_loss, 0, 16 * std::ldexp(1.0, -52) * 20))
+          << "tp " << tp << ", rank " << r << ": " << (losses[r] - whole_loss).abs().max();
+    }
+  }
+}
+
 TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(9);
   Dataset train_set{at::randint(kVocab, {8, kPositions}, g, at::kLong),

@@ -11,6 +11,8 @@
 
 #include <filesystem>
 #include <map>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "scaletrain/checkpoint.h"
@@ -164,6 +166,48 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
   // Each rank holds half of the split layers.
   EXPECT_LT(r2.devices.at(0).parameters,
             parameter_count(*make_model("gpt-tiny", gpt_options()).module));
+}
+
+// Issue 24's "no rank ever holds the full logits", in evaluation too: with metrics that score a
+// split output (the built-in ones), each rank scores its slice of the vocabulary (16 / 2 = 8
+// wide); a metric of the program's own without per_sample_split makes the strategy gather the
+// output whole (16) for every metric. Either way the accuracy is the single rank's.
+TEST(TrainTensorParallel, EvaluationScoresTheVocabularySliceWithoutGathering) {
+  const TokenTask data;
+  std::mutex m;
+  std::set<int64_t> widths;
+  auto record = [&](const at::Tensor& out) {
+    std::lock_guard<std::mutex> lock(m);
+    widths.insert(out.size(-1));
+  };
+  Metric split = accuracy();
+  auto inner = split.per_sample_split;
+  split.per_sample_split = [&, inner](const at::Tensor& slice, const at::Tensor& y,
+                                      const ClassSlice& where) {
+    record(slice);
+    return inner(slice, y, where);
+  };
+  Metric whole = accuracy();
+  whole.name = "whole_accuracy";
+  whole.per_sample_split = nullptr;
+  auto inner_whole = whole.per_sample;
+  whole.per_sample = [&, inner_whole](const at::Tensor& out, const at::Tensor& y) {
+    record(out);
+    return inner_whole(out, y);
+  };
+  TempDir one("tp_eval_one"), sliced("tp_eval_split"), gathered("tp_eval_whole");
+  const auto r1 = run(1, data.task(), options(one.path, 1));
+  TrainTask t = data.task();
+  t.metrics = {split};
+  const auto r2 = run(2, t, options(sliced.path, 2));
+  EXPECT_EQ(widths, std::set<int64_t>{8});
+  EXPECT_NEAR(r2.test_accuracy, r1.test_accuracy, 1e-12);
+  widths.clear();
+  t.metrics = {split, whole};
+  const auto r3 = run(2, t, options(gathered.path, 2));
+  EXPECT_EQ(widths, std::set<int64_t>{16});
+  EXPECT_NEAR(r3.test_accuracy, r1.test_accuracy, 1e-12);
+  EXPECT_NEAR(r3.metrics.at("whole_accuracy"), r1.test_accuracy, 1e-12);
 }
 
 // Regression (SequenceParallelSumEveryMicroBatch): with gradient accumulation (two batches per
@@ -364,8 +408,11 @@ TEST(TrainTensorParallel, ShardedCheckpointsPerSliceResumeExactly) {
     other.tensor_parallel = 1;
     auto errors = testing::run_ranks(4, [&](Dist& d) { train(data.task(), other, d); });
     for (const auto& e : errors) {
-      EXPECT_NE(e.find("is sharded at --tp 2, and this run has --tp 1"), std::string::npos) << e;
-      EXPECT_NE(e.find("resume with --tp 2"), std::string::npos) << e;
+      EXPECT_NE(e.find("is sharded at TrainerOptions::tensor_parallel 2, and this run has "
+                       "TrainerOptions::tensor_parallel 1"),
+                std::string::npos)
+          << e;
+      EXPECT_NE(e.find("resume with TrainerOptions::tensor_parallel 2"), std::string::npos) << e;
     }
     auto resumed = run(4, data.task(), oc);
     EXPECT_EQ(resumed.global_step, 8);
@@ -390,7 +437,8 @@ TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
   auto errors =
       testing::run_ranks(1, [&](Dist& d) { train(data.task(), options(dir.path, 2), d); });
   ASSERT_EQ(errors.size(), 1u);
-  EXPECT_NE(errors[0].find("--tp 2 does not divide the world of 1"), std::string::npos)
+  EXPECT_NE(errors[0].find("TrainerOptions::tensor_parallel 2 does not divide the world of 1"),
+            std::string::npos)
       << errors[0];
 }
 
@@ -602,28 +650,33 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   };
   auto b = o;
   b.strategy = Strategy::kPipeline;
-  expect(b, 2, "--tp 2 goes with --strategy ddp, zero1, zero2, fsdp or grid");
+  expect(b, 2,
+         "TrainerOptions::tensor_parallel 2 goes with TrainerOptions::strategy ddp, zero1, zero2, "
+         "fsdp or grid");
   b = o;
   b.strategy = Strategy::kGrid;
   expect(b, 6,
-         "--strategy grid needs --pipeline-stages of at least 2 dividing the world with "
-         "--tp 2: 6 processes");
-  expect(b, 2, "dividing the world with --tp 2: 2 processes");
+         "TrainerOptions::strategy grid needs TrainerOptions::pipeline_stages of at least 2 "
+         "dividing the world with TrainerOptions::tensor_parallel 2: 6 processes");
+  expect(b, 2, "dividing the world with TrainerOptions::tensor_parallel 2: 2 processes");
   b.schedule = PipelineSchedule::kZeroBubbleH1;
   b.chunks = 4;
-  expect(b, 8, "as many processes as --pipeline-stages times --tp, here 4, not 8");
-  expect(o, 3, "--tp 2 does not divide the world of 3");
+  expect(b, 8,
+         "as many processes as TrainerOptions::pipeline_stages times "
+         "TrainerOptions::tensor_parallel, here 4, not 8");
+  expect(o, 3, "TrainerOptions::tensor_parallel 2 does not divide the world of 3");
   b = o;
   b.tensor_parallel = 1;
   b.sequence_parallel = true;
-  expect(b, 2, "--sequence-parallel");
+  expect(b, 2, "TrainerOptions::sequence_parallel");
   b = o;
   b.tensor_parallel = 0;
   expect(b, 2, "at least 1");
   b = o;
   b.strategy = Strategy::kZero2;
   b.amp = Amp::kFp16;
-  expect(b, 4, "--amp fp16 needs loss scaling, which the sharded strategies do not do");
+  expect(b, 4,
+         "TrainerOptions::amp fp16 needs loss scaling, which the sharded strategies do not do");
 }
 
 }  // namespace

@@ -108,19 +108,34 @@ Model model_of(std::shared_ptr<M> module, std::string name = "model",
   return {std::move(name), module, tensor_forward(module), std::move(blocks)};
 }
 
+/// Where a class-split output's slice lies: classes [offset, offset + the slice's last size) of
+/// the whole, the rest on the other ranks of `group` (tensor parallelism's vocabulary split).
+struct ClassSlice {
+  const Dist* group = nullptr;
+  int64_t offset = 0;
+};
+
 /// A metric of the test data: a value per sample (1 for right, 0 for wrong...), which the trainer
 /// averages over the test set exactly (every sample once, over every rank).
 struct Metric {
   using PerSample = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+  using PerSampleSplit = std::function<at::Tensor(const at::Tensor& slice, const at::Tensor& target,
+                                                  const ClassSlice& where)>;
   std::string name;
   PerSample per_sample;
+  /// Optional: per_sample's values from this rank's slice of a class-split output (every rank of
+  /// `where.group` calls it at once, and it may communicate over it). Where every metric of a
+  /// task has one, the tensor-parallel strategy evaluates a vocabulary-split output without
+  /// gathering it whole on any rank (`weight` then gets the slice); else it gathers the output.
+  PerSampleSplit per_sample_split = nullptr;
   /// Optional: each sample's weight in the mean (a sequence's positions whose target is not the
   /// ignore index, so that the mean is one over tokens). Unset: every sample weighs 1.
   PerSample weight = nullptr;
   /// Optional: applied to the mean (perplexity: exp of the mean cross entropy).
   std::function<double(double)> finish = nullptr;
 };
-/// "test_accuracy": the output's argmax over its last dimension (the classes) is the target;
+/// "test_accuracy": the output's argmax over its last dimension (the classes) is the target
+/// (split: the largest of the slices' largest, the lowest class among equals, as argmax picks);
 /// for a sequence ([batch, positions, classes] against [batch, positions]), the fraction of its
 /// positions that are right, weighted by its positions, those whose target is `ignore_index`
 /// left out (PyTorch's cross_entropy default, -100). Throws UsageError for other shapes

@@ -4,6 +4,7 @@
 #include <torch/nn/functional/loss.h>
 
 #include <cmath>
+#include <limits>
 
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
@@ -62,6 +63,35 @@ Metric::PerSample positions_counted(int64_t ignore) {
   return [ignore](const at::Tensor&, const at::Tensor& y) { return counted(y, ignore).sum(1); };
 }
 
+// Each position's class of largest output over a class-split output: every rank's largest of its
+// slice and that class's id, gathered (two numbers per position and rank); the largest wins, the
+// lowest id among equals, as at::argmax picks the first.
+at::Tensor split_argmax(const at::Tensor& slice, const ClassSlice& where) {
+  auto [value, index] = slice.max(-1);
+  auto values = at::stack(where.group->all_gather(value.contiguous(), "accuracy()"));
+  auto ids = at::stack(where.group->all_gather((index + where.offset).contiguous(), "accuracy()"));
+  auto best = std::get<0>(values.max(0));
+  auto lowest = at::where(values.eq(best), ids, std::numeric_limits<int64_t>::max());
+  return std::get<0>(lowest.min(0));
+}
+
+// Each position's cross entropy over a class-split output (the vocabulary-parallel cross
+// entropy's three all-reduces, per position): log sum exp over every slice, less the target's
+// output, which one rank holds. Ignored targets give 0.
+at::Tensor split_cross_entropy(const at::Tensor& slice, const at::Tensor& y,
+                               const ClassSlice& where, int64_t ignore) {
+  auto top = std::get<0>(slice.max(-1)).contiguous();
+  where.group->all_reduce(top, ReduceOp::MAX, "token_loss()");
+  auto sum = at::exp(slice - top.unsqueeze(-1)).sum(-1).contiguous();
+  where.group->all_reduce(sum, ReduceOp::SUM, "token_loss()");
+  const int64_t width = slice.size(-1);
+  auto local = y.ge(where.offset).logical_and(y.lt(where.offset + width)).logical_and(y.ne(ignore));
+  auto at_target = slice.gather(-1, (y - where.offset).clamp(0, width - 1).unsqueeze(-1));
+  auto target = at::where(local, at_target.squeeze(-1), at::zeros_like(top)).contiguous();
+  where.group->all_reduce(target, ReduceOp::SUM, "token_loss()");
+  return at::where(y.ne(ignore), at::log(sum) + top - target, at::zeros_like(top));
+}
+
 }  // namespace
 
 Metric accuracy(int64_t ignore_index) {
@@ -72,6 +102,12 @@ Metric accuracy(int64_t ignore_index) {
              auto yy = y.to(out.device());
              return sample_mean(out.argmax(-1).eq(yy), yy, ignore_index);
            }};
+  m.per_sample_split = [ignore_index](const at::Tensor& slice, const at::Tensor& y,
+                                      const ClassSlice& where) {
+    check_class_shapes(slice, y, "accuracy()");
+    auto yy = y.to(slice.device());
+    return sample_mean(split_argmax(slice, where).eq(yy), yy, ignore_index);
+  };
   m.weight = positions_counted(ignore_index);
   return m;
 }
@@ -84,6 +120,12 @@ Metric token_loss(int64_t ignore_index) {
                                               at::Reduction::None, ignore_index);
              return sample_mean(ce.reshape(yy.sizes()), yy, ignore_index);
            }};
+  m.per_sample_split = [ignore_index](const at::Tensor& slice, const at::Tensor& y,
+                                      const ClassSlice& where) {
+    check_class_shapes(slice, y, "token_loss()");
+    auto yy = y.to(slice.device());
+    return sample_mean(split_cross_entropy(slice, yy, where, ignore_index), yy, ignore_index);
+  };
   m.weight = positions_counted(ignore_index);
   return m;
 }

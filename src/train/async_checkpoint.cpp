@@ -25,6 +25,7 @@
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
+#include "scaletrain/log.h"
 #include "train/checkpoint_io.h"
 #include "zero/optimizer_state.h"
 
@@ -102,7 +103,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   try {
     wait();
   } catch (const std::exception& e) {
-    std::cerr << "scaletrain: " << e.what() << std::endl;
+    log_line(LogLevel::kWarning, e.what());
   }
 }
 

@@ -30,7 +30,7 @@ std::vector<int> parse_balance_list(const std::string& spec) {
       out.push_back(std::stoi(item, &used));
       if (used != item.size() || out.back() < 1) throw std::invalid_argument(item);
     } catch (const std::exception&) {
-      throw UsageError("--balance '" + spec + "': '" + item +
+      throw UsageError("TrainerOptions::balance '" + spec + "': '" + item +
                        "' is not a positive number of blocks; give auto, time, size or N,M,...");
     }
   }
@@ -42,7 +42,8 @@ std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Seque
   if (static_cast<int>(chain->size()) < stages) {
     throw UsageError("the model's chain has " + std::to_string(chain->size()) +
                      " blocks, fewer than the " + std::to_string(stages) +
-                     " stages: give fewer devices (or --pipeline-stages, or --stages-per-device)");
+                     " stages: give fewer devices (or TrainerOptions::pipeline_stages, or "
+                     "TrainerOptions::stages_per_device)");
   }
   if (spec == "auto" || spec == "time") {
     return balance_by_time(chain, sample.narrow(0, 0, std::min<int64_t>(sample.size(0), 8)), stages,
@@ -52,7 +53,7 @@ std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Seque
   std::vector<int> out = parse_balance_list(spec);
   const int total = std::accumulate(out.begin(), out.end(), 0);
   if (static_cast<int>(out.size()) != stages || total != static_cast<int>(chain->size())) {
-    throw UsageError("--balance '" + spec + "' gives " + std::to_string(out.size()) +
+    throw UsageError("TrainerOptions::balance '" + spec + "' gives " + std::to_string(out.size()) +
                      " stages of " + std::to_string(total) + " blocks; the pipeline has " +
                      std::to_string(stages) + " stages and the model's chain " +
                      std::to_string(chain->size()) + " blocks");

@@ -1,4 +1,5 @@
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/log.h"
 
 #include <fcntl.h>
 #include <torch/serialize/input-archive.h>
@@ -152,7 +153,8 @@ std::string commit_checkpoint(const std::string& dir, int64_t global_step,
   file += body;
   // Each writer its own temporary (every rank may call this; the last rename wins whole), and
   // a failed write leaves none behind.
-  write_atomically(final_path, file, "a checkpoint (choose another folder with --out?)",
+  write_atomically(final_path, file,
+                   "a checkpoint (choose another folder with TrainerOptions::out_dir?)",
                    before_rename);
   // A write killed before its rename left its temporary: gone once its writer is (a minute on).
   remove_stale_temporaries(dir, "ckpt-");
@@ -340,7 +342,7 @@ void report_skipped(const std::string& what) {
   static std::mutex mu;
   static std::set<std::string> reported;
   std::lock_guard<std::mutex> lock(mu);
-  if (reported.insert(what).second) std::cerr << "scaletrain: skipping " << what << std::endl;
+  if (reported.insert(what).second) log_line(LogLevel::kWarning, "skipping " + what);
 }
 
 std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {

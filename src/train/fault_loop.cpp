@@ -23,6 +23,7 @@
 #include <sstream>
 
 #include "scaletrain/error.h"
+#include "scaletrain/log.h"
 #include "train/checkpoint_io.h"
 #include "train/run.h"
 
@@ -38,10 +39,12 @@ void Run::train_fault_tolerant() {
     if (q.finished_at >= 0) {
       left_behind_ = true;
       if (d_.rank() == 0) {
-        std::cout << "replica " << o_.fault_tolerant->replica_id << ": the other replicas finished "
-                  << "the run at step " << q.finished_at << " while this one was at step "
-                  << state_.global_step << "; nothing is left to train here (their folders hold "
-                  << "the final weights)" << std::endl;
+        log_line(LogLevel::kInfo,
+                 "replica " + std::to_string(o_.fault_tolerant->replica_id) +
+                     ": the other replicas finished the run at step " +
+                     std::to_string(q.finished_at) + " while this one was at step " +
+                     std::to_string(state_.global_step) +
+                     "; nothing is left to train here (their folders hold the final weights)");
       }
       return;
     }

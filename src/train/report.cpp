@@ -3,10 +3,26 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/log.h"
+
 namespace scaletrain {
+namespace {
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, args);
+  va_end(args);
+  return buf;
+}
+
+}  // namespace
 
 Reporter::Reporter(const TrainerOptions& o, bool active)
     : o_(o), active_(active), metrics_path_(o.out_dir + "/metrics.jsonl") {
@@ -51,10 +67,9 @@ void Reporter::epoch(const EpochReport& r) {
     tb_->add_scalar("epoch/seconds", r.seconds, r.global_step);
   }
   if (o_.progress) {
-    std::printf("epoch %lld: loss %.4f", static_cast<long long>(r.epoch), r.loss);
-    for (const auto& [name, value] : r.metrics) std::printf(", %s %.4f", name.c_str(), value);
-    std::printf(", %.1f s\n", r.seconds);
-    std::fflush(stdout);
+    std::string text = format("epoch %lld: loss %.4f", static_cast<long long>(r.epoch), r.loss);
+    for (const auto& [name, value] : r.metrics) text += format(", %s %.4f", name.c_str(), value);
+    log_line(LogLevel::kInfo, text + format(", %.1f s", r.seconds));
   }
 }
 
@@ -64,17 +79,17 @@ void Reporter::progress(int64_t epoch, int64_t done, int64_t total, double loss,
   const double frac = total > 0 ? static_cast<double>(done) / static_cast<double>(total) : 1;
   if (tty) {
     const int filled = static_cast<int>(frac * width);
-    std::printf("\repoch %lld [%s%s] %3d%% loss %.4f %.1fs", static_cast<long long>(epoch + 1),
-                std::string(static_cast<size_t>(filled), '#').c_str(),
-                std::string(static_cast<size_t>(width - filled), '.').c_str(),
-                static_cast<int>(frac * 100), loss, secs);
-    if (done == total) std::printf("\n");
-    std::fflush(stdout);
+    log_line(
+        LogLevel::kProgress,
+        format("\repoch %lld [%s%s] %3d%% loss %.4f %.1fs%s", static_cast<long long>(epoch + 1),
+               std::string(static_cast<size_t>(filled), '#').c_str(),
+               std::string(static_cast<size_t>(width - filled), '.').c_str(),
+               static_cast<int>(frac * 100), loss, secs, done == total ? "\n" : ""));
   } else if (done == total || done % std::max<int64_t>(1, total / 4) == 0) {
-    std::printf("epoch %lld: %lld/%lld batches, loss %.4f, %.1f s\n",
-                static_cast<long long>(epoch + 1), static_cast<long long>(done),
-                static_cast<long long>(total), loss, secs);
-    std::fflush(stdout);
+    log_line(LogLevel::kProgress,
+             format("epoch %lld: %lld/%lld batches, loss %.4f, %.1f s\n",
+                    static_cast<long long>(epoch + 1), static_cast<long long>(done),
+                    static_cast<long long>(total), loss, secs));
   }
 }
 

@@ -1,6 +1,7 @@
 // The trainer's checkpoints (trainer.h, Run in run.h): a resume from a file or from shards,
 // what its options change against the checkpoint's, and the save of each checkpoint.
 
+#include "scaletrain/log.h"
 #include "scaletrain/trainer.h"
 
 #include <signal.h>
@@ -48,12 +49,15 @@ void Run::resume() {
         const int saved = start_.resume_sharded_tp;
         throw UsageError(
             "the newest checkpoint in '" + o_.out_dir + "' (step " +
-            std::to_string(*start_.resume_sharded) + ") is sharded at --tp " +
-            std::to_string(saved) + ", and this run has --tp " + std::to_string(tp) +
+            std::to_string(*start_.resume_sharded) +
+            ") is sharded at TrainerOptions::tensor_parallel " + std::to_string(saved) +
+            ", and this run has TrainerOptions::tensor_parallel " + std::to_string(tp) +
             "; its shards cut the model's layers " +
             (saved > 1 ? "into " + std::to_string(saved) + " slices" : "whole") +
-            " and load at that degree only: resume with --tp " + std::to_string(saved) +
-            " (any number of data-parallel replicas), or save with --checkpoint-format full, "
+            " and load at that degree only: resume with TrainerOptions::tensor_parallel " +
+            std::to_string(saved) +
+            " (any number of data-parallel replicas), or save with "
+            "TrainerOptions::checkpoint_format full, "
             "whose one file loads at any degree");
       }
       state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_);
@@ -85,12 +89,13 @@ void Run::resume() {
     r_.last_checkpoint = from;
     if (d_.rank() == 0) {
       drop_metrics_after(r_.metrics_path, state_.global_step);
-      std::cout << "resumed from " << from << " (epoch " << state_.epoch + 1 << ", step "
-                << state_.step_in_epoch << " of it)"
-                << (restored ? ""
-                             : "; its optimizer state was saved by another strategy: the "
-                               "weights go on, the optimizer starts afresh")
-                << std::endl;
+      log_line(LogLevel::kInfo, "resumed from " + from + " (epoch " +
+                                    std::to_string(state_.epoch + 1) + ", step " +
+                                    std::to_string(state_.step_in_epoch) + " of it)" +
+                                    (restored ? ""
+                                              : "; its optimizer state was saved by another "
+                                                "strategy: the weights go on, the optimizer "
+                                                "starts afresh"));
     }
     // The options' learning rates win over the file's (a resume with a lower --lr is how a
     // diverged run goes on); a scheduler replays its steps from them to this epoch.
@@ -145,7 +150,7 @@ void Run::report_differences(const TrainingState& saved) {
                     std::to_string(o_.batch_size));
   }
   if (d_.rank() != 0) return;
-  for (const auto& n : notes) std::cout << "resume: " << n << std::endl;
+  for (const auto& n : notes) log_line(LogLevel::kInfo, "resume: " + n);
 }
 
 // Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the

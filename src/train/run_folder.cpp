@@ -144,7 +144,7 @@ std::string describe_holder(const std::string& dir) {
 
 [[noreturn]] void refuse_busy(const std::string& dir, const std::string& holder) {
   throw UsageError("the output folder '" + dir + "' is in use by a live run (" + holder +
-                   "): wait for it to end, stop it, or choose another --out");
+                   "): wait for it to end, stop it, or choose another TrainerOptions::out_dir");
 }
 
 }  // namespace
@@ -303,10 +303,12 @@ RunStart plan_run_start(const TrainerOptions& o) {
   const bool resumable =
       newest_valid_checkpoint(o.out_dir).has_value() || newest_sharded(o.out_dir).has_value();
   throw UsageError("the output folder '" + o.out_dir + "' holds another run (" + listing(files) +
-                   (resumable ? "); continue it with --resume auto, choose another --out, or give "
-                                "--overwrite to delete those files first"
+                   (resumable ? "); continue it with TrainerOptions::resume auto, choose another "
+                                "TrainerOptions::out_dir, or give "
+                                "TrainerOptions::overwrite to delete those files first"
                               : "), which wrote no valid checkpoint to resume from; choose another "
-                                "--out, or give --overwrite to delete those files first"));
+                                "TrainerOptions::out_dir, or give TrainerOptions::overwrite to "
+                                "delete those files first"));
 }
 
 void begin_run(const TrainerOptions& o, const RunStart& start, const std::string& run_id,

@@ -103,8 +103,8 @@ void Run::setup_device_side() {
   }
   if (o_.data_on_device && o_.fault_tolerant) {
     throw UsageError(
-        "TrainerOptions::data_on_device (--data-on-device) is not for fault-tolerant replicas, "
-        "whose batches follow the quorum; leave it out with --fault-tolerant");
+        "TrainerOptions::data_on_device is not for fault-tolerant replicas, "
+        "whose batches follow the quorum; leave it out with TrainerOptions::fault_tolerant");
   }
   if (o_.data_on_device) {
     train_rows_ = rows_on_device(task_.train_data, "train");
@@ -122,7 +122,7 @@ void Run::setup_device_side() {
 Dataset Run::rows_on_device(const DataSource& source, const char* split) const {
   if (source.size == 0) return {};
   if (!source.rows) {
-    throw UsageError(std::string("TrainerOptions::data_on_device (--data-on-device) keeps ") +
+    throw UsageError(std::string("TrainerOptions::data_on_device keeps ") +
                      "in-memory data sets on the device, but the " + split +
                      " split is not one (its DataSource has no rows: build it with in_memory(); "
                      "scaletrain train: --dataset fashion-mnist or synthetic)");

@@ -62,14 +62,15 @@ at::Device rank_device(const std::string& name, const Dist& d) {
   const int gpus = cuda_device_count();
   if (name == "cpu" || (name == "auto" && gpus == 0)) return at::kCPU;
   if (gpus == 0) {
-    throw UsageError("--device " + name + " on rank " + std::to_string(d.rank()) +
-                     ", but no GPU is visible; use --device cpu");
+    throw UsageError("TrainerOptions::device " + name + " on rank " + std::to_string(d.rank()) +
+                     ", but no GPU is visible; use TrainerOptions::device cpu");
   }
   if (name == "auto" || name == "cuda")
     return {at::kCUDA, static_cast<int8_t>(d.world.local_rank % gpus)};
   at::Device dev(name);
   if (dev.index() >= gpus) {
-    throw UsageError("--device " + name + ": this node has " + std::to_string(gpus) + " GPU(s)");
+    throw UsageError("TrainerOptions::device " + name + ": this node has " + std::to_string(gpus) +
+                     " GPU(s)");
   }
   return dev;
 }

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -33,6 +34,14 @@ class TrainStrategy {
   virtual at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) = 0;
   /// Outputs for evaluation (no grad) where this rank has them, undefined elsewhere.
   virtual at::Tensor predict(const at::Tensor& x) = 0;
+  /// Outputs for evaluation left split over the classes, where the strategy splits them over a
+  /// group (tensor parallelism's vocabulary): this rank's slice and where it lies; nullopt,
+  /// computing nothing, where it does not (predict() then).
+  struct SplitOutputs {
+    at::Tensor slice;
+    ClassSlice where;
+  };
+  virtual std::optional<SplitOutputs> predict_split(const at::Tensor&) { return std::nullopt; }
   /// Collective: whether the gradients of this step are finite on every rank.
   virtual bool gradients_finite();
   /// Note [Deferred reads]: where the verdict of gradients_finite() needs no collective and the

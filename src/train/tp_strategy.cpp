@@ -148,6 +148,11 @@ class TensorParallelStrategy : public TrainStrategy {
     at::Tensor out = chain_ ? zero_->forward(x) : split_.forward(x);
     return split_.output_split ? gather_from_region(out, tp(), -1) : out;
   }
+  std::optional<SplitOutputs> predict_split(const at::Tensor& x) override {
+    if (!split_.output_split) return std::nullopt;
+    at::Tensor out = chain_ ? zero_->forward(x) : split_.forward(x);
+    return SplitOutputs{out, ClassSlice{&tp(), tp().rank() * out.size(-1)}};
+  }
   void zero_grad(torch::optim::Optimizer& opt) override {
     if (ddp_) {
       ddp_->zero_grad();
@@ -310,27 +315,27 @@ std::unique_ptr<TrainStrategy> make_tensor_parallel_strategy(const TrainTask& ta
 
 void validate_tensor_parallel(const TrainerOptions& o, int world) {
   if (o.tensor_parallel < 1) {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
                      ": the tensor-parallel degree is at least 1 (1: no split)");
   }
   if (o.sequence_parallel && o.tensor_parallel == 1) {
     throw UsageError(
-        "--sequence-parallel splits the sequence over a tensor-parallel group: give "
-        "--tp 2 or more with it");
+        "TrainerOptions::sequence_parallel splits the sequence over a tensor-parallel group: give "
+        "TrainerOptions::tensor_parallel 2 or more with it");
   }
   if (o.tensor_parallel == 1) return;
   const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
                     o.strategy == Strategy::kFsdp;
   const bool grid = o.strategy == Strategy::kGrid;
   if (o.strategy != Strategy::kDDP && !zero && !grid) {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
-                     " goes with --strategy ddp, zero1, zero2, fsdp or grid (" +
+    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
+                     " goes with TrainerOptions::strategy ddp, zero1, zero2, fsdp or grid (" +
                      to_string(o.strategy) + " does not split layers yet)");
   }
   if (world % o.tensor_parallel != 0) {
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) +
+    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
                      " does not divide the world of " + std::to_string(world) +
-                     " ranks into tensor-parallel groups; give --nproc-per-node a multiple of it");
+                     " ranks into tensor-parallel groups; give a world that is a multiple of it");
   }
   // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
   // so, in the grid's words).
@@ -338,8 +343,9 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
   if (world % per_replica != 0) return;
   const int replicas = world / per_replica;
   if (o.batch_size % replicas != 0) {
-    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " does not split over the " +
-                     std::to_string(replicas) + " data-parallel replicas of --tp " +
+    throw UsageError("TrainerOptions::batch_size " + std::to_string(o.batch_size) +
+                     " does not split over the " + std::to_string(replicas) +
+                     " data-parallel replicas of TrainerOptions::tensor_parallel " +
                      std::to_string(o.tensor_parallel));
   }
 }

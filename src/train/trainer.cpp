@@ -15,6 +15,7 @@
 // stops naming the bad step, and every checkpoint reads the pending checks first.
 
 #include "scaletrain/trainer.h"
+#include "scaletrain/log.h"
 
 #include <signal.h>
 #include <torch/nn/functional/loss.h>
@@ -291,49 +292,6 @@ void Run::end_epoch(int64_t e, double seconds) {
   if (task_.on_epoch) task_.on_epoch(report);
 }
 
-std::map<std::string, double> Run::evaluate() {
-  std::map<std::string, double> out;
-  if (task_.test_data.size < 1 || task_.metrics.empty()) return out;
-  torch::NoGradGuard no_grad;
-  strategy_->train_mode(false);
-  DistributedSampler s(
-      {task_.test_data.size, strategy_->data_replicas(), strategy_->data_rank(), false, 0, false});
-  const int64_t batch = o_.eval_batch_size > 0 ? o_.eval_batch_size : per_replica_;
-  auto next = batch_stream(task_.test_data, test_rows_, s.indices(), loader_options(batch, 0, 0));
-  const auto k = static_cast<int64_t>(task_.metrics.size());
-  auto sums = at::zeros({2 * k}, at::kDouble);  // each metric's weighted sum, and its weight
-  int64_t position = 0;
-  const at::Device dev = strategy_->device();
-  while (auto b = next()) {
-    auto x = b->inputs.to(dev, true);
-    if (o_.channels_last && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-    const at::Tensor outputs = strategy_->predict(x);
-    const int64_t rows = b->targets.size(0);
-    if (outputs.defined()) {
-      auto keep = at::empty({rows}, at::kDouble);  // padded duplicates count once
-      for (int64_t i = 0; i < rows; ++i) keep[i] = s.is_padding(position + i) ? 0.0 : 1.0;
-      const auto y = b->targets.to(outputs.device());
-      for (int64_t m = 0; m < k; ++m) {
-        const auto& metric = task_.metrics[static_cast<size_t>(m)];
-        auto w = metric.weight ? metric.weight(outputs, y).to(at::kCPU, at::kDouble) * keep : keep;
-        sums[2 * m] += (metric.per_sample(outputs, y).to(at::kCPU, at::kDouble) * w).sum();
-        sums[2 * m + 1] += w.sum();
-      }
-    }
-    position += rows;
-  }
-  strategy_->train_mode(true);
-  auto summed = sums.to(collective_device());
-  d_.all_reduce(summed);
-  summed = summed.cpu();
-  for (int64_t m = 0; m < k; ++m) {
-    const auto& metric = task_.metrics[static_cast<size_t>(m)];
-    const double mean = summed[2 * m].item<double>() / summed[2 * m + 1].item<double>();
-    out[metric.name] = metric.finish ? metric.finish(mean) : mean;
-  }
-  return out;
-}
-
 void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double loss) {
   std::ostringstream s;
   s << "rank " << d_.rank() << ": training diverged at step " << step << " (epoch " << epoch + 1
@@ -342,7 +300,7 @@ void Run::diverged(const std::string& what, int64_t step, int64_t epoch, double 
     s << "no checkpoint of this run was written yet. ";
   } else {
     s << "the last checkpoint, written before, is " << r_.last_checkpoint
-      << " (--resume it with a lower --lr). ";
+      << " (resume from it with a lower learning rate). ";
   }
   s << "Lower the learning rate (now " << lr() << ")"
     << (o_.amp == Amp::kFp16 ? "" : ", or check the data for inf/NaN values") << ".";
@@ -415,8 +373,10 @@ TrainResult Run::go() {
     // Resumed from a checkpoint of a finished run: nothing to train, report where it stands.
     r_.metrics = evaluate();
     if (d_.rank() == 0) {
-      std::cout << "all " << o_.epochs << " epochs were already trained in " << o_.out_dir
-                << "; give more --epochs to continue, or --resume none to start again" << std::endl;
+      log_line(LogLevel::kInfo, "all " + std::to_string(o_.epochs) +
+                                    " epochs were already trained in " + o_.out_dir +
+                                    "; give more TrainerOptions::epochs to continue, or "
+                                    "TrainerOptions::resume none to start again");
     }
   }
   finish();

@@ -14,36 +14,41 @@ namespace scaletrain {
 namespace fs = std::filesystem;
 
 void validate_trainer_numbers(const TrainerOptions& o) {
-  require(o.timeout_s > 0 && std::isfinite(o.timeout_s), "--timeout", o.timeout_s,
+  require(o.timeout_s > 0 && std::isfinite(o.timeout_s), "TrainerOptions::timeout_s", o.timeout_s,
           "a positive number of seconds");
-  require(o.epochs >= 1, "--epochs", int64_t{o.epochs}, "at least 1");
-  require(o.accumulate >= 1, "--accumulate", int64_t{o.accumulate},
+  require(o.epochs >= 1, "TrainerOptions::epochs", int64_t{o.epochs}, "at least 1");
+  require(o.accumulate >= 1, "TrainerOptions::accumulate", int64_t{o.accumulate},
           "at least 1 (batches per step)");
-  require(o.keep >= 1, "--keep", int64_t{o.keep},
+  require(o.keep >= 1, "TrainerOptions::keep", int64_t{o.keep},
           "at least 1: the newest checkpoint is what a resume starts from");
-  require(o.checkpoint_every >= 0, "--checkpoint-every", int64_t{o.checkpoint_every},
+  require(o.checkpoint_every >= 0, "TrainerOptions::checkpoint_every", int64_t{o.checkpoint_every},
           "0 (at the end of each epoch) or more steps");
-  require(o.log_every >= 0, "--log-every", int64_t{o.log_every}, "0 (no step lines) or more");
-  require(o.workers >= 0, "--workers", int64_t{o.workers}, "0 or more");
-  require(o.chunks >= 0, "--chunks", int64_t{o.chunks}, "1 or more (0: twice the stages)");
-  require(o.split_size >= 0, "--split-size", o.split_size, "1 or more samples (0: --chunks)");
+  require(o.log_every >= 0, "TrainerOptions::log_every", int64_t{o.log_every},
+          "0 (no step lines) or more");
+  require(o.workers >= 0, "TrainerOptions::workers", int64_t{o.workers}, "0 or more");
+  require(o.chunks >= 0, "TrainerOptions::chunks", int64_t{o.chunks},
+          "1 or more (0: twice the stages)");
+  require(o.split_size >= 0, "TrainerOptions::split_size", o.split_size,
+          "1 or more samples (0: TrainerOptions::chunks)");
   if (o.device != "auto" && o.device != "cpu" && o.device != "cuda" &&
       o.device.rfind("cuda:", 0) != 0) {
-    throw UsageError("unknown --device '" + o.device + "'; use auto, cpu, cuda or cuda:N");
+    throw UsageError("unknown TrainerOptions::device '" + o.device +
+                     "'; use auto, cpu, cuda or cuda:N");
   }
   if (o.uneven_inputs == UnevenInputs::kOff) {
     throw UsageError(
-        "uneven_inputs kOff is DDP's own: the trainer checks every step; use kFail or kJoin "
-        "(--uneven-inputs fail or join)");
+        "TrainerOptions::uneven_inputs kOff is DDP's own: the trainer checks every step; use "
+        "kFail or kJoin");
   }
-  require(o.peak_flops >= 0 && std::isfinite(o.peak_flops), "--peak-flops", o.peak_flops,
-          "0 (unknown: measured on the CPU) or a device's peak FLOP/s, e.g. 989e12");
-  require(o.max_grad_norm >= 0 && std::isfinite(o.max_grad_norm), "--max-grad-norm",
+  require(o.peak_flops >= 0 && std::isfinite(o.peak_flops), "TrainerOptions::peak_flops",
+          o.peak_flops, "0 (unknown: measured on the CPU) or a device's peak FLOP/s, e.g. 989e12");
+  require(o.max_grad_norm >= 0 && std::isfinite(o.max_grad_norm), "TrainerOptions::max_grad_norm",
           o.max_grad_norm, "0 (no clipping) or a positive norm");
   if (o.max_grad_norm > 0 && o.amp == Amp::kFp16) {
     throw UsageError(
-        "--max-grad-norm with --amp fp16 is not supported yet (the loss scale is "
-        "in the gradients); use --amp bf16 or none");
+        "TrainerOptions::max_grad_norm with TrainerOptions::amp fp16 is not supported yet (the "
+        "loss scale is "
+        "in the gradients); use TrainerOptions::amp bf16 or none");
   }
 }
 
@@ -74,7 +79,7 @@ void validate_devices(const TrainerOptions& o) {
     if (dev.rfind("cuda", 0) != 0) continue;
     const int index = dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0;
     if (index >= gpus) {
-      refuse("--devices lists " + dev + ", and this machine has " +
+      refuse("TrainerOptions::devices lists " + dev + ", and this machine has " +
              (gpus == 0
                   ? std::string("no GPU that CUDA can see")
                   : std::to_string(gpus) + " GPU(s), cuda:0 to cuda:" + std::to_string(gpus - 1)) +
@@ -103,18 +108,20 @@ struct Family {
 // The processes and devices the strategy runs on.
 void validate_placement(const TrainerOptions& o, const Family& f, int world) {
   if ((f.dp || f.pipeline) && world != 1) {
-    refuse("--strategy " + f.name + " runs in one process (its devices are threads of it), and " +
-           std::to_string(world) +
-           " processes were started: start one (--nproc-per-node 1), or train with ddp or grid "
+    refuse("TrainerOptions::strategy " + f.name +
+           " runs in one process (its devices are threads of it), and " + std::to_string(world) +
+           " processes were started: start one process, or train with ddp or grid "
            "across processes");
   }
   if ((f.ddp || f.grid || f.zero) && !o.devices.empty()) {
-    refuse("--devices is for dp and pipeline; --strategy " + f.name +
-           " runs one device per process (--device)");
+    refuse("TrainerOptions::devices is for dp and pipeline; TrainerOptions::strategy " + f.name +
+           " runs one device per process (TrainerOptions::device)");
   }
   validate_devices(o);
   if (f.pipeline && !o.devices.empty() && o.devices.size() < 2) {
-    refuse("--strategy pipeline needs at least 2 --devices (cpu,cpu works), got 1");
+    refuse(
+        "TrainerOptions::strategy pipeline needs at least 2 TrainerOptions::devices (cpu,cpu "
+        "works), got 1");
   }
 }
 
@@ -125,90 +132,111 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
       (o.chunks > 0 || o.split_size > 0 || o.balance != "auto" ||
        o.schedule != PipelineSchedule::kGPipe || o.checkpointing != PipelineCheckpoint::kNever)) {
     refuse(
-        "--chunks, --split-size, --balance, --schedule and --checkpoint-activations are for "
-        "the pipeline strategies (pipeline, grid), not --strategy " +
+        "TrainerOptions::chunks, TrainerOptions::split_size, TrainerOptions::balance, "
+        "TrainerOptions::schedule and TrainerOptions::checkpointing are for "
+        "the pipeline strategies (pipeline, grid), not TrainerOptions::strategy " +
         f.name);
   }
   if (f.zero && o.amp == Amp::kFp16) {
     refuse(
-        "--amp fp16 needs loss scaling, which the sharded strategies do not do; use --amp bf16 "
-        "(bf16 parameters over fp32 master shards) with --strategy " +
+        "TrainerOptions::amp fp16 needs loss scaling, which the sharded strategies do not do; use "
+        "TrainerOptions::amp bf16 "
+        "(bf16 parameters over fp32 master shards) with TrainerOptions::strategy " +
         f.name);
   } else if (f.grid && o.amp == Amp::kFp16) {
     refuse(
-        "--amp fp16 needs one loss scale agreed over every stage, which the grid does not keep "
-        "yet; use --amp bf16 (bf16 has float32's range: no scaling) with --strategy grid");
+        "TrainerOptions::amp fp16 needs one loss scale agreed over every stage, which the grid "
+        "does not keep "
+        "yet; use TrainerOptions::amp bf16 (bf16 has float32's range: no scaling) with "
+        "TrainerOptions::strategy grid");
   } else if (!f.ddp && !f.zero && !f.grid && o.amp != Amp::kNone) {
-    refuse("--amp " + to_string(o.amp) +
-           " runs with --strategy ddp (autocast), grid (bf16 autocast) and zero1, zero2, fsdp "
+    refuse("TrainerOptions::amp " + to_string(o.amp) +
+           " runs with TrainerOptions::strategy ddp (autocast), grid (bf16 autocast) and zero1, "
+           "zero2, fsdp "
            "(bf16 parameters), not " +
            f.name +
            " (dp's replicas and a pipeline's stages run on threads of their own, which autocast "
            "does not reach yet)");
   }
   if (!f.ddp && o.uneven_inputs != UnevenInputs::kFail)
-    refuse("--uneven-inputs is for --strategy ddp");
+    refuse("TrainerOptions::uneven_inputs is for TrainerOptions::strategy ddp");
   if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {
-    refuse("--checkpoint-format sharded is for the sharded strategies (zero1, zero2, fsdp), not " +
-           f.name + "; its checkpoints are one file (--checkpoint-format full)");
+    refuse(
+        "TrainerOptions::checkpoint_format sharded is for the sharded strategies (zero1, zero2, "
+        "fsdp), not " +
+        f.name + "; its checkpoints are one file (TrainerOptions::checkpoint_format full)");
   }
 }
 
 // --stages-per-device and the interleaved schedule, which go together.
 void validate_interleaving(const TrainerOptions& o, const Family& f) {
   if (o.stages_per_device < 1) {
-    refuse("--stages-per-device " + std::to_string(o.stages_per_device) + " must be at least 1");
+    refuse("TrainerOptions::stages_per_device " + std::to_string(o.stages_per_device) +
+           " must be at least 1");
   }
   if ((o.stages_per_device > 1) != (o.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(
-        "--schedule interleaved and --stages-per-device go together: interleaved 1F1B "
+        "TrainerOptions::schedule interleaved and TrainerOptions::stages_per_device go together: "
+        "interleaved 1F1B "
         "needs at least 2 stages per device, and more than one stage per device is "
         "interleaving");
   }
   if (o.schedule != PipelineSchedule::kInterleaved1F1B) return;
   if (!f.pipeline && !f.grid) {
-    refuse("--schedule interleaved runs in the pipeline strategies (pipeline, grid), not " +
-           f.name);
+    refuse(
+        "TrainerOptions::schedule interleaved runs in the pipeline strategies (pipeline, grid), "
+        "not " +
+        f.name);
   }
   if (o.split_size > 0) {
     refuse(
-        "--schedule interleaved takes --chunks (a multiple of the devices), not "
-        "--split-size");
+        "TrainerOptions::schedule interleaved takes TrainerOptions::chunks (a multiple of the "
+        "devices), not "
+        "TrainerOptions::split_size");
   }
   const auto devices = f.grid ? o.pipeline_stages : static_cast<int>(o.devices.size());
   if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
-    refuse("--schedule interleaved runs micro-batches in rounds of one per device: --chunks " +
-           std::to_string(o.chunks) + " on " + std::to_string(devices) +
-           " devices; use a multiple of " + std::to_string(devices));
+    refuse(
+        "TrainerOptions::schedule interleaved runs micro-batches in rounds of one per device: "
+        "TrainerOptions::chunks " +
+        std::to_string(o.chunks) + " on " + std::to_string(devices) +
+        " devices; use a multiple of " + std::to_string(devices));
   }
 }
 
 // A grid's stages over the world; --pipeline-stages is the grid's alone.
 void validate_grid(const TrainerOptions& o, const Family& f, int world) {
   if (!f.grid) {
-    if (o.pipeline_stages != 2) refuse("--pipeline-stages is for --strategy grid");
+    if (o.pipeline_stages != 2)
+      refuse("TrainerOptions::pipeline_stages is for TrainerOptions::strategy grid");
     return;
   }
   const int tp = std::max(o.tensor_parallel, 1);
   if (o.pipeline_stages < 2 || world % (o.pipeline_stages * tp) != 0) {
-    refuse("--strategy grid needs --pipeline-stages of at least 2 dividing the world" +
-           std::string(tp > 1 ? " with --tp " + std::to_string(tp) : "") + ": " +
-           std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
-           " stages; e.g. 4 processes = 2 replicas x 2 stages" +
-           (tp > 1 ? ", 8 = 2 replicas x 2 stages x tp 2" : ""));
+    refuse(
+        "TrainerOptions::strategy grid needs TrainerOptions::pipeline_stages of at least 2 "
+        "dividing the world" +
+        std::string(tp > 1 ? " with TrainerOptions::tensor_parallel " + std::to_string(tp) : "") +
+        ": " + std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
+        " stages; e.g. 4 processes = 2 replicas x 2 stages" +
+        (tp > 1 ? ", 8 = 2 replicas x 2 stages x tp 2" : ""));
   }
   if (world > o.pipeline_stages * tp && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
                                          o.schedule == PipelineSchedule::kInterleaved1F1B)) {
-    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1 ? "--schedule zb-h1"
-                                                                     : "--schedule interleaved") +
-           " across processes runs one pipeline (as many processes as --pipeline-stages" +
-           (tp > 1 ? " times --tp" : "") + ", here " + std::to_string(o.pipeline_stages * tp) +
-           ", not " + std::to_string(world) +
+    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1
+                           ? "TrainerOptions::schedule zb-h1"
+                           : "TrainerOptions::schedule interleaved") +
+           " across processes runs one pipeline (as many processes as "
+           "TrainerOptions::pipeline_stages" +
+           (tp > 1 ? " times TrainerOptions::tensor_parallel" : "") + ", here " +
+           std::to_string(o.pipeline_stages * tp) + ", not " + std::to_string(world) +
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }
   if (o.split_size > 0) {
-    refuse("--split-size is for --strategy pipeline; a grid's stages take --chunks");
+    refuse(
+        "TrainerOptions::split_size is for TrainerOptions::strategy pipeline; a grid's stages take "
+        "TrainerOptions::chunks");
   }
 }
 
@@ -221,8 +249,9 @@ void validate_balance(const TrainerOptions& o, const Family& f) {
   if (o.balance == "auto" || o.balance == "time" || o.balance == "size") return;
   const auto parts = static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;
   if (parts != stages) {
-    refuse("--balance '" + o.balance + "' gives " + std::to_string(parts) + " stages; the " +
-           "pipeline has " + std::to_string(stages) + " (give auto, time, size or N,M,...)");
+    refuse("TrainerOptions::balance '" + o.balance + "' gives " + std::to_string(parts) +
+           " stages; the " + "pipeline has " + std::to_string(stages) +
+           " (give auto, time, size or N,M,...)");
   }
 }
 
@@ -232,23 +261,28 @@ void validate_balance(const TrainerOptions& o, const Family& f) {
 // replica, one optimizer step per batch, the gradients' plain average.
 void validate_fault_tolerance(const TrainerOptions& o) {
   if (!o.fault_tolerant) return;
-  const std::string what = "--fault-tolerant";
+  const std::string what = "TrainerOptions::fault_tolerant";
   const Strategy s = o.strategy;
   if (s != Strategy::kDDP && s != Strategy::kZero1 && s != Strategy::kZero2 &&
       s != Strategy::kFsdp) {
-    refuse(what + " runs --strategy ddp, zero1, zero2 or fsdp within each replica (not " +
+    refuse(what +
+           " runs TrainerOptions::strategy ddp, zero1, zero2 or fsdp within each replica (not " +
            to_string(s) + ")");
   }
-  if (o.accumulate != 1) refuse(what + " takes one batch per step: leave --accumulate at 1");
+  if (o.accumulate != 1)
+    refuse(what + " takes one batch per step: leave TrainerOptions::accumulate at 1");
   if (o.amp == Amp::kFp16)
-    refuse(what + " with --amp fp16 is not supported; use --amp bf16 or none");
-  if (o.tensor_parallel > 1) refuse(what + " with --tp is not supported yet");
+    refuse(what +
+           " with TrainerOptions::amp fp16 is not supported; use TrainerOptions::amp bf16 or none");
+  if (o.tensor_parallel > 1)
+    refuse(what + " with TrainerOptions::tensor_parallel is not supported yet");
   if (o.checkpoint_format != CheckpointFormat::kFull) {
-    refuse(what + " writes full checkpoints: leave --checkpoint-format at full");
+    refuse(what + " writes full checkpoints: leave TrainerOptions::checkpoint_format at full");
   }
-  parse_host_port(o.fault_tolerant->lighthouse, "--lighthouse");
+  parse_host_port(o.fault_tolerant->lighthouse, "ReplicaGroupOptions::lighthouse");
   if (o.fault_tolerant->replica_id < 0) {
-    refuse("--replica-id " + std::to_string(o.fault_tolerant->replica_id) + " must be 0 or more");
+    refuse("ReplicaGroupOptions::replica_id " + std::to_string(o.fault_tolerant->replica_id) +
+           " must be 0 or more");
   }
 }
 
@@ -261,13 +295,14 @@ void validate_strategy(const TrainerOptions& o, int world) {
   validate_grid(o, f, world);
   validate_balance(o, f);
   if (o.eval_batch_size < 0) {
-    refuse("--eval-batch-size " + std::to_string(o.eval_batch_size) +
+    refuse("TrainerOptions::eval_batch_size " + std::to_string(o.eval_batch_size) +
            " must be 0 (the training batch per replica) or more");
   }
   const int n = replicas(o, world);
   if (o.batch_size < n || o.batch_size % n != 0) {
-    refuse("--batch-size " + std::to_string(o.batch_size) + " does not split evenly over the " +
-           std::to_string(n) + " data-parallel replica(s) of --strategy " + f.name +
+    refuse("TrainerOptions::batch_size " + std::to_string(o.batch_size) +
+           " does not split evenly over the " + std::to_string(n) +
+           " data-parallel replica(s) of TrainerOptions::strategy " + f.name +
            "; use a multiple of " + std::to_string(n));
   }
 }
@@ -278,11 +313,12 @@ void validate_output(const TrainerOptions& o) {
   const std::string probe = o.out_dir + "/.writable";
   if (ec || !std::ofstream(probe)) {
     throw UsageError("the output folder '" + o.out_dir +
-                     "' is not writable; choose another with --out");
+                     "' is not writable; choose another with TrainerOptions::out_dir");
   }
   fs::remove(probe, ec);
   if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
-    throw UsageError("--resume '" + o.resume + "': no such checkpoint (use auto, none or a file)");
+    throw UsageError("TrainerOptions::resume '" + o.resume +
+                     "': no such checkpoint (use auto, none or a file)");
   }
   plan_run_start(o);  // refuses a folder of another run (Note [Run identity])
 }

@@ -11,6 +11,7 @@
 
 #include <chrono>
 
+#include "scaletrain/model.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/version.h"
 #include "suites_internal.h"
@@ -58,6 +59,10 @@ double time_run(const Setup& s, const std::vector<int>& balance,
   mo.num_classes = s.classes;
   torch::manual_seed(0);
   Model m = make_model("resnet50", mo);
+  // Channels-last weights and batch, as the trainer runs convolutions by default and as the
+  // Python peer (benchmarks/python/gpu_peer.py resnet50) does.
+  to_channels_last(*m.module);
+  const at::Tensor x = s.x.contiguous(at::MemoryFormat::ChannelsLast);
   PipelineOptions po;
   po.balance = balance;
   po.devices = devices;
@@ -74,7 +79,7 @@ double time_run(const Setup& s, const std::vector<int>& balance,
   auto t0 = std::chrono::steady_clock::now();
   for (int b = 0; b < s.batches; ++b) {
     opt.zero_grad();
-    pipe.train_step(s.x, s.y, loss);
+    pipe.train_step(x, s.y, loss);
     opt.step();
   }
   for (auto& d : devices) {
@@ -104,8 +109,8 @@ std::string describe(const Setup& s) {
   return "ResNet-50 (torchvision's layout, " + std::to_string(s.classes) + " classes), random " +
          std::to_string(s.image) + "x" + std::to_string(s.image) + " images, batch " +
          std::to_string(s.batch) + ", " + std::to_string(s.batches) +
-         " SGD step(s) per run; devices " + s.devices[0].str() + "," + s.devices[1].str() +
-         "; split: stem..layer2 | layer3..fc (the seed's).";
+         " SGD step(s) per run, channels-last; devices " + s.devices[0].str() + "," +
+         s.devices[1].str() + "; split: stem..layer2 | layer3..fc (the seed's).";
 }
 
 }  // namespace

@@ -465,6 +465,33 @@ TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveTheJob) {
   }
 }
 
+// Regression (LeftoverSegmentOfAKilledRank): a rank killed (SIGKILL) before it unlinked its
+// shared-memory segment left it in /dev/shm until the machine restarted. The launcher removes the
+// segments of its workers that have exited, and no one else's: a live process's stays.
+TEST(Launch, LeftoverSegmentOfAKilledRankIsRemoved) {
+  auto dir = temp_dir("segments");
+  const std::string mine = "/dev/shm/scaletrain-" + std::to_string(getpid()) + "-live";
+  { std::ofstream(mine) << "in use"; }
+  auto r = run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 -- sh -c '" +
+                           "echo $$ > " + dir.string() +
+                           "/$RANK.pid; : > /dev/shm/scaletrain-$$-left;" + " kill -9 $$'",
+                       60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  int seen = 0;
+  for (const char* rank : {"0", "1"}) {
+    std::ifstream in(dir / (std::string(rank) + ".pid"));
+    int pid = 0;
+    if (!(in >> pid)) continue;
+    ++seen;
+    EXPECT_FALSE(fs::exists("/dev/shm/scaletrain-" + std::to_string(pid) + "-left"))
+        << "rank " << rank << "'s segment outlived it";
+  }
+  EXPECT_EQ(seen, 2) << r.output;
+  EXPECT_TRUE(fs::exists(mine)) << "a live process's segment was removed";
+  fs::remove(mine);
+  fs::remove_all(dir);
+}
+
 // The guardian takes in what a running worker leaves behind (Note [Guardian]): it reaps those
 // orphans as they end, so that a long job that keeps daemonising does not fill up with zombies.
 TEST(Launch, OrphansOfARunningWorkerDoNotLingerAsZombies) {

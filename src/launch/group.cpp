@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "scaletrain/error.h"
+#include "transport/segment.h"
 
 extern char** environ;
 
@@ -282,6 +283,9 @@ void Group::reap() {
       w.exited = true;
       w.status = status;
       w.exit_time = Clock::now();
+      // Regression (LeftoverSegmentOfAKilledRank): shared-memory segments the program made and
+      // had no time to unlink (SIGKILL) stayed in /dev/shm until the machine restarted.
+      shm::remove_segments_of(w.program_pid);
       if (w.failed() && phase_ == Phase::kRunning) {
         // Note [Root cause]: the others get a moment to exit on their own before SIGTERM.
         phase_ = Phase::kSettling;

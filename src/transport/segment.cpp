@@ -11,6 +11,7 @@
 #include <climits>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <sstream>
 
@@ -62,6 +63,18 @@ Segment open(const std::string& name, size_t bytes) {
 }
 
 void close(const Segment& segment) { munmap(segment.base, segment.bytes); }
+
+int remove_segments_of(int pid) {
+  if (pid <= 0) return 0;
+  const std::string prefix = "scaletrain-" + std::to_string(pid) + "-";
+  std::error_code ec;
+  int removed = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = e.path().filename().string();
+    if (file.rfind(prefix, 0) == 0 && shm_unlink(("/" + file).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
 
 uint64_t pid_namespace() {
   struct stat st {};

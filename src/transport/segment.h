@@ -28,6 +28,12 @@ Segment open(const std::string& name, size_t bytes);
 /// Unmaps it.
 void close(const Segment& segment);
 
+/// Removes the segments that process `pid` created and left (their names begin
+/// "/scaletrain-<pid>-"), for a launcher whose worker died before it unlinked them (SIGKILL).
+/// Only for a pid that has exited and that the caller knows: a live process's peers may still
+/// open its segments. Returns how many it removed.
+int remove_segments_of(int pid);
+
 /// This process's PID namespace (0 where unknown): ranks that share a segment check it, so that
 /// a pid read from the segment means the same process to both.
 uint64_t pid_namespace();

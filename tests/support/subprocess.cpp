@@ -1,7 +1,5 @@
 #include "subprocess.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
+
+#include "scaletrain/launch.h"
 
 namespace scaletrain::testing {
 
@@ -41,20 +41,9 @@ CommandResult run_command(const std::string& command, int timeout_s) {
   return r;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    close(fd);
-    throw std::runtime_error("no free port");
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
+// The launcher's choice (Note [Store port]): a port below the ephemeral range, which no test's
+// outgoing connection can take before its listener binds it (a port from bind(0) could be).
+int free_port() { return pick_free_port(); }
 
 std::string cli_path() { return SCALETRAIN_CLI; }
 

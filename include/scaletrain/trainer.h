@@ -55,6 +55,7 @@
 #include "scaletrain/model.h"
 #include "scaletrain/module_call.h"
 #include "scaletrain/pipeline.h"
+#include "scaletrain/trainer_options.h"
 
 namespace scaletrain {
 
@@ -206,104 +207,6 @@ struct TrainTask {
   std::function<void(const StepReport&)> on_step;
 };
 
-// ---- How it is trained ------------------------------------------------------------------------
-
-enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid, kZero1, kZero2, kFsdp };
-
-/// How checkpoints are written (docs/checkpoint.md). kFull: one file, rank 0's, with the whole
-/// model and optimizer state gathered to it. kSharded (zero1, zero2, fsdp): each rank writes its
-/// own shard (zero.h's format, `out_dir/world-<N>/rank-<r>/ckpt-<step>.st`) and nothing is
-/// gathered; it resumes at any world size and stage, and model.pt is still written whole at
-/// the end.
-enum class CheckpointFormat { kFull, kSharded };
-
-/// "ddp", "dp", "pipeline", "grid", "zero1", "zero2", "fsdp"; throws UsageError naming them for
-/// anything else.
-Strategy parse_strategy(const std::string& name);
-std::string to_string(Strategy s);
-
-/// Mixed precision (amp.h): none; bf16 autocast (ddp, grid) or bf16 parameters over fp32 master
-/// shards (zero1, zero2, fsdp); fp16 autocast with loss scaling (ddp).
-enum class Amp { kNone, kBf16, kFp16 };
-/// "none", "bf16", "fp16"; throws UsageError naming them for anything else.
-Amp parse_amp(const std::string& name);
-std::string to_string(Amp a);
-
-struct TrainerOptions {
-  Strategy strategy = Strategy::kDDP;
-  int epochs = 5;
-  int64_t batch_size = 256;  // global: split over the ranks (ddp) or the data-parallel replicas
-  int accumulate = 1;        // gradient accumulation: batches per optimizer step
-  // Evaluation's batch per data-parallel replica. 0: the training batch per replica, as a
-  // PyTorch loop evaluates with its loader's batch (a language model's logits grow with it:
-  // batch x context x vocabulary).
-  int64_t eval_batch_size = 0;
-  uint64_t seed = 0;  // the weights' start; rank r draws dropout from rank_seed(seed, r / tp)
-                      // (rng.h: a tensor-parallel group's ranks draw alike)
-  std::string out_dir = "runs/latest";
-  int checkpoint_every = 0;  // steps; 0: only at the end of each epoch
-  int keep = 3;              // checkpoints kept
-  CheckpointFormat checkpoint_format = CheckpointFormat::kFull;
-  // Checkpoints written in the background (AsyncCheckpointer, checkpoint.h): the steps wait only
-  // for a copy in memory; the file is on disk before the next checkpoint and before train()
-  // returns. StepReport::checkpointed then means "taken, being written".
-  bool async_checkpoint = false;
-  // Fault-tolerant replicas (fault_tolerance.h): this train() is one replica of several, each
-  // started on its own; batch_size is the replica's, and a step's batch is that times the live
-  // replicas. ddp, zero1, zero2 or fsdp within a replica; each replica needs an out_dir of its
-  // own.
-  std::optional<ReplicaGroupOptions> fault_tolerant;
-  std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
-  bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
-                                // (without it, such a folder is refused unless resumed)
-  int log_every = 50;           // steps between metric lines
-  bool progress = true;         // progress bar / lines on rank 0
-  bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
-  int workers = 1;              // loader threads per rank (0: load on the training thread)
-  // In-memory splits (DataSource::rows: Fashion-MNIST, synthetic, a user's in_memory() tensors)
-  // held on this rank's device, each batch gathered there: no loader thread and no copy per
-  // step (Note [Data on the device] in src/train/run_steps.cpp). The batches are the loader's.
-  bool data_on_device = false;
-  // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
-  // cpu), "cpu", "cuda" or "cuda:N".
-  std::string device = "auto";
-  // > 0: before each optimizer step the gradients are scaled down to this global L2 norm where
-  // it is larger (PyTorch's clip_grad_norm_), the norm over the whole model whichever rank holds
-  // which part (shards, stages, slices). StepReport::grad_norm gives the norm before clipping.
-  double max_grad_norm = 0;
-  // Autocast under ddp (fp16 with loss scaling) and grid (bf16); under zero1, zero2 and fsdp,
-  // kBf16 is the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype).
-  Amp amp = Amp::kNone;
-  bool channels_last = true;  // convolution weights and image batches in NHWC memory
-  // ddp: kFail within a step, naming the ranks, or kJoin (ddp.h; kOff is refused: the trainer
-  // always checks).
-  UnevenInputs uneven_inputs = UnevenInputs::kFail;
-  double timeout_s = 300;  // collective timeout of the process group (the tool's --timeout)
-  // dp and pipeline: the devices, one per replica or stage ("cpu" may repeat). Empty: every GPU,
-  // else two CPU "devices".
-  std::vector<std::string> devices;
-  // pipeline and grid:
-  PipelineSchedule schedule = PipelineSchedule::kGPipe;
-  int chunks = 0;                // micro-batches per batch; 0: twice the stages
-  int64_t split_size = 0;        // >0: micro-batches of this many samples instead (seed 000)
-  std::string balance = "auto";  // "auto" or "time" (measured), "size" (parameters), "N,M,..."
-  PipelineCheckpoint checkpointing = PipelineCheckpoint::kNever;  // activation checkpointing
-  int pipeline_stages = 2;                                        // grid: ranks per pipeline
-  int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
-                              // (grid of one replica); --balance then lists that many times more
-  // ddp, zero1, zero2, fsdp: ranks per tensor-parallel group (tensor_parallel.h). The world is the
-  // mesh {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
-  // (Model::parallelize) over its tp ranks, and DDP (or ZeRO) works over dp. grid: the mesh
-  // {dp, pp: pipeline_stages, tp: tensor_parallel}, each stage split over its tp ranks. 1: no
-  // split.
-  int tensor_parallel = 1;
-  bool sequence_parallel = false;  // with tensor_parallel > 1: LayerNorms etc. on a sequence slice
-  // The peak FLOP/s of one device, for TrainResult::mfu (flops.h): the data sheet's dense figure
-  // for the precision trained in. 0: unknown, so measured on the CPU (a short fp32 matmul per
-  // rank before training), and on CUDA no MFU (never guessed).
-  double peak_flops = 0;
-};
-
 struct DeviceReport {
   std::string device;
   int64_t parameters = 0;         // held there (a replica's, or a stage's)
@@ -339,13 +242,6 @@ struct TrainResult {
   int64_t peak_memory_bytes = 0;      // this rank's device: CUDA peak allocated, or CPU peak RSS
   std::vector<DeviceReport> devices;  // this rank's devices
 };
-
-/// Checks the options of a task against the world before any work: the strategy's combinations
-/// (dp and pipeline in one process, a grid's world a multiple of its stages, pipeline options
-/// with a pipeline only...), the numbers, an unwritable output folder, a folder holding another
-/// run that is neither resumed nor overwritten. Throws UsageError naming the value and the fix.
-/// Writes nothing but the output folder itself.
-void validate(const TrainerOptions& options, int world_size);
 
 /// Throws UsageError when a live run owns `options.out_dir`, naming its process and host. train()
 /// takes the folder on rank 0 for the whole run and refuses a second run the same way; this says

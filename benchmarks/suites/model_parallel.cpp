@@ -10,6 +10,8 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <functional>
+#include <memory>
 
 #include "scaletrain/model.h"
 #include "scaletrain/pipeline.h"
@@ -52,49 +54,55 @@ Setup setup_for(const SuiteOptions& o) {
 constexpr int kBlocks = 1 + 16 + 1;
 constexpr int kFirstStageBlocks = 1 + 3 + 4;
 
-double time_run(const Setup& s, const std::vector<int>& balance,
-                const std::vector<at::Device>& devices, int chunks) {
+// One configuration, built once (its model placed, its optimizer made). Each call of the
+// returned function times s.batches SGD steps on it, as the Python peer (gpu_peer.py resnet50)
+// times repeats of one model after a warm-up.
+std::function<double()> steps_on(const Setup& s, const std::vector<int>& balance,
+                                 const std::vector<at::Device>& devices, int chunks) {
   ModelOptions mo;
   mo.in_channels = 3;
   mo.num_classes = s.classes;
   torch::manual_seed(0);
   Model m = make_model("resnet50", mo);
   // Channels-last weights and batch, as the trainer runs convolutions by default and as the
-  // Python peer (benchmarks/python/gpu_peer.py resnet50) does.
+  // Python peer does.
   to_channels_last(*m.module);
-  const at::Tensor x = s.x.contiguous(at::MemoryFormat::ChannelsLast);
   PipelineOptions po;
   po.balance = balance;
   po.devices = devices;
   po.chunks = chunks;
-  Pipeline pipe(as_sequential(m), po);
+  auto pipe = std::make_shared<Pipeline>(as_sequential(m), po);
   std::vector<at::Tensor> params;
-  for (auto& st : pipe.stages()) {
+  for (auto& st : pipe->stages()) {
     for (auto& p : st->parameters()) params.push_back(p);
   }
-  torch::optim::SGD opt(params, 0.001);
-  auto loss = [](const at::Tensor& out, const at::Tensor& t) {
-    return torch::nn::functional::cross_entropy(out, t);
+  auto opt = std::make_shared<torch::optim::SGD>(params, 0.001);
+  const at::Tensor x = s.x.contiguous(at::MemoryFormat::ChannelsLast), y = s.y;
+  const int batches = s.batches;
+  return [pipe, opt, x, y, batches, devices] {
+    auto loss = [](const at::Tensor& out, const at::Tensor& t) {
+      return torch::nn::functional::cross_entropy(out, t);
+    };
+    auto t0 = std::chrono::steady_clock::now();
+    for (int b = 0; b < batches; ++b) {
+      opt->zero_grad();
+      pipe->train_step(x, y, loss);
+      opt->step();
+    }
+    for (auto& d : devices) {
+      if (d.is_cuda()) torch::cuda::synchronize(d.index());
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  auto t0 = std::chrono::steady_clock::now();
-  for (int b = 0; b < s.batches; ++b) {
-    opt.zero_grad();
-    pipe.train_step(x, s.y, loss);
-    opt.step();
-  }
-  for (auto& d : devices) {
-    if (d.is_cuda()) torch::cuda::synchronize(d.index());
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // The whole model on the first device, or split the seed's way over both; `chunks`
 // micro-batches.
-double on_one_device(const Setup& s, int chunks) {
-  return time_run(s, {kBlocks}, {s.devices[0]}, chunks);
+std::function<double()> on_one_device(const Setup& s, int chunks) {
+  return steps_on(s, {kBlocks}, {s.devices[0]}, chunks);
 }
-double on_two_devices(const Setup& s, int chunks) {
-  return time_run(s, {kFirstStageBlocks, kBlocks - kFirstStageBlocks}, s.devices, chunks);
+std::function<double()> on_two_devices(const Setup& s, int chunks) {
+  return steps_on(s, {kFirstStageBlocks, kBlocks - kFirstStageBlocks}, s.devices, chunks);
 }
 
 // Repetitions of one configuration, after a warm-up run.
@@ -109,8 +117,10 @@ std::string describe(const Setup& s) {
   return "ResNet-50 (torchvision's layout, " + std::to_string(s.classes) + " classes), random " +
          std::to_string(s.image) + "x" + std::to_string(s.image) + " images, batch " +
          std::to_string(s.batch) + ", " + std::to_string(s.batches) +
-         " SGD step(s) per run, channels-last; devices " + s.devices[0].str() + "," +
-         s.devices[1].str() + "; split: stem..layer2 | layer3..fc (the seed's).";
+         " SGD step(s) per run (one model per configuration, after a warm-up run), channels-last; "
+         "devices " +
+         s.devices[0].str() + "," + s.devices[1].str() +
+         "; split: stem..layer2 | layer3..fc (the seed's).";
 }
 
 }  // namespace
@@ -127,13 +137,13 @@ SuiteResult run_mp_vs_single(const SuiteOptions& o) {
   Sample mp{"seconds", "model parallel", 1, {}};
   Sample piped{"seconds", "pipelined (split " + std::to_string(split) + ")", 2, {}};
   const int chunks = static_cast<int>(s.batch / split);
-  single.values = repeat(reps, [&] { return on_one_device(s, 1); });
-  mp.values = repeat(reps, [&] { return on_two_devices(s, 1); });
+  single.values = repeat(reps, on_one_device(s, 1));
+  mp.values = repeat(reps, on_two_devices(s, 1));
   // The same micro-batches on one device: what splitting the batch costs by itself, so that
   // pipelined vs this shows what overlapping the two stages gains.
   Sample single_split{"seconds", "single device, same micro-batches", 3, {}};
-  single_split.values = repeat(reps, [&] { return on_one_device(s, chunks); });
-  piped.values = repeat(reps, [&] { return on_two_devices(s, chunks); });
+  single_split.values = repeat(reps, on_one_device(s, chunks));
+  piped.values = repeat(reps, on_two_devices(s, chunks));
   r.samples = {single, mp, piped, single_split};
   const double ts = stats(single.values).mean, tm = stats(mp.values).mean,
                tp = stats(piped.values).mean, tss = stats(single_split.values).mean;
@@ -164,14 +174,14 @@ SuiteResult run_split_sweep(const SuiteOptions& o) {
   for (int split : splits) {
     const int chunks = static_cast<int>((s.batch + split - 1) / split);
     Sample p{"pipelined", std::to_string(split), static_cast<double>(split), {}};
-    p.values = repeat(reps, [&] { return on_two_devices(s, chunks); });
+    p.values = repeat(reps, on_two_devices(s, chunks));
     const double mean = stats(p.values).mean;
     if (mean < best) best = mean, best_split = split;
     r.samples.push_back(p);
   }
   Sample mp{
       "model parallel (no pipelining)", std::to_string(s.batch), static_cast<double>(s.batch), {}};
-  mp.values = repeat(reps, [&] { return on_two_devices(s, 1); });
+  mp.values = repeat(reps, on_two_devices(s, 1));
   r.samples.push_back(mp);
   char line[300];
   std::snprintf(line, sizeof line,

@@ -2,12 +2,17 @@
 // through the front, `scaletrain` (Note [Front] in commands.h), which execs it with its own argv.
 
 #include "commands.h"
+#include "scaletrain/log.h"
 #include "scaletrain/runtime.h"
 #include "scaletrain/version.h"
 
 int main(int argc, char** argv) {
   using namespace scaletrain;
   tune_cpu_allocator();
+  // The library's lines on the console, its option names shown as this tool's flags.
+  set_log_sink([console = console_log_sink()](LogLevel level, const std::string& line) {
+    console(level, cli::in_flag_names(line));
+  });
   CLI::App app;
   cli::configure_app(app);
   app.set_version_flag(

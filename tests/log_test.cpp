@@ -13,6 +13,7 @@
 #include "scaletrain/data.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
+#include "support/subprocess.h"
 #include "support/temp_dir.h"
 #include "zoo_models.h"
 
@@ -88,6 +89,24 @@ TEST(Log, NoSinkSilencesTheLibraryAndTheConsoleIsTheDefault) {
   train_once((dir.path / "console").string(), 1);
   const std::string console = ::testing::internal::GetCapturedStdout();
   EXPECT_NE(console.find("epoch 1: loss "), std::string::npos) << console;
+}
+
+// The command line's sink shows the library's option names as its flags: a run started again in
+// the folder of a finished one is told which flags go on or start over.
+TEST(Log, TheCommandLineShowsTheLibrarysLinesWithItsFlags) {
+  testing::TempDir dir("log_cli");
+  const std::string cmd = testing::cli_path() +
+                          " train --device cpu --dataset synthetic --model mlp --limit-train 64"
+                          " --limit-test 32 --epochs 1 --batch-size 32 --no-progress --out " +
+                          (dir.path / "run").string() + " 2>&1";
+  auto first = testing::run_command(cmd, 120);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto again = testing::run_command(cmd, 120);
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("give more --epochs to continue, or --resume none to start again"),
+            std::string::npos)
+      << again.output;
+  EXPECT_EQ(again.output.find("TrainerOptions::"), std::string::npos) << again.output;
 }
 
 }  // namespace

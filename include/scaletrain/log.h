@@ -24,7 +24,9 @@ enum class LogLevel {
 using LogSink = std::function<void(LogLevel level, const std::string& line)>;
 
 /// Sets the process's sink and returns the one it replaces. Thread-safe; the sink is called under
-/// a lock, one line at a time, from any thread of the library.
+/// a lock, one line at a time, from any thread of the library, so it must not call log_line() or
+/// set_log_sink() itself. An exception it throws is swallowed (that line is lost): the library
+/// also logs from destructors.
 LogSink set_log_sink(LogSink sink);
 
 /// The default sink: kProgress as is and kInfo with a '\n' on standard output, kWarning as

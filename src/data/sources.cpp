@@ -124,7 +124,10 @@ Metric token_loss(int64_t ignore_index) {
                                       const ClassSlice& where) {
     check_class_shapes(slice, y, "token_loss()");
     auto yy = y.to(slice.device());
-    return sample_mean(split_cross_entropy(slice, yy, where, ignore_index), yy, ignore_index);
+    // bf16/fp16 outputs (the sharded strategies' parameters) in float32, so that the log of the
+    // sum does not round at the logits' size.
+    const auto s = at::isReducedFloatingType(slice.scalar_type()) ? slice.to(at::kFloat) : slice;
+    return sample_mean(split_cross_entropy(s, yy, where, ignore_index), yy, ignore_index);
   };
   m.weight = positions_counted(ignore_index);
   return m;

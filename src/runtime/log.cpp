@@ -45,7 +45,11 @@ LogSink set_log_sink(LogSink sink) {
 
 void log_line(LogLevel level, const std::string& line) {
   std::lock_guard<std::mutex> lock(sink_mutex());
-  if (current_sink()) current_sink()(level, line);
+  if (!current_sink()) return;
+  try {
+    current_sink()(level, line);
+  } catch (...) {  // a sink's failure loses its line, never the caller's work (destructors log)
+  }
 }
 
 }  // namespace scaletrain

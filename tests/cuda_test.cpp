@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "scaletrain/checkpoint.h"
@@ -349,6 +350,21 @@ TEST(Cuda, ZeroStagesOverNcclAtWorldOneTrainLikeDdp_CUDA) {
   fs::remove_all(dir);
 }
 
+// A fresh `dir` holding 400 lines of text, `line(i)` each, and their bytes as token files in
+// dir/tokens (`scaletrain data text`).
+void text_tokens(const std::filesystem::path& dir, const std::function<std::string(int)>& line) {
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream text(dir / "text.txt");
+    for (int i = 0; i < 400; ++i) text << line(i) << "\n";
+  }
+  auto data = testing::run_command(testing::cli_path() + " data text --input " +
+                                   (dir / "text.txt").string() + " --out " +
+                                   (dir / "tokens").string() + " 2>&1");
+  EXPECT_EQ(data.exit_code, 0) << data.output;
+}
+
 // The transformer path on the GPU: gpt-tiny on bytes of text under bf16 autocast, with its
 // blocks recomputed in backward, over NCCL at world size 1; the loss falls from log(256) and
 // the run reports tokens/s and the peak memory of cuda:0.
@@ -356,17 +372,10 @@ TEST(Cuda, GptTrainsInBf16WithCheckpointedBlocks_CUDA) {
   REQUIRE_GPU();
   namespace fs = std::filesystem;
   const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_gpt";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  {
-    std::ofstream text(dir / "text.txt");
-    for (int i = 0; i < 400; ++i)
-      text << "the quick brown fox jumps over the lazy dog " << i << "\n";
-  }
-  auto data = testing::run_command(testing::cli_path() + " data text --input " +
-                                   (dir / "text.txt").string() + " --out " +
-                                   (dir / "tokens").string() + " 2>&1");
-  ASSERT_EQ(data.exit_code, 0) << data.output;
+  text_tokens(dir, [](int i) {
+    return "the quick brown fox jumps over the lazy dog " + std::to_string(i);
+  });
+  ASSERT_FALSE(HasFailure());
   auto r = testing::run_command(
       testing::cli_path() + " run --nproc-per-node 1 --master-port 0 -- " + testing::cli_path() +
           " train --device cuda --model gpt-tiny --dataset text --data-dir " +
@@ -400,16 +409,9 @@ TEST(Cuda, TensorParallelTwoProcessesShareOneGpuOverGloo_CUDA) {
   REQUIRE_GPU();
   namespace fs = std::filesystem;
   const fs::path dir = fs::path(::testing::TempDir()) / "scaletrain_cuda_tp_gloo";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  {
-    std::ofstream text(dir / "text.txt");
-    for (int i = 0; i < 400; ++i) text << "a stitch in time saves nine, " << i * 7919 << "\n";
-  }
-  auto data = testing::run_command(testing::cli_path() + " data text --input " +
-                                   (dir / "text.txt").string() + " --out " +
-                                   (dir / "tokens").string() + " 2>&1");
-  ASSERT_EQ(data.exit_code, 0) << data.output;
+  text_tokens(dir,
+              [](int i) { return "a stitch in time saves nine, " + std::to_string(i * 7919); });
+  ASSERT_FALSE(HasFailure());
   torch::manual_seed(3);
   Model start = make_model("gpt-tiny");
   save_weights((dir / "start.pt").string(), *start.module);

@@ -11,18 +11,19 @@
 namespace scaletrain::cli {
 
 // The library's errors name its options (TrainerOptions::batch_size); the command line's user
-// set them as flags (--batch-size). Names without a flag stay as they are.
+// set them as flags (--batch-size); a strategy's own options are one level down
+// (TrainerOptions::pipeline.chunks is --chunks). Names without a flag stay as they are.
 std::string in_flag_names(const std::string& message) {
   static const std::map<std::string, std::string> flags = {
       {"TrainerOptions::accumulate", "--accumulate"},
       {"TrainerOptions::amp", "--amp"},
       {"TrainerOptions::async_checkpoint", "--async-checkpoint"},
-      {"TrainerOptions::balance", "--balance"},
+      {"TrainerOptions::pipeline.balance", "--balance"},
       {"TrainerOptions::batch_size", "--batch-size"},
       {"TrainerOptions::checkpoint_every", "--checkpoint-every"},
       {"TrainerOptions::checkpoint_format", "--checkpoint-format"},
-      {"TrainerOptions::checkpointing", "--checkpoint-activations"},
-      {"TrainerOptions::chunks", "--chunks"},
+      {"TrainerOptions::pipeline.checkpoint", "--checkpoint-activations"},
+      {"TrainerOptions::pipeline.chunks", "--chunks"},
       {"TrainerOptions::data_on_device", "--data-on-device"},
       {"TrainerOptions::device", "--device"},
       {"TrainerOptions::devices", "--devices"},
@@ -35,21 +36,21 @@ std::string in_flag_names(const std::string& message) {
       {"TrainerOptions::out_dir", "--out"},
       {"TrainerOptions::overwrite", "--overwrite"},
       {"TrainerOptions::peak_flops", "--peak-flops"},
-      {"TrainerOptions::pipeline_stages", "--pipeline-stages"},
+      {"TrainerOptions::pipeline.stages", "--pipeline-stages"},
       {"TrainerOptions::resume", "--resume"},
-      {"TrainerOptions::schedule", "--schedule"},
-      {"TrainerOptions::sequence_parallel", "--sequence-parallel"},
-      {"TrainerOptions::split_size", "--split-size"},
-      {"TrainerOptions::stages_per_device", "--stages-per-device"},
+      {"TrainerOptions::pipeline.schedule", "--schedule"},
+      {"TrainerOptions::tensor_parallel.sequence_parallel", "--sequence-parallel"},
+      {"TrainerOptions::pipeline.split_size", "--split-size"},
+      {"TrainerOptions::pipeline.stages_per_device", "--stages-per-device"},
       {"TrainerOptions::strategy", "--strategy"},
-      {"TrainerOptions::tensor_parallel", "--tp"},
+      {"TrainerOptions::tensor_parallel.size", "--tp"},
       {"TrainerOptions::timeout_s", "--timeout"},
-      {"TrainerOptions::uneven_inputs", "--uneven-inputs"},
+      {"TrainerOptions::ddp.uneven_inputs", "--uneven-inputs"},
       {"TrainerOptions::workers", "--workers"},
       {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
       {"ReplicaGroupOptions::replica_id", "--replica-id"},
   };
-  static const std::regex name(R"((TrainerOptions|ReplicaGroupOptions)::[a-z_]+)");
+  static const std::regex name(R"((TrainerOptions|ReplicaGroupOptions)::[a-z_]+(\.[a-z_]+)?)");
   std::string out;
   auto from = message.cbegin();
   for (std::sregex_iterator it(message.begin(), message.end(), name), end; it != end; ++it) {

@@ -81,9 +81,10 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
   }
   std::cout << std::fixed << std::setprecision(4) << "\nscaletrain train: " << o.model << " on "
             << o.dataset << ", --strategy " << to_string(o.strategy)
-            << (o.tensor_parallel > 1 ? " --tp " + std::to_string(o.tensor_parallel) +
-                                            (o.sequence_parallel ? " --sequence-parallel" : "")
-                                      : std::string())
+            << (o.tensor_parallel.size > 1
+                    ? " --tp " + std::to_string(o.tensor_parallel.size) +
+                          (o.tensor_parallel.sequence_parallel ? " --sequence-parallel" : "")
+                    : std::string())
             << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
             << (r.metrics.count("test_perplexity")
@@ -110,7 +111,8 @@ struct Args {
   std::string seed = "0";
   std::string checkpoint_format = "full";
   std::string amp = "none", uneven_inputs = "fail";
-  bool fault_tolerant = false;  // --fault-tolerant and its flags
+  std::string device = "auto", balance = "auto", resume = "auto";  // typed in the options
+  bool fault_tolerant = false;                                     // --fault-tolerant and its flags
   std::string lighthouse;
   int replica_id = 0;
   double ft_timeout = 10;
@@ -163,7 +165,7 @@ void apply_strategy_flags(Args& a) {
   a.o.strategy = parse_strategy(a.strategy);
   a.o.amp = parse_amp(a.amp);
   if (a.uneven_inputs == "fail" || a.uneven_inputs == "join") {
-    a.o.uneven_inputs = a.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
+    a.o.ddp.uneven_inputs = a.uneven_inputs == "join" ? UnevenInputs::kJoin : UnevenInputs::kFail;
   } else {
     throw UsageError("unknown --uneven-inputs '" + a.uneven_inputs + "'; use fail or join");
   }
@@ -180,43 +182,24 @@ void apply_strategy_flags(Args& a) {
   std::stringstream list(a.devices);
   for (std::string d; std::getline(list, d, ',');) {
     try {
-      at::Device parsed(d);
-      (void)parsed;
-    } catch (const std::exception&) {
+      a.o.devices.push_back(parse_device(d));
+    } catch (const UsageError&) {
       throw UsageError("--devices '" + a.devices + "': '" + d +
                        "' is not a device; give e.g. cpu,cpu or cuda:0,cuda:1");
     }
-    a.o.devices.push_back(d);
   }
-  if (a.schedule == "gpipe") {
-    a.o.schedule = PipelineSchedule::kGPipe;
-  } else if (a.schedule == "1f1b") {
-    a.o.schedule = PipelineSchedule::k1F1B;
-  } else if (a.schedule == "zb-h1") {
-    a.o.schedule = PipelineSchedule::kZeroBubbleH1;
-  } else if (a.schedule == "interleaved") {
-    a.o.schedule = PipelineSchedule::kInterleaved1F1B;
-  } else if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
+  if (a.device != "auto") a.o.device = parse_device(a.device, "TrainerOptions::device");
+  if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
     throw UsageError(
         "--schedule is a pipeline's (gpipe, 1f1b, interleaved or zb-h1); the learning-rate "
-        "schedule is "
-        "--lr-schedule " +
+        "schedule is --lr-schedule " +
         a.schedule);
-  } else {
-    throw UsageError("unknown --schedule '" + a.schedule +
-                     "'; use gpipe, 1f1b, interleaved or zb-h1");
   }
+  a.o.pipeline.schedule = parse_schedule(a.schedule);
+  a.o.pipeline.checkpoint = parse_pipeline_checkpoint(a.checkpointing);
+  a.o.pipeline.balance = Balance::parse(a.balance);
+  a.o.resume = Resume::parse(a.resume);
   apply_fault_tolerance_flags(a);
-  if (a.checkpointing == "never") {
-    a.o.checkpointing = PipelineCheckpoint::kNever;
-  } else if (a.checkpointing == "except-last") {
-    a.o.checkpointing = PipelineCheckpoint::kExceptLast;
-  } else if (a.checkpointing == "always") {
-    a.o.checkpointing = PipelineCheckpoint::kAlways;
-  } else {
-    throw UsageError("unknown --checkpoint-activations '" + a.checkpointing +
-                     "'; use never, except-last or always");
-  }
 }
 
 // The model, its data and where it computes.
@@ -235,7 +218,7 @@ void add_model_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_option("--image-size", o.image_size, "Crop size of --dataset folder images")
       ->capture_default_str();
-  cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--device", a.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--peak-flops", o.peak_flops,
                   "One device's peak FLOP/s for the MFU in the summary, e.g. 989e12 (0: measured "
                   "by a short fp32 matmul on the CPU; unknown on CUDA)")
@@ -291,30 +274,30 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
                   "Pipelines: gpipe, 1f1b, interleaved (with --stages-per-device) or zb-h1 (zero "
                   "bubble); the last two with --strategy pipeline, or grid of one replica")
       ->capture_default_str();
-  cmd->add_option("--stages-per-device", a.o.stages_per_device,
+  cmd->add_option("--stages-per-device", a.o.pipeline.stages_per_device,
                   "--schedule interleaved: stages on each device (pipeline) or process (grid); "
                   "--balance then lists that many times more")
       ->capture_default_str();
-  cmd->add_option("--chunks", a.o.chunks,
+  cmd->add_option("--chunks", a.o.pipeline.chunks,
                   "Pipelines: micro-batches per batch (0: twice the stages)")
       ->capture_default_str();
-  cmd->add_option("--split-size", a.o.split_size,
+  cmd->add_option("--split-size", a.o.pipeline.split_size,
                   "Pipeline: micro-batches of this many samples instead of --chunks (seed 000)");
-  cmd->add_option("--balance", a.o.balance,
+  cmd->add_option("--balance", a.balance,
                   "Pipelines: blocks per stage: auto or time (measured), size, or N,M,...")
       ->capture_default_str();
   cmd->add_option("--checkpoint-activations", a.checkpointing,
                   "Pipeline, grid: recompute activations in backward: never, except-last or always")
       ->capture_default_str();
-  cmd->add_option("--pipeline-stages", a.o.pipeline_stages, "Grid: ranks per pipeline")
+  cmd->add_option("--pipeline-stages", a.o.pipeline.stages, "Grid: ranks per pipeline")
       ->capture_default_str();
   cmd->add_option(
-         "--tp", a.o.tensor_parallel,
+         "--tp", a.o.tensor_parallel.size,
          "ddp, zero1, zero2, fsdp, grid: ranks per tensor-parallel group, each splitting one "
          "replica's model (grid: one stage's; gpt-tiny: its 256 tokens split, gpt2-small's "
          "50257 need --vocab-size 50304); the rest of the world is data parallel")
       ->capture_default_str();
-  cmd->add_flag("--sequence-parallel", a.o.sequence_parallel,
+  cmd->add_flag("--sequence-parallel", a.o.tensor_parallel.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
 }
 
@@ -354,7 +337,7 @@ void add_run_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_flag("--async-checkpoint", o.async_checkpoint,
                 "Write checkpoints in the background: the steps wait only for a copy in memory");
-  cmd->add_option("--resume", o.resume, "auto, none, or a checkpoint file")->capture_default_str();
+  cmd->add_option("--resume", a.resume, "auto, none, or a checkpoint file")->capture_default_str();
   cmd->add_flag("--overwrite", o.overwrite,
                 "--out holds another run: delete its checkpoints, metrics, event files, model.pt "
                 "and run.json, and start afresh");
@@ -403,12 +386,12 @@ void add_process_flags(CLI::App* cmd, Args& a) {
 // Started by hand: become the launcher of this node's ranks.
 int launch_ranks(Args& a) {
   LaunchOptions lo;
-  const bool gpus = cuda_device_count() > 0 && a.o.device != "cpu";
+  const bool gpus = cuda_device_count() > 0 && !(a.o.device && a.o.device->is_cpu());
   const auto s = a.o.strategy;
   const bool per_device =
       s == Strategy::kDDP || s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp;
   const int automatic = s == Strategy::kGrid
-                            ? a.o.pipeline_stages * std::max(a.o.tensor_parallel, 1)
+                            ? a.o.pipeline.stages * std::max(a.o.tensor_parallel.size, 1)
                         : per_device ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
                                      : 1;  // dp, pipeline: one process
   lo.nproc_per_node = parse_nproc_per_node(a.nproc, automatic);

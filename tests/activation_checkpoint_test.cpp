@@ -118,9 +118,9 @@ std::map<std::string, at::Tensor> trained(bool checkpointed, double dropout, int
     o.epochs = 2;
     o.batch_size = 8;
     o.progress = o.tensorboard = false;
-    o.device = "cpu";
+    o.device = at::kCPU;
     o.out_dir = out.string();
-    o.tensor_parallel = tp;
+    o.tensor_parallel.size = tp;
     auto mine = train(task, o, d);
     if (d.rank() == 0) r = mine;
   });

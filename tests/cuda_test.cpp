@@ -188,10 +188,10 @@ TEST(Cuda, TrainerFp16OnGpu_CUDA) {
   o.epochs = 1;
   o.batch_size = 64;
   o.progress = false;
-  o.device = "cuda";
+  o.device = at::kCUDA;
   o.amp = Amp::kFp16;
   o.out_dir = ::testing::TempDir() + "/scaletrain_cuda_trainer";
-  o.resume = "none";
+  o.resume = Resume::none();
   TrainResult r;
   auto errors = testing::run_ranks(
       1, [&](Dist& d) { r = train(o, d); }, std::chrono::seconds(60), "nccl");

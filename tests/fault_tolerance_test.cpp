@@ -127,7 +127,7 @@ TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
       o.log_every = 0;
       o.workers = 0;
       o.channels_last = false;
-      o.device = "cpu";  // rank threads (regression RankThreadsSharedTheGpu, hardening_test)
+      o.device = at::kCPU;  // rank threads (regression RankThreadsSharedTheGpu, hardening_test)
       ReplicaGroupOptions ro;
       ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
       ro.replica_id = id;

@@ -161,8 +161,8 @@ TrainerOptions options(const std::filesystem::path& out) {
   o.progress = false;
   o.tensorboard = false;
   o.out_dir = out.string();
-  o.resume = "none";
-  o.device = "cpu";
+  o.resume = Resume::none();
+  o.device = at::kCPU;
   return o;
 }
 

@@ -81,9 +81,9 @@ TrainerOptions options_for(Strategy s, const std::string& out) {
   // Regression (RankThreadsSharedTheGpu): on a GPU machine "auto" put every rank thread on
   // cuda:0, where their backwards queue on CUDA's one autograd thread and DDP's hooks wait for
   // each other until the collective timeout. Rank threads train on the CPU.
-  o.device = "cpu";
-  if (s == Strategy::kDataParallel || s == Strategy::kPipeline) o.devices = {"cpu", "cpu"};
-  if (s == Strategy::kPipeline || s == Strategy::kGrid) o.chunks = 2;
+  o.device = at::kCPU;
+  if (s == Strategy::kDataParallel || s == Strategy::kPipeline) o.devices = {at::kCPU, at::kCPU};
+  if (s == Strategy::kPipeline || s == Strategy::kGrid) o.pipeline.chunks = 2;
   return o;
 }
 

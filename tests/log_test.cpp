@@ -47,7 +47,7 @@ TrainResult train_once(const std::string& out, int epochs) {
   TrainerOptions o;
   o.epochs = epochs;
   o.batch_size = 16;
-  o.device = "cpu";
+  o.device = at::kCPU;
   o.tensorboard = false;
   o.progress = true;
   o.out_dir = out;

@@ -152,7 +152,7 @@ TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
     o.epochs = 1;
     o.batch_size = 4;
     o.progress = o.tensorboard = o.channels_last = false;
-    o.device = "cpu";
+    o.device = at::kCPU;
     o.out_dir = out.string();
     auto r = train(task, o, d);
     if (d.rank() == 0) got = r.metrics;

@@ -102,17 +102,17 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
     };
     TrainerOptions o;
     o.strategy = c.strategy;
-    o.devices = c.devices;
-    o.schedule = c.schedule;
-    o.chunks = c.chunks;
+    for (const auto& dev : c.devices) o.devices.push_back(parse_device(dev));
+    o.pipeline.schedule = c.schedule;
+    o.pipeline.chunks = c.chunks;
     o.max_grad_norm = c.max_norm;
-    o.checkpointing = c.checkpointing;
+    o.pipeline.checkpoint = c.checkpointing;
     o.epochs = kSteps;
     o.batch_size = kSamples;  // one step per epoch, over every sample
     o.workers = 0;
     o.progress = o.tensorboard = o.channels_last = false;
     o.log_every = 0;
-    o.device = "cpu";
+    o.device = at::kCPU;
     o.out_dir = out.string();
     train(task, o, d);
   });

@@ -74,9 +74,9 @@ TrainerOptions options(const fs::path& out, int tp) {
   o.progress = false;
   o.tensorboard = false;
   o.out_dir = out.string();
-  o.resume = "none";
-  o.device = "cpu";
-  o.tensor_parallel = tp;
+  o.resume = Resume::none();
+  o.device = at::kCPU;
+  o.tensor_parallel.size = tp;
   return o;
 }
 
@@ -150,7 +150,7 @@ TEST(TrainTensorParallel, EqualsTheSingleRankOnTwoAndFourRanks) {
   auto r4 = run(4, data.task(), options(four.path, 2));  // mesh {dp: 2, tp: 2}
   TempDir sp("tp_sp");
   auto o_sp = options(sp.path, 4);
-  o_sp.sequence_parallel = true;
+  o_sp.tensor_parallel.sequence_parallel = true;
   auto r4sp = run(4, data.task(), o_sp);  // tp 4 with the sequence split too
   ASSERT_EQ(r1.global_step, 8);
   EXPECT_EQ(r2.global_step, 8);
@@ -222,7 +222,7 @@ TEST(TrainTensorParallel, AccumulatesLikeTheSingleRank) {
   o1.accumulate = 2;
   auto o4 = options(one.path, 2);
   o4.accumulate = 2;
-  o4.sequence_parallel = true;
+  o4.tensor_parallel.sequence_parallel = true;
   auto r1 = run(1, data.task(), o1);
   const auto w1 = final_weights(r1.weights_path);
   for (Strategy s : {Strategy::kDDP, Strategy::kZero2}) {  // zero2: the sum in the shards
@@ -246,7 +246,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = options(cut.path, 2);
-  o.resume = "auto";
+  o.resume = Resume::automatic();
   auto resumed = run(2, data.task(), o);
   EXPECT_EQ(resumed.global_step, 8);
   const auto a = final_weights(whole.weights_path), b = final_weights(resumed.weights_path);
@@ -267,7 +267,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
     fs::copy(other.path, again.path,
              fs::copy_options::recursive | fs::copy_options::overwrite_existing);
     auto o2 = options(again.path, tp);
-    o2.resume = "auto";
+    o2.resume = Resume::automatic();
     auto r = run(tp == 1 ? 2 : 4, data.task(), o2);
     EXPECT_EQ(r.global_step, 8) << "tp " << tp;
     ends[tp] = final_weights(r.weights_path);
@@ -291,7 +291,7 @@ TEST(TrainTensorParallel, ClipsByTheWholeModelsNorm) {
     TempDir dir("tp_clip" + std::to_string(tp));
     auto o = options(dir.path, tp);
     o.max_grad_norm = 0.05;
-    o.sequence_parallel = tp == 4;
+    o.tensor_parallel.sequence_parallel = tp == 4;
     const Normed r = run_with_norms(tp, data.task(), o);
     ASSERT_EQ(r.norms.size(), 8u);
     if (tp == 1) first_norm = r.norms[0];
@@ -331,7 +331,7 @@ TEST(TrainTensorParallel, ZeroOverDataParallelEqualsTheSingleRank) {
       auto o = options(dir.path, 2);
       o.strategy = s;
       o.max_grad_norm = 0.05;
-      o.sequence_parallel = sp;
+      o.tensor_parallel.sequence_parallel = sp;
       const Normed r = run_with_norms(4, data.task(), o);
       EXPECT_EQ(r.result.global_step, r1.result.global_step);
       ASSERT_EQ(r.norms.size(), 8u);
@@ -355,7 +355,7 @@ TEST(TrainTensorParallel, ZeroTimesTensorParallelResumesExactly) {
   auto oc = options(cut.path, 2);
   oc.strategy = Strategy::kZero2;
   ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), oc));
-  oc.resume = "auto";
+  oc.resume = Resume::automatic();
   auto resumed = run(4, data.task(), oc);
   EXPECT_EQ(resumed.global_step, 8);
   const auto a = final_weights(whole.weights_path), b = final_weights(resumed.weights_path);
@@ -403,16 +403,17 @@ TEST(TrainTensorParallel, ShardedCheckpointsPerSliceResumeExactly) {
       EXPECT_EQ(newest_sharded(cut.path.string())->tp, 2);
       EXPECT_FALSE(newest_sharded(mixed.path.string()).has_value());
     }
-    oc.resume = "auto";
+    oc.resume = Resume::automatic();
     auto other = oc;
-    other.tensor_parallel = 1;
+    other.tensor_parallel.size = 1;
     auto errors = testing::run_ranks(4, [&](Dist& d) { train(data.task(), other, d); });
     for (const auto& e : errors) {
-      EXPECT_NE(e.find("is sharded at TrainerOptions::tensor_parallel 2, and this run has "
-                       "TrainerOptions::tensor_parallel 1"),
+      EXPECT_NE(e.find("is sharded at TrainerOptions::tensor_parallel.size 2, and this run has "
+                       "TrainerOptions::tensor_parallel.size 1"),
                 std::string::npos)
           << e;
-      EXPECT_NE(e.find("resume with TrainerOptions::tensor_parallel 2"), std::string::npos) << e;
+      EXPECT_NE(e.find("resume with TrainerOptions::tensor_parallel.size 2"), std::string::npos)
+          << e;
     }
     auto resumed = run(4, data.task(), oc);
     EXPECT_EQ(resumed.global_step, 8);
@@ -437,7 +438,7 @@ TEST(TrainTensorParallel, ADegreeTheWorldCannotTakeIsAnErrorOfTrain) {
   auto errors =
       testing::run_ranks(1, [&](Dist& d) { train(data.task(), options(dir.path, 2), d); });
   ASSERT_EQ(errors.size(), 1u);
-  EXPECT_NE(errors[0].find("TrainerOptions::tensor_parallel 2 does not divide the world of 1"),
+  EXPECT_NE(errors[0].find("TrainerOptions::tensor_parallel.size 2 does not divide the world of 1"),
             std::string::npos)
       << errors[0];
 }
@@ -457,7 +458,7 @@ TEST(TrainTensorParallel, AutocastLearnsAtTp2InBf16AndFp16) {
     TempDir dir("tp_amp_" + amp);
     auto o = options(dir.path, 2);
     o.amp = parse_amp(amp);
-    o.sequence_parallel = true;
+    o.tensor_parallel.sequence_parallel = true;
     o.epochs = 4;
     TrainTask t;
     t.train_data = in_memory(set);
@@ -494,11 +495,11 @@ TEST(TrainTensorParallel, GridLearnsUnderBf16Autocast) {
       TempDir dir("grid_amp_" + amp + std::to_string(tp));
       auto o = options(dir.path, tp);
       o.strategy = Strategy::kGrid;
-      o.pipeline_stages = 2;
-      o.schedule = PipelineSchedule::k1F1B;
-      o.chunks = 2;
+      o.pipeline.stages = 2;
+      o.pipeline.schedule = PipelineSchedule::k1F1B;
+      o.pipeline.chunks = 2;
       o.amp = parse_amp(amp);
-      o.sequence_parallel = tp > 1;
+      o.tensor_parallel.sequence_parallel = tp > 1;
       o.epochs = 4;
       TrainTask t;
       t.train_data = in_memory(set);
@@ -555,11 +556,11 @@ TEST(TrainTensorParallel, GridTimesTensorParallelEqualsTheSingleRank) {
     TempDir dir("tpg");
     auto o = options(dir.path, 2);
     o.strategy = Strategy::kGrid;
-    o.pipeline_stages = 2;
-    o.sequence_parallel = c.sequence_parallel;
-    o.schedule = c.schedule;
-    o.stages_per_device = c.stages_per_device;
-    o.chunks = 4;
+    o.pipeline.stages = 2;
+    o.tensor_parallel.sequence_parallel = c.sequence_parallel;
+    o.pipeline.schedule = c.schedule;
+    o.pipeline.stages_per_device = c.stages_per_device;
+    o.pipeline.chunks = 4;
     o.max_grad_norm = 0.05;
     ASSERT_NO_THROW(validate(o, c.world)) << c.name;
     const Normed r = run_with_norms(c.world, data.task(), o);
@@ -583,10 +584,10 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
   auto grid = [](const fs::path& dir) {
     auto o = options(dir, 2);
     o.strategy = Strategy::kGrid;
-    o.pipeline_stages = 2;
-    o.schedule = PipelineSchedule::k1F1B;
-    o.chunks = 2;
-    o.sequence_parallel = true;
+    o.pipeline.stages = 2;
+    o.pipeline.schedule = PipelineSchedule::k1F1B;
+    o.pipeline.chunks = 2;
+    o.tensor_parallel.sequence_parallel = true;
     return o;
   };
   auto straight = run(4, data.task(), grid(full.path));
@@ -594,7 +595,7 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = grid(cut.path);
-  o.resume = "auto";
+  o.resume = Resume::automatic();
   auto resumed = run(4, data.task(), o);
   EXPECT_EQ(resumed.global_step, 8);
   const auto a = final_weights(straight.weights_path), b = final_weights(resumed.weights_path);
@@ -605,7 +606,7 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
     fs::copy(other.path, again.path,
              fs::copy_options::recursive | fs::copy_options::overwrite_existing);
     auto o2 = options(again.path, tp);
-    o2.resume = "auto";
+    o2.resume = Resume::automatic();
     auto r = run(tp, data.task(), o2);
     EXPECT_EQ(r.global_step, 8) << "tp " << tp;
     ends[tp] = final_weights(r.weights_path);
@@ -621,9 +622,9 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
   fs::copy(other.path, at1_full.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o1 = grid(at1.path);
-  o1.tensor_parallel = 1;
-  o1.sequence_parallel = false;
-  o1.resume = "auto";
+  o1.tensor_parallel.size = 1;
+  o1.tensor_parallel.sequence_parallel = false;
+  o1.resume = Resume::automatic();
   ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), o1, 6));
   {
     Model m = make_model("gpt-tiny", gpt_options());
@@ -651,26 +652,27 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   auto b = o;
   b.strategy = Strategy::kPipeline;
   expect(b, 2,
-         "TrainerOptions::tensor_parallel 2 goes with TrainerOptions::strategy ddp, zero1, zero2, "
+         "TrainerOptions::tensor_parallel.size 2 goes with TrainerOptions::strategy ddp, zero1, "
+         "zero2, "
          "fsdp or grid");
   b = o;
   b.strategy = Strategy::kGrid;
   expect(b, 6,
-         "TrainerOptions::strategy grid needs TrainerOptions::pipeline_stages of at least 2 "
-         "dividing the world with TrainerOptions::tensor_parallel 2: 6 processes");
-  expect(b, 2, "dividing the world with TrainerOptions::tensor_parallel 2: 2 processes");
-  b.schedule = PipelineSchedule::kZeroBubbleH1;
-  b.chunks = 4;
+         "TrainerOptions::strategy grid needs TrainerOptions::pipeline.stages of at least 2 "
+         "dividing the world with TrainerOptions::tensor_parallel.size 2: 6 processes");
+  expect(b, 2, "dividing the world with TrainerOptions::tensor_parallel.size 2: 2 processes");
+  b.pipeline.schedule = PipelineSchedule::kZeroBubbleH1;
+  b.pipeline.chunks = 4;
   expect(b, 8,
-         "as many processes as TrainerOptions::pipeline_stages times "
-         "TrainerOptions::tensor_parallel, here 4, not 8");
-  expect(o, 3, "TrainerOptions::tensor_parallel 2 does not divide the world of 3");
+         "as many processes as TrainerOptions::pipeline.stages times "
+         "TrainerOptions::tensor_parallel.size, here 4, not 8");
+  expect(o, 3, "TrainerOptions::tensor_parallel.size 2 does not divide the world of 3");
   b = o;
-  b.tensor_parallel = 1;
-  b.sequence_parallel = true;
-  expect(b, 2, "TrainerOptions::sequence_parallel");
+  b.tensor_parallel.size = 1;
+  b.tensor_parallel.sequence_parallel = true;
+  expect(b, 2, "TrainerOptions::tensor_parallel.sequence_parallel");
   b = o;
-  b.tensor_parallel = 0;
+  b.tensor_parallel.size = 0;
   expect(b, 2, "at least 1");
   b = o;
   b.strategy = Strategy::kZero2;

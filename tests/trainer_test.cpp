@@ -548,7 +548,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Bad{"--strategy dp --devices cpu,cpu", "runs in one process"},  // 2 processes given
         Bad{"--strategy ddp --devices cpu,cpu", "--devices is for dp and pipeline"},
-        Bad{"--strategy ddp --chunks 4", "are for the pipeline strategies"},
+        // The library names a strategy's own options one level down (pipeline.chunks); the
+        // command line shows its flags.
+        Bad{"--strategy ddp --chunks 4",
+            "--chunks, --split-size, --balance, --schedule and --checkpoint-activations are for "
+            "the pipeline strategies (pipeline, grid), not --strategy ddp"},
+        Bad{"--strategy pipeline --nproc-per-node 1 --balance 2,x",
+            "--balance '2,x': 'x' is not a positive number of blocks"},
         Bad{"--strategy grid --pipeline-stages 3", "dividing the world: 2 processes, 3 stages"},
         Bad{"--strategy grid --pipeline-stages 2 --split-size 4", "a grid's stages take --chunks"},
         Bad{"--strategy ddp --pipeline-stages 4", "--pipeline-stages is for --strategy grid"},
@@ -675,10 +681,10 @@ TEST(Train, EvaluationBatchFollowsTheTrainingBatch) {
       o.epochs = 1;
       o.batch_size = 16;  // 8 per replica
       o.eval_batch_size = eval_batch;
-      o.device = "cpu";
+      o.device = at::kCPU;
       o.progress = false;
       o.tensorboard = false;
-      o.resume = "none";
+      o.resume = scaletrain::Resume::none();
       o.out_dir = (dir.path / "out").string();
       auto r = train(task, o, d);
       if (d.rank() == 0) loss = r.metrics.at("test_loss");
@@ -704,20 +710,20 @@ TEST(Train, CpuDevicesOnAGpuMachineAskedNcclAndNowGetGloo) {
   TrainOptions o;
   EXPECT_EQ(train_backend(o, "auto", 1), "auto") << "ddp on cuda:0 may take NCCL";
   EXPECT_EQ(train_backend(o, "auto", 0), "auto");
-  o.device = "cpu";
+  o.device = at::kCPU;
   EXPECT_EQ(train_backend(o, "auto", 4), "gloo");
   EXPECT_EQ(train_backend(o, "nccl", 4), "nccl") << "asked for by name: the user's call";
-  o.device = "auto";
+  o.device.reset();
   o.strategy = Strategy::kDataParallel;
-  o.devices = {"cpu", "cpu"};
+  o.devices = {at::kCPU, at::kCPU};
   EXPECT_EQ(train_backend(o, "auto", 1), "gloo");
   o.devices = {};
   EXPECT_EQ(train_backend(o, "auto", 1), "gloo") << "one GPU: dp's default devices are cpu,cpu";
   EXPECT_EQ(train_backend(o, "auto", 2), "auto") << "two GPUs: cuda:0,cuda:1";
   o.strategy = Strategy::kPipeline;
-  o.devices = {"cuda:0", "cpu"};
+  o.devices = {at::Device("cuda:0"), at::kCPU};
   EXPECT_EQ(train_backend(o, "auto", 1), "auto");
-  o.devices = {"cpu", "cuda:0"};
+  o.devices = {at::kCPU, at::Device("cuda:0")};
   EXPECT_EQ(train_backend(o, "auto", 1), "gloo");
 }
 
@@ -858,9 +864,9 @@ TEST(Train, LearnsOnRealFashionMnistSubset) {
   o.limit_test = 1000;
   o.epochs = 3;
   o.progress = false;
-  o.device = "cpu";  // rank threads share one process: CUDA needs processes
+  o.device = at::kCPU;  // rank threads share one process: CUDA needs processes
   o.out_dir = dir.path.string();
-  o.resume = "none";
+  o.resume = scaletrain::Resume::none();
   TrainResult r;
   auto errors = testing::run_ranks(2, [&](Dist& d) {
     auto mine = train(o, d);
@@ -899,8 +905,8 @@ TrainOptions small(const fs::path& out) {
   o.batch_size = 64;
   o.progress = false;
   o.out_dir = out.string();
-  o.resume = "none";
-  o.device = "cpu";  // bitwise comparisons: CPU kernels, also where a GPU is present
+  o.resume = scaletrain::Resume::none();
+  o.device = at::kCPU;  // bitwise comparisons: CPU kernels, also where a GPU is present
   return o;
 }
 

@@ -19,7 +19,6 @@
 #include "scaletrain/tokens.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain_zoo.h"
-#include "train/balance.h"
 #include "train/validation.h"
 
 namespace scaletrain {
@@ -38,14 +37,14 @@ void validate_vocabulary(const TrainOptions& o) {
   }
   require(o.vocab_size == 0 || o.vocab_size >= 256, "--vocab-size", o.vocab_size,
           "0 (the model's own) or at least 256 (the text data's byte tokens)");
-  if (!gpt || o.tensor_parallel <= 1) return;
+  if (!gpt || o.tensor_parallel.size <= 1) return;
   const int64_t vocab = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
-  if (vocab % o.tensor_parallel != 0) {
+  if (vocab % o.tensor_parallel.size != 0) {
     const int64_t padded = (vocab + 127) / 128 * 128;
-    const int64_t fix = padded % o.tensor_parallel == 0
+    const int64_t fix = padded % o.tensor_parallel.size == 0
                             ? padded
-                            : (vocab / o.tensor_parallel + 1) * o.tensor_parallel;
-    throw UsageError("--tp " + std::to_string(o.tensor_parallel) + " splits " + o.model +
+                            : (vocab / o.tensor_parallel.size + 1) * o.tensor_parallel.size;
+    throw UsageError("--tp " + std::to_string(o.tensor_parallel.size) + " splits " + o.model +
                      "'s vocabulary of " + std::to_string(vocab) +
                      " rows, which it does not divide: pad it with --vocab-size " +
                      std::to_string(fix) + " (rows no token uses, never a target)");
@@ -105,7 +104,7 @@ void validate_zoo_shapes(const TrainOptions& o) {
                          : "--dataset text is token ids, for a GPT: give --model gpt-tiny or "
                            "gpt2-small");
   }
-  if (o.dropout > 0 && o.checkpointing != PipelineCheckpoint::kNever) {
+  if (o.dropout > 0 && o.pipeline.checkpoint != PipelineCheckpoint::kNever) {
     throw UsageError(
         "--dropout with --checkpoint-activations: the pipeline's recomputation does not replay "
         "the random generators, so its masks would not be the forward's; leave "
@@ -232,17 +231,17 @@ Data load(const TrainOptions& o) {
 
 // An explicit --balance against the zoo model's chain (the trainer checks the list's length).
 void validate_zoo_balance(const TrainOptions& o) {
-  if (o.balance == "auto" || o.balance == "time" || o.balance == "size") return;
+  if (o.pipeline.balance.by != Balance::By::kLayers) return;
   if (o.strategy != Strategy::kPipeline && o.strategy != Strategy::kGrid) return;
   ModelOptions mo;
   if (o.dataset == "folder") mo.in_channels = 3;
   const auto blocks = static_cast<int64_t>(as_sequential(make_model(o.model, mo))->size());
   int64_t total = 0;
-  for (int n : parse_balance_list(o.balance)) total += n;
+  for (int n : o.pipeline.balance.layers) total += n;
   if (total != blocks) {
-    throw UsageError("--balance '" + o.balance + "' covers " + std::to_string(total) +
-                     " blocks, and " + o.model + " has " + std::to_string(blocks) +
-                     " (its chain: as_sequential in models.h)");
+    throw UsageError("--balance '" + o.pipeline.balance.str() + "' covers " +
+                     std::to_string(total) + " blocks, and " + o.model + " has " +
+                     std::to_string(blocks) + " (its chain: as_sequential in models.h)");
   }
 }
 
@@ -254,9 +253,9 @@ void validate_zoo_balance(const TrainOptions& o) {
 // device()); without --devices that is cuda:0 only from 2 GPUs on (local_devices()).
 std::string train_backend(const TrainOptions& o, const std::string& requested, int gpus) {
   if (requested != "auto") return requested;
-  if (o.device == "cpu") return "gloo";
+  if (o.device && o.device->is_cpu()) return "gloo";
   if (o.strategy == Strategy::kDataParallel || o.strategy == Strategy::kPipeline) {
-    const bool first_on_cpu = o.devices.empty() ? gpus < 2 : o.devices.front() == "cpu";
+    const bool first_on_cpu = o.devices.empty() ? gpus < 2 : o.devices.front().is_cpu();
     if (first_on_cpu) return "gloo";
   }
   return requested;

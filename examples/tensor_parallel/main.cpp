@@ -47,11 +47,11 @@ int run(int argc, char** argv) {
   const std::string out = argc > 1 ? argv[1] : "runs/tensor_parallel_example";
   auto dist = scaletrain::init_process_group();
   scaletrain::TrainerOptions o;
-  o.tensor_parallel = dist.size();
+  o.tensor_parallel.size = dist.size();
   if (argc > 2) {
     char* end = nullptr;
-    o.tensor_parallel = static_cast<int>(std::strtol(argv[2], &end, 10));
-    if (*end != '\0' || o.tensor_parallel < 1) {
+    o.tensor_parallel.size = static_cast<int>(std::strtol(argv[2], &end, 10));
+    if (*end != '\0' || o.tensor_parallel.size < 1) {
       throw scaletrain::UsageError(std::string("tensor-parallel degree '") + argv[2] +
                                    "': give a positive number of ranks");
     }
@@ -79,13 +79,13 @@ int run(int argc, char** argv) {
   o.max_grad_norm = 1.0;
   o.out_dir = out;
   o.progress = false;
-  o.device = "cpu";
+  o.device = at::kCPU;
   auto result = scaletrain::train(task, o, dist);
   if (dist.rank() != 0) return 0;
   NetImpl whole;  // model.pt: the whole model under the module's own names
   scaletrain::load_weights(result.weights_path, whole);
   const double reloaded = accuracy(whole, test_set);
-  std::cout << "tp " << o.tensor_parallel << " of " << dist.size() << " ranks: test accuracy "
+  std::cout << "tp " << o.tensor_parallel.size << " of " << dist.size() << " ranks: test accuracy "
             << result.test_accuracy << " after " << result.global_step
             << " steps; model.pt, unsplit: " << reloaded << "\n";
   return result.test_accuracy > 0.9 && reloaded > 0.9 ? 0 : 1;

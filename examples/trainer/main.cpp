@@ -66,12 +66,12 @@ int run(int argc, char** argv) {
   task.scheduler = [](torch::optim::Optimizer& opt) {
     return std::make_unique<torch::optim::StepLR>(opt, 10, 0.3);
   };
-  if (strategy == "dp" || strategy == "pipeline") o.devices = {"cpu", "cpu"};
+  if (strategy == "dp" || strategy == "pipeline") o.devices = {at::kCPU, at::kCPU};
   o.epochs = 20;
   o.batch_size = 128;
   o.out_dir = out;
   o.progress = false;
-  o.device = "cpu";
+  o.device = at::kCPU;
   auto result = scaletrain::train(task, o, dist);
   if (dist.rank() == 0) {
     std::cout << strategy << ": test accuracy " << result.test_accuracy << " after "

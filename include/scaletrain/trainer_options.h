@@ -4,9 +4,12 @@
 // refuse a combination before any work. Errors name the options as a program sets them
 // (TrainerOptions::batch_size); the command line shows them as its flags.
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "scaletrain/ddp.h"
@@ -38,6 +41,78 @@ enum class Amp { kNone, kBf16, kFp16 };
 Amp parse_amp(const std::string& name);
 std::string to_string(Amp a);
 
+/// "gpipe", "1f1b", "interleaved", "zb-h1"; throws UsageError naming them for anything else.
+PipelineSchedule parse_schedule(const std::string& name);
+std::string to_string(PipelineSchedule s);
+/// "never", "except-last", "always"; throws UsageError naming them for anything else.
+PipelineCheckpoint parse_pipeline_checkpoint(const std::string& name);
+std::string to_string(PipelineCheckpoint c);
+
+/// A device as PyTorch names it ("cpu", "cuda", "cuda:1"); throws UsageError naming `what` and
+/// the value for anything else.
+c10::Device parse_device(const std::string& name, const std::string& what = "device");
+
+/// Where train() starts (TrainerOptions::resume).
+struct Resume {
+  enum class Kind {
+    kAuto,  // the newest valid checkpoint in out_dir, else afresh
+    kNone,  // afresh (a folder holding another run still needs TrainerOptions::overwrite)
+    kFile,  // this checkpoint file
+  };
+  Kind kind = Kind::kAuto;
+  std::string file;  // kFile
+
+  static Resume automatic() { return {}; }
+  static Resume none() { return {Kind::kNone, {}}; }
+  static Resume from(std::string file) { return {Kind::kFile, std::move(file)}; }
+  /// "auto", "none" or a file's path (the command line's --resume).
+  static Resume parse(const std::string& text);
+  std::string str() const;  // as parse() reads it
+};
+
+/// How the pipeline strategies cut the model's chain of blocks into stages.
+struct Balance {
+  enum class By {
+    kTime,    // each block's forward and backward measured on a sample batch (the default)
+    kSize,    // parameter bytes
+    kLayers,  // blocks per stage as given
+  };
+  By by = By::kTime;
+  std::vector<int> layers;  // kLayers: one count per stage, summing to the chain's length
+
+  static Balance time() { return {}; }
+  static Balance size() { return {By::kSize, {}}; }
+  static Balance of(std::vector<int> layers) { return {By::kLayers, std::move(layers)}; }
+  /// "auto" or "time", "size", or "N,M,..." (the command line's --balance); UsageError for
+  /// anything else.
+  static Balance parse(const std::string& text);
+  std::string str() const;  // "time", "size" or "N,M,..."
+};
+
+/// The pipeline strategies' own options (pipeline: stages on this process's devices; grid:
+/// stages on ranks). pipeline.h and dist_pipeline.h say what each does.
+struct PipelineTrainOptions {
+  PipelineSchedule schedule = PipelineSchedule::kGPipe;
+  int chunks = 0;          // micro-batches per batch; 0: twice the stages
+  int64_t split_size = 0;  // pipeline: >0, micro-batches of this many samples instead (seed 000)
+  Balance balance;
+  PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;  // activation checkpointing
+  int stages = 2;                                              // grid: ranks per pipeline
+  int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
+                              // (grid of one replica); a Balance::of list then has that many
+                              // times more entries
+};
+
+/// Tensor parallelism within each replica (tensor_parallel.h), under ddp, zero1, zero2, fsdp
+/// (the mesh {dp: world / size, tp: size}) and grid ({dp, pp, tp}): each replica's model (each
+/// stage, in a grid) is split over `size` ranks by Model::parallelize.
+struct TensorParallelTrainOptions {
+  int size = 1;                    // ranks per tensor-parallel group; 1: no split
+  bool sequence_parallel = false;  // size > 1: LayerNorms etc. on a sequence slice
+};
+
+/// The options of train(): first those of every run, then each strategy's own (ddp, pipeline,
+/// tensor_parallel), which the other strategies refuse when set.
 struct TrainerOptions {
   Strategy strategy = Strategy::kDDP;
   int epochs = 5;
@@ -62,20 +137,23 @@ struct TrainerOptions {
   // replicas. ddp, zero1, zero2 or fsdp within a replica; each replica needs an out_dir of its
   // own.
   std::optional<ReplicaGroupOptions> fault_tolerant;
-  std::string resume = "auto";  // "auto" (newest valid in out_dir), "none", or a path
-  bool overwrite = false;       // out_dir holds another run: delete its files and start afresh
-                                // (without it, such a folder is refused unless resumed)
-  int log_every = 50;           // steps between metric lines
-  bool progress = true;         // progress bar / lines on rank 0
-  bool tensorboard = true;      // events.out.tfevents.* in out_dir (rank 0)
-  int workers = 1;              // loader threads per rank (0: load on the training thread)
+  Resume resume;            // where the run starts: Resume::automatic(), none() or from(file)
+  bool overwrite = false;   // out_dir holds another run: delete its files and start afresh
+                            // (without it, such a folder is refused unless resumed)
+  int log_every = 50;       // steps between metric lines
+  bool progress = true;     // progress bar / lines on rank 0
+  bool tensorboard = true;  // events.out.tfevents.* in out_dir (rank 0)
+  int workers = 1;          // loader threads per rank (0: load on the training thread)
   // In-memory splits (DataSource::rows: Fashion-MNIST, synthetic, a user's in_memory() tensors)
   // held on this rank's device, each batch gathered there: no loader thread and no copy per
   // step (Note [Data on the device] in src/train/run_steps.cpp). The batches are the loader's.
   bool data_on_device = false;
-  // ddp and grid: this rank's device. "auto" (cuda:<local rank> when GPUs are visible, else
-  // cpu), "cpu", "cuda" or "cuda:N".
-  std::string device = "auto";
+  // ddp, grid, zero1, zero2, fsdp: this rank's device. Unset: cuda:<local rank> when GPUs are
+  // visible, else the CPU. A CUDA device without an index is cuda:<local rank>.
+  std::optional<c10::Device> device;
+  // dp and pipeline: the devices, one per replica or stage (the CPU may repeat). Empty: every
+  // GPU, else two CPU "devices".
+  std::vector<c10::Device> devices;
   // > 0: before each optimizer step the gradients are scaled down to this global L2 norm where
   // it is larger (PyTorch's clip_grad_norm_), the norm over the whole model whichever rank holds
   // which part (shards, stages, slices). StepReport::grad_norm gives the norm before clipping.
@@ -84,33 +162,19 @@ struct TrainerOptions {
   // kBf16 is the sharded policy (bf16 parameters over fp32 master shards, zero.h's param_dtype).
   Amp amp = Amp::kNone;
   bool channels_last = true;  // convolution weights and image batches in NHWC memory
-  // ddp: kFail within a step, naming the ranks, or kJoin (ddp.h; kOff is refused: the trainer
-  // always checks).
-  UnevenInputs uneven_inputs = UnevenInputs::kFail;
-  double timeout_s = 300;  // collective timeout of the process group (the tool's --timeout)
-  // dp and pipeline: the devices, one per replica or stage ("cpu" may repeat). Empty: every GPU,
-  // else two CPU "devices".
-  std::vector<std::string> devices;
-  // pipeline and grid:
-  PipelineSchedule schedule = PipelineSchedule::kGPipe;
-  int chunks = 0;                // micro-batches per batch; 0: twice the stages
-  int64_t split_size = 0;        // >0: micro-batches of this many samples instead (seed 000)
-  std::string balance = "auto";  // "auto" or "time" (measured), "size" (parameters), "N,M,..."
-  PipelineCheckpoint checkpointing = PipelineCheckpoint::kNever;  // activation checkpointing
-  int pipeline_stages = 2;                                        // grid: ranks per pipeline
-  int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
-                              // (grid of one replica); --balance then lists that many times more
-  // ddp, zero1, zero2, fsdp: ranks per tensor-parallel group (tensor_parallel.h). The world is the
-  // mesh {dp: world / tensor_parallel, tp: tensor_parallel}: each replica's model is split
-  // (Model::parallelize) over its tp ranks, and DDP (or ZeRO) works over dp. grid: the mesh
-  // {dp, pp: pipeline_stages, tp: tensor_parallel}, each stage split over its tp ranks. 1: no
-  // split.
-  int tensor_parallel = 1;
-  bool sequence_parallel = false;  // with tensor_parallel > 1: LayerNorms etc. on a sequence slice
+  double timeout_s = 300;     // collective timeout of the process group (the tool's --timeout)
   // The peak FLOP/s of one device, for TrainResult::mfu (flops.h): the data sheet's dense figure
   // for the precision trained in. 0: unknown, so measured on the CPU (a short fp32 matmul per
   // rank before training), and on CUDA no MFU (never guessed).
   double peak_flops = 0;
+
+  // ---- Each strategy's own ----
+  // The data-parallel replicas' DDP (ddp.h): ddp, and grid's and the tensor-parallel strategies'
+  // replicas. uneven_inputs: kFail within a step, naming the ranks, or kJoin (ddp only; kOff is
+  // refused: the trainer always checks).
+  DDPOptions ddp;
+  PipelineTrainOptions pipeline;               // pipeline and grid
+  TensorParallelTrainOptions tensor_parallel;  // ddp, zero1, zero2, fsdp and grid
 };
 
 /// Checks the options of a task against the world before any work: the strategy's combinations

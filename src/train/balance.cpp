@@ -30,45 +30,45 @@ std::vector<int> parse_balance_list(const std::string& spec) {
       out.push_back(std::stoi(item, &used));
       if (used != item.size() || out.back() < 1) throw std::invalid_argument(item);
     } catch (const std::exception&) {
-      throw UsageError("TrainerOptions::balance '" + spec + "': '" + item +
+      throw UsageError("TrainerOptions::pipeline.balance '" + spec + "': '" + item +
                        "' is not a positive number of blocks; give auto, time, size or N,M,...");
     }
   }
   return out;
 }
 
-std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+std::vector<int> resolve_balance(const Balance& balance, const torch::nn::Sequential& chain,
                                  int stages, const at::Tensor& sample) {
   if (static_cast<int>(chain->size()) < stages) {
     throw UsageError("the model's chain has " + std::to_string(chain->size()) +
                      " blocks, fewer than the " + std::to_string(stages) +
-                     " stages: give fewer devices (or TrainerOptions::pipeline_stages, or "
-                     "TrainerOptions::stages_per_device)");
+                     " stages: give fewer devices (or TrainerOptions::pipeline.stages, or "
+                     "TrainerOptions::pipeline.stages_per_device)");
   }
-  if (spec == "auto" || spec == "time") {
+  if (balance.by == Balance::By::kTime) {
     return balance_by_time(chain, sample.narrow(0, 0, std::min<int64_t>(sample.size(0), 8)), stages,
                            2);
   }
-  if (spec == "size") return balance_by_size(chain, stages);
-  std::vector<int> out = parse_balance_list(spec);
+  if (balance.by == Balance::By::kSize) return balance_by_size(chain, stages);
+  const std::vector<int>& out = balance.layers;
   const int total = std::accumulate(out.begin(), out.end(), 0);
   if (static_cast<int>(out.size()) != stages || total != static_cast<int>(chain->size())) {
-    throw UsageError("TrainerOptions::balance '" + spec + "' gives " + std::to_string(out.size()) +
-                     " stages of " + std::to_string(total) + " blocks; the pipeline has " +
-                     std::to_string(stages) + " stages and the model's chain " +
-                     std::to_string(chain->size()) + " blocks");
+    throw UsageError("TrainerOptions::pipeline.balance '" + balance.str() + "' gives " +
+                     std::to_string(out.size()) + " stages of " + std::to_string(total) +
+                     " blocks; the pipeline has " + std::to_string(stages) +
+                     " stages and the model's chain " + std::to_string(chain->size()) + " blocks");
   }
   return out;
 }
 
-std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+std::vector<int> resolve_balance(const Balance& balance, const torch::nn::Sequential& chain,
                                  int stages, const at::Tensor& sample, const Dist& dist,
                                  const at::Device& device) {
   std::vector<int64_t> mine(static_cast<size_t>(stages), 0);
   std::string problem;
   if (dist.rank() == 0) {
     try {
-      auto b = resolve_balance(spec, chain, stages, sample);
+      auto b = resolve_balance(balance, chain, stages, sample);
       mine.assign(b.begin(), b.end());
     } catch (const UsageError& e) {
       problem = e.what();

@@ -6,6 +6,7 @@
 
 #include "scaletrain/dist.h"
 #include "scaletrain/model.h"
+#include "scaletrain/trainer_options.h"
 
 namespace scaletrain {
 
@@ -16,14 +17,14 @@ torch::nn::Sequential chain_of(const Model& model);
 /// whole numbers.
 std::vector<int> parse_balance_list(const std::string& spec);
 
-/// Layers per stage from a --balance spec: "auto" or "time" (each layer's measured forward and
-/// backward on `sample`), "size" (parameter bytes), or "N,M,..." (given). Throws UsageError for
-/// a list of another length or sum, or a chain of fewer blocks than stages.
-std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+/// Layers per stage: by time (each layer's measured forward and backward on `sample`), by size
+/// (parameter bytes), or as listed. Throws UsageError for a list of another length or sum, or a
+/// chain of fewer blocks than stages.
+std::vector<int> resolve_balance(const Balance& balance, const torch::nn::Sequential& chain,
                                  int stages, const at::Tensor& sample);
 
 /// The same, measured on rank 0 and broadcast, so that every rank of a grid splits alike.
-std::vector<int> resolve_balance(const std::string& spec, const torch::nn::Sequential& chain,
+std::vector<int> resolve_balance(const Balance& balance, const torch::nn::Sequential& chain,
                                  int stages, const at::Tensor& sample, const Dist& dist,
                                  const at::Device& device);
 

@@ -1,8 +1,8 @@
 // The grid strategy (Note [Strategies] in strategy.cpp): `stages` ranks form a pipeline
 // (DistPipeline), the pipelines train on their own slices of the data, and each stage's
 // parameters are averaged over its replicas by DDP in a group of its own. With
-// TrainerOptions::tensor_parallel = t > 1 each stage is split over t ranks besides (3D: the mesh
-// {dp, pp, tp}, Note [Grid with tensor parallelism]).
+// TrainerOptions::tensor_parallel.size = t > 1 each stage is split over t ranks besides (3D: the
+// mesh {dp, pp, tp}, Note [Grid with tensor parallelism]).
 //
 //   rank = (replica × stages + stage) × t + tp     e.g. 4 ranks, 2 stages:   stage 0   stage 1
 //   (the DeviceMesh {dp, pp, tp}, mesh.h)
@@ -61,10 +61,10 @@ class GridStrategy : public TrainStrategy {
       : TrainStrategy(d),
         whole_(model),
         loss_(task.loss),
-        stages_(o.pipeline_stages),
-        degree_(std::max(o.tensor_parallel, 1)),
-        mesh_({{"dp", d.size() / (o.pipeline_stages * degree_)},
-               {"pp", o.pipeline_stages},
+        stages_(o.pipeline.stages),
+        degree_(std::max(o.tensor_parallel.size, 1)),
+        mesh_({{"dp", d.size() / (o.pipeline.stages * degree_)},
+               {"pp", o.pipeline.stages},
                {"tp", degree_}},
               d.size()),
         replica_(mesh_.coordinate(d.rank(), "dp")),
@@ -78,25 +78,26 @@ class GridStrategy : public TrainStrategy {
         degree_ > 1 ? std::vector<std::string>{"dp", "tp"} : std::vector<std::string>{"dp"});
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
-    const int v = v_ = o.stages_per_device;
-    const auto balance = resolve_balance(o.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
+    const int v = v_ = o.pipeline.stages_per_device;
+    const auto balance =
+        resolve_balance(o.pipeline.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
-    if (degree_ > 1) split(task, o.sequence_parallel);
+    if (degree_ > 1) split(task, o.tensor_parallel.sequence_parallel);
     stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
     // The whole model's, which checkpoints gather (the same tensors without a split).
     whole_stage_params_ = degree_ > 1 ? stage_parameters(whole_, nullptr) : stage_params_;
     stage_module_ = chunks_.front();
     for (auto& c : chunks_) c->to(dev_);
     if (mesh_.size("dp") > 1) {
-      ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, groups_.at("dp"));
+      ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, groups_.at("dp"), o.ddp);
     }
     DistPipelineOptions po;
     po.stage_ranks = mesh_.group(d.rank(), "pp");
-    po.chunks = o.chunks > 0 ? o.chunks : 2 * stages_;
-    po.schedule = o.schedule;
+    po.chunks = o.pipeline.chunks > 0 ? o.pipeline.chunks : 2 * stages_;
+    po.schedule = o.pipeline.schedule;
     po.device = dev_;
     po.ddp = ddp_.get();
-    po.checkpoint = o.checkpointing;
+    po.checkpoint = o.pipeline.checkpoint;
     pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
                   : std::make_unique<DistPipeline>(stage_module_, po, d);
   }

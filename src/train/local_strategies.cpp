@@ -75,9 +75,7 @@ class DdpStrategy : public TrainStrategy {
           return so;
         }()) {
     model.module->to(dev_);
-    DDPOptions ddpo;
-    ddpo.uneven_inputs = o.uneven_inputs;
-    ddp_ = std::make_unique<DistributedDataParallel>(model.module, d, ddpo);
+    ddp_ = std::make_unique<DistributedDataParallel>(model.module, d, o.ddp);
   }
 
   std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
@@ -192,13 +190,14 @@ class PipelineStrategy : public TrainStrategy {
     torch::nn::Sequential chain = chain_of(model);
     PipelineOptions po;
     po.devices = devices_;
-    po.stages_per_device = o.stages_per_device;
-    po.balance = resolve_balance(o.balance, chain,
-                                 static_cast<int>(devices_.size()) * o.stages_per_device, sample);
-    po.chunks = o.chunks > 0 ? o.chunks : 2 * static_cast<int>(devices_.size());
-    po.split_size = o.split_size;
-    po.schedule = o.schedule;
-    po.checkpoint = o.checkpointing;
+    po.stages_per_device = o.pipeline.stages_per_device;
+    po.balance =
+        resolve_balance(o.pipeline.balance, chain,
+                        static_cast<int>(devices_.size()) * o.pipeline.stages_per_device, sample);
+    po.chunks = o.pipeline.chunks > 0 ? o.pipeline.chunks : 2 * static_cast<int>(devices_.size());
+    po.split_size = o.pipeline.split_size;
+    po.schedule = o.pipeline.schedule;
+    po.checkpoint = o.pipeline.checkpoint;
     pipe_ = std::make_unique<Pipeline>(chain, po);
   }
 
@@ -256,7 +255,7 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
                                              const at::Tensor& sample) {
   switch (options.strategy) {
     case Strategy::kDDP:
-      if (options.tensor_parallel > 1) {
+      if (options.tensor_parallel.size > 1) {
         return make_tensor_parallel_strategy(task, options, dist, model);
       }
       return std::make_unique<DdpStrategy>(task, options, dist, model);
@@ -268,14 +267,14 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
       return make_grid_strategy(task, options, dist, model, sample);
     case Strategy::kZero1:
     case Strategy::kZero2:
-      if (options.tensor_parallel > 1) {  // ZeRO over dp, the model split over tp
+      if (options.tensor_parallel.size > 1) {  // ZeRO over dp, the model split over tp
         return make_tensor_parallel_strategy(task, options, dist, model);
       }
       return make_zero_strategy(task, options, dist, model,
                                 options.strategy == Strategy::kZero1 ? 1 : 2);
     case Strategy::kFsdp:
       // Regression (FsdpIgnoredTensorParallelism): --strategy fsdp --tp T trained unsplit.
-      if (options.tensor_parallel > 1) {  // FSDP over dp, the model split over tp
+      if (options.tensor_parallel.size > 1) {  // FSDP over dp, the model split over tp
         return make_tensor_parallel_strategy(task, options, dist, model);
       }
       return make_zero_strategy(task, options, dist, model, 3);

@@ -44,17 +44,17 @@ void Run::resume() {
   } else {
     std::string from;
     if (start_.resume_sharded) {  // every rank reads the shards it needs, at any world size
-      const int tp = std::max(o_.tensor_parallel, 1);
+      const int tp = std::max(o_.tensor_parallel.size, 1);
       if (start_.resume_sharded_tp != tp) {
         const int saved = start_.resume_sharded_tp;
         throw UsageError(
             "the newest checkpoint in '" + o_.out_dir + "' (step " +
             std::to_string(*start_.resume_sharded) +
-            ") is sharded at TrainerOptions::tensor_parallel " + std::to_string(saved) +
-            ", and this run has TrainerOptions::tensor_parallel " + std::to_string(tp) +
+            ") is sharded at TrainerOptions::tensor_parallel.size " + std::to_string(saved) +
+            ", and this run has TrainerOptions::tensor_parallel.size " + std::to_string(tp) +
             "; its shards cut the model's layers " +
             (saved > 1 ? "into " + std::to_string(saved) + " slices" : "whole") +
-            " and load at that degree only: resume with TrainerOptions::tensor_parallel " +
+            " and load at that degree only: resume with TrainerOptions::tensor_parallel.size " +
             std::to_string(saved) +
             " (any number of data-parallel replicas), or save with "
             "TrainerOptions::checkpoint_format full, "
@@ -171,7 +171,7 @@ void Run::restore_rank_state() {
   }
   const auto saved = state_.values.find(kStreamsKey);  // absent: tp 1
   const bool same_streams = (saved == state_.values.end() ? std::string("1") : saved->second) ==
-                            std::to_string(std::max(o_.tensor_parallel, 1));
+                            std::to_string(std::max(o_.tensor_parallel.size, 1));
   if (!same_streams || !restore_rng_states(state_.tensors, d_)) {
     torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), stream()));
   }
@@ -196,7 +196,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   state_.tensors.clear();
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
-  state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel, 1));
+  state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel.size, 1));
   auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
   state_.tensors["trainer/epoch_loss"] =
       at::stack(d_.all_gather(sums.to(collective_device()))).cpu();

@@ -265,7 +265,7 @@ std::vector<fs::path> run_files(const std::string& dir) {
 
 RunStart plan_run_start(const TrainerOptions& o) {
   RunStart s;
-  if (o.resume == "auto" && !o.overwrite) {
+  if (o.resume.kind == Resume::Kind::kAuto && !o.overwrite) {
     s.resume_from = newest_valid_checkpoint(o.out_dir);
     // The newer of the one-file and the sharded checkpoints (a run may change its format).
     const auto sharded = newest_sharded(o.out_dir);
@@ -275,8 +275,8 @@ RunStart plan_run_start(const TrainerOptions& o) {
       s.resume_sharded_tp = sharded->tp;
       return s;
     }
-  } else if (o.resume != "auto" && o.resume != "none") {
-    s.resume_from = o.resume;
+  } else if (o.resume.kind == Resume::Kind::kFile) {
+    s.resume_from = o.resume.file;
   }
   const auto files = run_files(o.out_dir);
   if (s.resume_from && (files.empty() || is_inside(*s.resume_from, o.out_dir))) return s;

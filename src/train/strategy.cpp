@@ -58,26 +58,25 @@
 
 namespace scaletrain {
 
-at::Device rank_device(const std::string& name, const Dist& d) {
+at::Device rank_device(const std::optional<at::Device>& chosen, const Dist& d) {
   const int gpus = cuda_device_count();
-  if (name == "cpu" || (name == "auto" && gpus == 0)) return at::kCPU;
+  if ((chosen && chosen->is_cpu()) || (!chosen && gpus == 0)) return at::kCPU;
   if (gpus == 0) {
-    throw UsageError("TrainerOptions::device " + name + " on rank " + std::to_string(d.rank()) +
+    throw UsageError("TrainerOptions::device " + chosen->str() + " on rank " +
+                     std::to_string(d.rank()) +
                      ", but no GPU is visible; use TrainerOptions::device cpu");
   }
-  if (name == "auto" || name == "cuda")
+  if (!chosen || !chosen->has_index())
     return {at::kCUDA, static_cast<int8_t>(d.world.local_rank % gpus)};
-  at::Device dev(name);
-  if (dev.index() >= gpus) {
-    throw UsageError("TrainerOptions::device " + name + ": this node has " + std::to_string(gpus) +
-                     " GPU(s)");
+  if (chosen->index() >= gpus) {
+    throw UsageError("TrainerOptions::device " + chosen->str() + ": this node has " +
+                     std::to_string(gpus) + " GPU(s)");
   }
-  return dev;
+  return *chosen;
 }
 
 std::vector<at::Device> local_devices(const TrainerOptions& o) {
-  std::vector<at::Device> out;
-  for (const auto& name : o.devices) out.emplace_back(name);
+  std::vector<at::Device> out = o.devices;
   if (!out.empty()) return out;
   const int gpus = cuda_device_count();
   if (gpus >= 2) {

@@ -107,8 +107,10 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
                                              const Dist& dist, Model& model,
                                              const at::Tensor& sample);
 
-/// This process's device for the ddp and grid strategies ("auto", "cpu", "cuda", "cuda:N").
-at::Device rank_device(const std::string& name, const Dist& dist);
+/// This process's device for the ddp and grid strategies: TrainerOptions::device, unset meaning
+/// cuda:<local rank> when GPUs are visible (else the CPU), a CUDA device without an index
+/// meaning cuda:<local rank>.
+at::Device rank_device(const std::optional<at::Device>& chosen, const Dist& dist);
 /// The dp and pipeline strategies' devices: options.devices, or every GPU, else "cpu,cpu".
 std::vector<at::Device> local_devices(const TrainerOptions& options);
 /// Peak memory on `device`: CUDA's peak allocated there, the process's peak resident on CPU.

@@ -1,6 +1,6 @@
 // Note [Tensor-parallel strategy]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// ddp with TrainerOptions::tensor_parallel = t > 1: the world is the mesh {dp: W/t, tp: t}
+// ddp with TrainerOptions::tensor_parallel.size = t > 1: the world is the mesh {dp: W/t, tp: t}
 // (row-major: ranks r·t … r·t + t − 1 are replica r's tensor-parallel group). Each rank keeps two
 // models. The task's model (the trainer's Model) stays whole on the CPU: checkpoints, model.pt
 // and resumes read and write it under PyTorch's names, whatever the degree. A second build of
@@ -52,7 +52,8 @@ class TensorParallelStrategy : public TrainStrategy {
                          Model& model)
       : TrainStrategy(d),
         whole_(model),
-        mesh_({{"dp", d.size() / o.tensor_parallel}, {"tp", o.tensor_parallel}}, d.size()),
+        mesh_({{"dp", d.size() / o.tensor_parallel.size}, {"tp", o.tensor_parallel.size}},
+              d.size()),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
         dev_(rank_device(o.device, d)),
         amp_(o.amp == Amp::kBf16   ? std::optional<at::ScalarType>(at::kBFloat16)
@@ -64,8 +65,9 @@ class TensorParallelStrategy : public TrainStrategy {
           so.agree_over = &d;                // the ranks hold different slices: they skip together
           return so;
         }()),
-        sequence_parallel_(o.sequence_parallel) {
-    split_ = split_build(task, whole_, dist_, tp(), o.sequence_parallel, collective());
+        sequence_parallel_(o.tensor_parallel.sequence_parallel) {
+    split_ =
+        split_build(task, whole_, dist_, tp(), o.tensor_parallel.sequence_parallel, collective());
     split_.module->to(dev_);
     replicated_ = replicated_set(*split_.module);
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
@@ -83,7 +85,7 @@ class TensorParallelStrategy : public TrainStrategy {
       zero_->gather_full_parameters();
       layout_ = mesh_.describe() + " " + to_string(o.strategy);
     } else if (mesh_.size("dp") > 1) {
-      ddp_ = std::make_unique<DistributedDataParallel>(split_.module, groups_.at("dp"));
+      ddp_ = std::make_unique<DistributedDataParallel>(split_.module, groups_.at("dp"), o.ddp);
     }
   }
 
@@ -314,39 +316,43 @@ std::unique_ptr<TrainStrategy> make_tensor_parallel_strategy(const TrainTask& ta
 }
 
 void validate_tensor_parallel(const TrainerOptions& o, int world) {
-  if (o.tensor_parallel < 1) {
-    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
+  if (o.tensor_parallel.size < 1) {
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) +
                      ": the tensor-parallel degree is at least 1 (1: no split)");
   }
-  if (o.sequence_parallel && o.tensor_parallel == 1) {
+  if (o.tensor_parallel.sequence_parallel && o.tensor_parallel.size == 1) {
     throw UsageError(
-        "TrainerOptions::sequence_parallel splits the sequence over a tensor-parallel group: give "
-        "TrainerOptions::tensor_parallel 2 or more with it");
+        "TrainerOptions::tensor_parallel.sequence_parallel splits the sequence over a "
+        "tensor-parallel group: give "
+        "TrainerOptions::tensor_parallel.size 2 or more with it");
   }
-  if (o.tensor_parallel == 1) return;
+  if (o.tensor_parallel.size == 1) return;
   const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
                     o.strategy == Strategy::kFsdp;
   const bool grid = o.strategy == Strategy::kGrid;
   if (o.strategy != Strategy::kDDP && !zero && !grid) {
-    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) +
                      " goes with TrainerOptions::strategy ddp, zero1, zero2, fsdp or grid (" +
                      to_string(o.strategy) + " does not split layers yet)");
   }
-  if (world % o.tensor_parallel != 0) {
-    throw UsageError("TrainerOptions::tensor_parallel " + std::to_string(o.tensor_parallel) +
-                     " does not divide the world of " + std::to_string(world) +
+  if (world % o.tensor_parallel.size != 0) {
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) + " does not divide the world of " +
+                     std::to_string(world) +
                      " ranks into tensor-parallel groups; give a world that is a multiple of it");
   }
   // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
   // so, in the grid's words).
-  const int per_replica = o.tensor_parallel * (grid ? std::max(o.pipeline_stages, 1) : 1);
+  const int per_replica = o.tensor_parallel.size * (grid ? std::max(o.pipeline.stages, 1) : 1);
   if (world % per_replica != 0) return;
   const int replicas = world / per_replica;
   if (o.batch_size % replicas != 0) {
     throw UsageError("TrainerOptions::batch_size " + std::to_string(o.batch_size) +
                      " does not split over the " + std::to_string(replicas) +
-                     " data-parallel replicas of TrainerOptions::tensor_parallel " +
-                     std::to_string(o.tensor_parallel));
+                     " data-parallel replicas of TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size));
   }
 }
 

@@ -78,14 +78,18 @@ TrainTask completed(TrainTask t) {
 // split when it is of the same pipeline; a list given on the command line still wins.
 void Run::keep_checkpoint_balance() {
   if (!start_.resume_from || o_.strategy != Strategy::kGrid ||
-      (o_.balance != "auto" && o_.balance != "time")) {
+      o_.pipeline.balance.by != Balance::By::kTime) {
     return;
   }
   const auto layout = checkpoint_value(*start_.resume_from, "grid/stages");
   const std::string same =
-      std::to_string(o_.pipeline_stages) +
-      (o_.stages_per_device == 1 ? "" : "x" + std::to_string(o_.stages_per_device)) + ":";
-  if (layout && layout->rfind(same, 0) == 0) o_.balance = layout->substr(same.size());
+      std::to_string(o_.pipeline.stages) +
+      (o_.pipeline.stages_per_device == 1 ? ""
+                                          : "x" + std::to_string(o_.pipeline.stages_per_device)) +
+      ":";
+  if (layout && layout->rfind(same, 0) == 0) {
+    o_.pipeline.balance = Balance::parse(layout->substr(same.size()));
+  }
 }
 
 void Run::setup() {
@@ -110,7 +114,7 @@ void Run::setup() {
   const Batch sample = task_.train_data.batch(first, 0);
   check_model_takes(sample);
   targets_per_sample_ = sample.targets.dim() > 1 ? sample.targets[0].numel() : 0;
-  if (o_.tensor_parallel > 1 && model_.output_split && !default_loss_) {
+  if (o_.tensor_parallel.size > 1 && model_.output_split && !default_loss_) {
     throw UsageError("tensor parallelism: model '" + model_.name +
                      "' gives outputs split over the tensor-parallel group, which TrainTask::loss "
                      "cannot take; leave it unset (the model's parallel_loss is used)");
@@ -265,7 +269,7 @@ void Run::epoch(int64_t e) {
 // replica is rank k of its own world: the replica's id keeps their streams apart.
 int Run::stream() const {
   if (o_.fault_tolerant) return (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank();
-  return d_.rank() / std::max(o_.tensor_parallel, 1);
+  return d_.rank() / std::max(o_.tensor_parallel.size, 1);
 }
 
 void Run::end_epoch(int64_t e, double seconds) {
@@ -381,57 +385,6 @@ TrainResult Run::go() {
   }
   finish();
   return r_;
-}
-
-Strategy parse_strategy(const std::string& name) {
-  if (name == "ddp") return Strategy::kDDP;
-  if (name == "dp") return Strategy::kDataParallel;
-  if (name == "pipeline") return Strategy::kPipeline;
-  if (name == "grid") return Strategy::kGrid;
-  if (name == "zero1") return Strategy::kZero1;
-  if (name == "zero2") return Strategy::kZero2;
-  if (name == "fsdp") return Strategy::kFsdp;
-  throw UsageError("unknown --strategy '" + name +
-                   "'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp");
-}
-
-std::string to_string(Strategy s) {
-  switch (s) {
-    case Strategy::kDDP:
-      return "ddp";
-    case Strategy::kDataParallel:
-      return "dp";
-    case Strategy::kPipeline:
-      return "pipeline";
-    case Strategy::kGrid:
-      return "grid";
-    case Strategy::kZero1:
-      return "zero1";
-    case Strategy::kZero2:
-      return "zero2";
-    case Strategy::kFsdp:
-      return "fsdp";
-  }
-  return "?";
-}
-
-Amp parse_amp(const std::string& name) {
-  if (name == "none") return Amp::kNone;
-  if (name == "bf16") return Amp::kBf16;
-  if (name == "fp16") return Amp::kFp16;
-  throw UsageError("unknown --amp '" + name + "'; use none, bf16 or fp16");
-}
-
-std::string to_string(Amp a) {
-  switch (a) {
-    case Amp::kNone:
-      return "none";
-    case Amp::kBf16:
-      return "bf16";
-    case Amp::kFp16:
-      return "fp16";
-  }
-  return "unknown";
 }
 
 void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_strategy.cpp

@@ -26,18 +26,17 @@ void validate_trainer_numbers(const TrainerOptions& o) {
   require(o.log_every >= 0, "TrainerOptions::log_every", int64_t{o.log_every},
           "0 (no step lines) or more");
   require(o.workers >= 0, "TrainerOptions::workers", int64_t{o.workers}, "0 or more");
-  require(o.chunks >= 0, "TrainerOptions::chunks", int64_t{o.chunks},
+  require(o.pipeline.chunks >= 0, "TrainerOptions::pipeline.chunks", int64_t{o.pipeline.chunks},
           "1 or more (0: twice the stages)");
-  require(o.split_size >= 0, "TrainerOptions::split_size", o.split_size,
-          "1 or more samples (0: TrainerOptions::chunks)");
-  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda" &&
-      o.device.rfind("cuda:", 0) != 0) {
-    throw UsageError("unknown TrainerOptions::device '" + o.device +
-                     "'; use auto, cpu, cuda or cuda:N");
+  require(o.pipeline.split_size >= 0, "TrainerOptions::pipeline.split_size", o.pipeline.split_size,
+          "1 or more samples (0: TrainerOptions::pipeline.chunks)");
+  if (o.device && !o.device->is_cpu() && !o.device->is_cuda()) {
+    throw UsageError("TrainerOptions::device " + o.device->str() +
+                     " is neither the CPU nor a CUDA device; use cpu, cuda or cuda:N");
   }
-  if (o.uneven_inputs == UnevenInputs::kOff) {
+  if (o.ddp.uneven_inputs == UnevenInputs::kOff) {
     throw UsageError(
-        "TrainerOptions::uneven_inputs kOff is DDP's own: the trainer checks every step; use "
+        "TrainerOptions::ddp.uneven_inputs kOff is DDP's own: the trainer checks every step; use "
         "kFail or kJoin");
   }
   require(o.peak_flops >= 0 && std::isfinite(o.peak_flops), "TrainerOptions::peak_flops",
@@ -61,9 +60,9 @@ int replicas(const TrainerOptions& o, int world) {
     case Strategy::kZero1:
     case Strategy::kZero2:
     case Strategy::kFsdp:
-      return world / std::max(o.tensor_parallel, 1);  // the mesh {dp, tp}'s dp
-    case Strategy::kGrid:                             // the mesh {dp, pp, tp}'s dp
-      return world / std::max(o.pipeline_stages * std::max(o.tensor_parallel, 1), 1);
+      return world / std::max(o.tensor_parallel.size, 1);  // the mesh {dp, tp}'s dp
+    case Strategy::kGrid:                                  // the mesh {dp, pp, tp}'s dp
+      return world / std::max(o.pipeline.stages * std::max(o.tensor_parallel.size, 1), 1);
     default:
       return 1;
   }
@@ -76,10 +75,14 @@ void refuse(const std::string& what) { throw UsageError(what); }
 void validate_devices(const TrainerOptions& o) {
   const int gpus = cuda_device_count();
   for (const auto& dev : o.devices) {
-    if (dev.rfind("cuda", 0) != 0) continue;
-    const int index = dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0;
+    if (!dev.is_cpu() && !dev.is_cuda()) {
+      refuse("TrainerOptions::devices lists " + dev.str() +
+             ", which is neither the CPU nor a CUDA device (cpu,cpu runs anywhere)");
+    }
+    if (!dev.is_cuda()) continue;
+    const int index = std::max<int>(dev.index(), 0);
     if (index >= gpus) {
-      refuse("TrainerOptions::devices lists " + dev + ", and this machine has " +
+      refuse("TrainerOptions::devices lists " + dev.str() + ", and this machine has " +
              (gpus == 0
                   ? std::string("no GPU that CUDA can see")
                   : std::to_string(gpus) + " GPU(s), cuda:0 to cuda:" + std::to_string(gpus - 1)) +
@@ -128,13 +131,15 @@ void validate_placement(const TrainerOptions& o, const Family& f, int world) {
 // Options that belong to some strategies only: pipeline options, --amp, --uneven-inputs, the
 // sharded checkpoint format.
 void validate_strategy_options(const TrainerOptions& o, const Family& f) {
+  const auto& p = o.pipeline;
   if ((f.ddp || f.dp || f.zero) &&
-      (o.chunks > 0 || o.split_size > 0 || o.balance != "auto" ||
-       o.schedule != PipelineSchedule::kGPipe || o.checkpointing != PipelineCheckpoint::kNever)) {
+      (p.chunks > 0 || p.split_size > 0 || p.balance.by != Balance::By::kTime ||
+       p.schedule != PipelineSchedule::kGPipe || p.checkpoint != PipelineCheckpoint::kNever)) {
     refuse(
-        "TrainerOptions::chunks, TrainerOptions::split_size, TrainerOptions::balance, "
-        "TrainerOptions::schedule and TrainerOptions::checkpointing are for "
-        "the pipeline strategies (pipeline, grid), not TrainerOptions::strategy " +
+        "TrainerOptions::pipeline.chunks, TrainerOptions::pipeline.split_size, "
+        "TrainerOptions::pipeline.balance, TrainerOptions::pipeline.schedule and "
+        "TrainerOptions::pipeline.checkpoint are for the pipeline strategies (pipeline, grid), "
+        "not TrainerOptions::strategy " +
         f.name);
   }
   if (f.zero && o.amp == Amp::kFp16) {
@@ -158,8 +163,13 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
            " (dp's replicas and a pipeline's stages run on threads of their own, which autocast "
            "does not reach yet)");
   }
-  if (!f.ddp && o.uneven_inputs != UnevenInputs::kFail)
-    refuse("TrainerOptions::uneven_inputs is for TrainerOptions::strategy ddp");
+  if (!f.ddp && o.ddp.uneven_inputs != UnevenInputs::kFail)
+    refuse("TrainerOptions::ddp.uneven_inputs is for TrainerOptions::strategy ddp");
+  if (o.ddp.uneven_inputs == UnevenInputs::kJoin && o.tensor_parallel.size > 1) {
+    refuse(
+        "TrainerOptions::ddp.uneven_inputs join with TrainerOptions::tensor_parallel.size is not "
+        "supported yet; use fail");
+  }
   if (!f.zero && o.checkpoint_format == CheckpointFormat::kSharded) {
     refuse(
         "TrainerOptions::checkpoint_format sharded is for the sharded strategies (zero1, zero2, "
@@ -170,36 +180,41 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
 
 // --stages-per-device and the interleaved schedule, which go together.
 void validate_interleaving(const TrainerOptions& o, const Family& f) {
-  if (o.stages_per_device < 1) {
-    refuse("TrainerOptions::stages_per_device " + std::to_string(o.stages_per_device) +
-           " must be at least 1");
+  if (o.pipeline.stages_per_device < 1) {
+    refuse("TrainerOptions::pipeline.stages_per_device " +
+           std::to_string(o.pipeline.stages_per_device) + " must be at least 1");
   }
-  if ((o.stages_per_device > 1) != (o.schedule == PipelineSchedule::kInterleaved1F1B)) {
+  if ((o.pipeline.stages_per_device > 1) !=
+      (o.pipeline.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(
-        "TrainerOptions::schedule interleaved and TrainerOptions::stages_per_device go together: "
+        "TrainerOptions::pipeline.schedule interleaved and "
+        "TrainerOptions::pipeline.stages_per_device go together: "
         "interleaved 1F1B "
         "needs at least 2 stages per device, and more than one stage per device is "
         "interleaving");
   }
-  if (o.schedule != PipelineSchedule::kInterleaved1F1B) return;
+  if (o.pipeline.schedule != PipelineSchedule::kInterleaved1F1B) return;
   if (!f.pipeline && !f.grid) {
     refuse(
-        "TrainerOptions::schedule interleaved runs in the pipeline strategies (pipeline, grid), "
+        "TrainerOptions::pipeline.schedule interleaved runs in the pipeline strategies (pipeline, "
+        "grid), "
         "not " +
         f.name);
   }
-  if (o.split_size > 0) {
+  if (o.pipeline.split_size > 0) {
     refuse(
-        "TrainerOptions::schedule interleaved takes TrainerOptions::chunks (a multiple of the "
+        "TrainerOptions::pipeline.schedule interleaved takes TrainerOptions::pipeline.chunks (a "
+        "multiple of the "
         "devices), not "
-        "TrainerOptions::split_size");
+        "TrainerOptions::pipeline.split_size");
   }
-  const auto devices = f.grid ? o.pipeline_stages : static_cast<int>(o.devices.size());
-  if (devices > 0 && o.chunks > 0 && o.chunks % devices != 0) {
+  const auto devices = f.grid ? o.pipeline.stages : static_cast<int>(o.devices.size());
+  if (devices > 0 && o.pipeline.chunks > 0 && o.pipeline.chunks % devices != 0) {
     refuse(
-        "TrainerOptions::schedule interleaved runs micro-batches in rounds of one per device: "
-        "TrainerOptions::chunks " +
-        std::to_string(o.chunks) + " on " + std::to_string(devices) +
+        "TrainerOptions::pipeline.schedule interleaved runs micro-batches in rounds of one per "
+        "device: "
+        "TrainerOptions::pipeline.chunks " +
+        std::to_string(o.pipeline.chunks) + " on " + std::to_string(devices) +
         " devices; use a multiple of " + std::to_string(devices));
   }
 }
@@ -207,50 +222,59 @@ void validate_interleaving(const TrainerOptions& o, const Family& f) {
 // A grid's stages over the world; --pipeline-stages is the grid's alone.
 void validate_grid(const TrainerOptions& o, const Family& f, int world) {
   if (!f.grid) {
-    if (o.pipeline_stages != 2)
-      refuse("TrainerOptions::pipeline_stages is for TrainerOptions::strategy grid");
+    if (o.pipeline.stages != 2)
+      refuse("TrainerOptions::pipeline.stages is for TrainerOptions::strategy grid");
     return;
   }
-  const int tp = std::max(o.tensor_parallel, 1);
-  if (o.pipeline_stages < 2 || world % (o.pipeline_stages * tp) != 0) {
+  const int tp = std::max(o.tensor_parallel.size, 1);
+  if (o.pipeline.stages < 2 || world % (o.pipeline.stages * tp) != 0) {
     refuse(
-        "TrainerOptions::strategy grid needs TrainerOptions::pipeline_stages of at least 2 "
+        "TrainerOptions::strategy grid needs TrainerOptions::pipeline.stages of at least 2 "
         "dividing the world" +
-        std::string(tp > 1 ? " with TrainerOptions::tensor_parallel " + std::to_string(tp) : "") +
-        ": " + std::to_string(world) + " processes, " + std::to_string(o.pipeline_stages) +
+        std::string(tp > 1 ? " with TrainerOptions::tensor_parallel.size " + std::to_string(tp)
+                           : "") +
+        ": " + std::to_string(world) + " processes, " + std::to_string(o.pipeline.stages) +
         " stages; e.g. 4 processes = 2 replicas x 2 stages" +
         (tp > 1 ? ", 8 = 2 replicas x 2 stages x tp 2" : ""));
   }
-  if (world > o.pipeline_stages * tp && (o.schedule == PipelineSchedule::kZeroBubbleH1 ||
-                                         o.schedule == PipelineSchedule::kInterleaved1F1B)) {
-    refuse(std::string(o.schedule == PipelineSchedule::kZeroBubbleH1
-                           ? "TrainerOptions::schedule zb-h1"
-                           : "TrainerOptions::schedule interleaved") +
+  if (world > o.pipeline.stages * tp &&
+      (o.pipeline.schedule == PipelineSchedule::kZeroBubbleH1 ||
+       o.pipeline.schedule == PipelineSchedule::kInterleaved1F1B)) {
+    refuse(std::string(o.pipeline.schedule == PipelineSchedule::kZeroBubbleH1
+                           ? "TrainerOptions::pipeline.schedule zb-h1"
+                           : "TrainerOptions::pipeline.schedule interleaved") +
            " across processes runs one pipeline (as many processes as "
-           "TrainerOptions::pipeline_stages" +
-           (tp > 1 ? " times TrainerOptions::tensor_parallel" : "") + ", here " +
-           std::to_string(o.pipeline_stages * tp) + ", not " + std::to_string(world) +
+           "TrainerOptions::pipeline.stages" +
+           (tp > 1 ? " times TrainerOptions::tensor_parallel.size" : "") + ", here " +
+           std::to_string(o.pipeline.stages * tp) + ", not " + std::to_string(world) +
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }
-  if (o.split_size > 0) {
+  if (o.pipeline.split_size > 0) {
     refuse(
-        "TrainerOptions::split_size is for TrainerOptions::strategy pipeline; a grid's stages take "
-        "TrainerOptions::chunks");
+        "TrainerOptions::pipeline.split_size is for TrainerOptions::strategy pipeline; a grid's "
+        "stages take "
+        "TrainerOptions::pipeline.chunks");
   }
 }
 
 // A --balance list gives one number per stage.
 void validate_balance(const TrainerOptions& o, const Family& f) {
   if (!f.pipeline && !f.grid) return;
-  const auto stages = (f.grid ? static_cast<size_t>(o.pipeline_stages)
+  const auto stages = (f.grid ? static_cast<size_t>(o.pipeline.stages)
                               : (o.devices.empty() ? size_t{2} : o.devices.size())) *
-                      static_cast<size_t>(std::max(o.stages_per_device, 1));
-  if (o.balance == "auto" || o.balance == "time" || o.balance == "size") return;
-  const auto parts = static_cast<size_t>(std::count(o.balance.begin(), o.balance.end(), ',')) + 1;
-  if (parts != stages) {
-    refuse("TrainerOptions::balance '" + o.balance + "' gives " + std::to_string(parts) +
-           " stages; the " + "pipeline has " + std::to_string(stages) +
+                      static_cast<size_t>(std::max(o.pipeline.stages_per_device, 1));
+  const auto& b = o.pipeline.balance;
+  if (b.by != Balance::By::kLayers) return;
+  for (int n : b.layers) {
+    if (n < 1) {
+      refuse("TrainerOptions::pipeline.balance '" + b.str() + "' has a stage of " +
+             std::to_string(n) + " blocks; every stage needs at least 1");
+    }
+  }
+  if (b.layers.size() != stages) {
+    refuse("TrainerOptions::pipeline.balance '" + b.str() + "' gives " +
+           std::to_string(b.layers.size()) + " stages; the pipeline has " + std::to_string(stages) +
            " (give auto, time, size or N,M,...)");
   }
 }
@@ -274,8 +298,8 @@ void validate_fault_tolerance(const TrainerOptions& o) {
   if (o.amp == Amp::kFp16)
     refuse(what +
            " with TrainerOptions::amp fp16 is not supported; use TrainerOptions::amp bf16 or none");
-  if (o.tensor_parallel > 1)
-    refuse(what + " with TrainerOptions::tensor_parallel is not supported yet");
+  if (o.tensor_parallel.size > 1)
+    refuse(what + " with TrainerOptions::tensor_parallel.size is not supported yet");
   if (o.checkpoint_format != CheckpointFormat::kFull) {
     refuse(what + " writes full checkpoints: leave TrainerOptions::checkpoint_format at full");
   }
@@ -316,8 +340,8 @@ void validate_output(const TrainerOptions& o) {
                      "' is not writable; choose another with TrainerOptions::out_dir");
   }
   fs::remove(probe, ec);
-  if (o.resume != "auto" && o.resume != "none" && !fs::exists(o.resume)) {
-    throw UsageError("TrainerOptions::resume '" + o.resume +
+  if (o.resume.kind == Resume::Kind::kFile && !fs::exists(o.resume.file)) {
+    throw UsageError("TrainerOptions::resume '" + o.resume.file +
                      "': no such checkpoint (use auto, none or a file)");
   }
   plan_run_start(o);  // refuses a folder of another run (Note [Run identity])

@@ -212,4 +212,20 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
 void load_full_state(torch::nn::Module& module, const Dist& tp,
                      const std::map<std::string, at::Tensor>& state);
 
+/// This rank's slices of whole tensors shaped as `module`'s parameters (`whole`, by the module's
+/// names: optimizer moments, say), each cut as load_full_state() cuts its parameter; names the
+/// module lacks are left out. Not collective.
+std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, const Dist& tp,
+                                                   const std::map<std::string, at::Tensor>& whole);
+
+/// How a planned `module`'s parameters are cut: a line "name dim chunks" per split parameter.
+/// What a checkpoint of slices keeps, so that join_slices() can put them back together where no
+/// such module is built (a resume at another degree).
+std::string describe_split(torch::nn::Module& module);
+/// The whole tensors from every slice's (`slices[r]`: rank r's tensors of its group, by name;
+/// `split`: describe_split()'s lines), each split one joined as gather_full_state() joins it,
+/// the others taken from rank 0's. Not collective. Throws Error for a name a slice lacks.
+std::map<std::string, at::Tensor> join_slices(
+    const std::vector<std::map<std::string, at::Tensor>>& slices, const std::string& split);
+
 }  // namespace scaletrain

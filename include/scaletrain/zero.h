@@ -52,6 +52,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "scaletrain/checkpoint.h"
@@ -167,6 +168,9 @@ class ShardedDataParallel {
   void scatter_full_parameters();
 
   const std::vector<UnitRange>& units() const { return plan_; }
+  /// The module's parameters this object shards, in its order, by the names its checkpoints
+  /// keep them under (a chain's: "<block>.<name in the block>").
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
   /// Each unit's parameters' indices in module.parameters() order.
   std::vector<std::vector<size_t>> unit_parameters() const;
   ShardMemory memory(const torch::optim::Optimizer* opt = nullptr) const;
@@ -211,6 +215,23 @@ class ShardedDataParallel {
   std::vector<at::Tensor> shards_;
   std::unique_ptr<Impl> impl_;
 };
+
+/// A sharded checkpoint read whole: every parameter at its full shape, by name, and each kind of
+/// optimizer state ("exp_avg", "momentum_buffer"...) the same way. For a caller that loads it
+/// into parameters of other shapes than the saved ones (tensor parallelism at another degree:
+/// train/tp_strategy.cpp) or outside any ShardedDataParallel.
+struct WholeShardedCheckpoint {
+  TrainingState state;             // the program's state, as ShardedDataParallel::load() gives it
+  std::vector<std::string> names;  // the parameters, in the order they were sharded
+  std::map<std::string, at::Tensor> params;  // by name, in the masters' dtype, on the CPU
+  std::string optimizer;                     // "sgd", "adam" or "adamw"
+  int64_t optimizer_step = 0;                // Adam's count (0 before the first step)
+  std::map<std::string, std::map<std::string, at::Tensor>> optimizer_state;  // kind -> name
+};
+/// Not collective: reads every rank's file of the largest world that saved `global_step` in
+/// `dir` (CRC and run checked as load() checks them). Throws Error naming the folder when no
+/// world saved it whole, or the file that is damaged or of another run.
+WholeShardedCheckpoint read_sharded_checkpoint(const std::string& dir, int64_t global_step);
 
 /// The newest step in `dir` with a valid shard for every rank of the world it was saved at;
 /// nullopt when there is none.

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,17 @@ std::map<std::string, Split> split_parameters(torch::nn::Module& module) {
   return out;
 }
 
+// A split parameter's slices (by rank) put back together: chunk c of every rank, then c + 1.
+at::Tensor joined(const std::vector<at::Tensor>& slices, const Split& split) {
+  std::vector<at::Tensor> parts;
+  for (int64_t c = 0; c < split.chunks; ++c) {
+    for (const auto& s : slices) {
+      parts.push_back(s.chunk(split.chunks, split.dim)[static_cast<size_t>(c)]);
+    }
+  }
+  return at::cat(parts, split.dim);
+}
+
 }  // namespace
 
 std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module) {
@@ -67,13 +79,7 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
       out[p.key()] = v.cpu().clone();
       continue;
     }
-    const auto [dim, chunks] = it->second;
-    auto slices = tp.all_gather(v.contiguous());  // by rank
-    std::vector<at::Tensor> parts;
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (const auto& s : slices) parts.push_back(s.chunk(chunks, dim)[static_cast<size_t>(c)]);
-    }
-    out[p.key()] = at::cat(parts, dim).cpu();
+    out[p.key()] = joined(tp.all_gather(v.contiguous()), it->second).cpu();
   }
   if (gradients) return out;
   for (const auto& b : module.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();
@@ -82,22 +88,69 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
 
 void load_full_state(torch::nn::Module& module, const Dist& tp,
                      const std::map<std::string, at::Tensor>& state) {
-  const auto split = split_parameters(module);
+  for (const auto& p : module.named_parameters()) {
+    if (!state.count(p.key()))
+      throw UsageError("load_full_state: no '" + p.key() + "' in the state");
+  }
+  const auto slices = slice_full_state(module, tp, state);
   torch::NoGradGuard no_grad;
   for (auto& p : module.named_parameters()) {
-    auto it = state.find(p.key());
-    if (it == state.end()) throw UsageError("load_full_state: no '" + p.key() + "' in the state");
-    at::Tensor v = it->second;
-    auto s = split.find(p.key());
-    if (s != split.end() && tp.size() > 1) {
-      v = split_of(v, s->second.dim, s->second.chunks, tp.rank(), tp.size());
-    }
+    const auto& v = slices.at(p.key());
     if (v.sizes() != p.value().sizes()) {
-      throw UsageError("load_full_state: '" + p.key() + "' is " + c10::str(it->second.sizes()) +
+      throw UsageError("load_full_state: '" + p.key() + "' is " +
+                       c10::str(state.at(p.key()).sizes()) +
                        " in the state; this model's slice of it is " + c10::str(p.value().sizes()));
     }
     p.value().copy_(v);
   }
+}
+
+std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, const Dist& tp,
+                                                   const std::map<std::string, at::Tensor>& whole) {
+  const auto split = split_parameters(module);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : module.named_parameters()) {
+    auto it = whole.find(p.key());
+    if (it == whole.end()) continue;
+    auto s = split.find(p.key());
+    out[p.key()] = s != split.end() && tp.size() > 1
+                       ? split_of(it->second, s->second.dim, s->second.chunks, tp.rank(), tp.size())
+                       : it->second;
+  }
+  return out;
+}
+
+std::string describe_split(torch::nn::Module& module) {
+  std::string out;
+  for (const auto& [name, s] : split_parameters(module)) {
+    out += name + " " + std::to_string(s.dim) + " " + std::to_string(s.chunks) + "\n";
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> join_slices(
+    const std::vector<std::map<std::string, at::Tensor>>& slices, const std::string& split) {
+  std::map<std::string, Split> how;
+  std::stringstream lines(split);
+  for (std::string name; lines >> name;) lines >> how[name].dim >> how[name].chunks;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, first] : slices.at(0)) {
+    auto s = how.find(name);
+    if (s == how.end() || slices.size() == 1) {
+      out[name] = first;
+      continue;
+    }
+    std::vector<at::Tensor> parts;
+    for (size_t r = 0; r < slices.size(); ++r) {
+      auto it = slices[r].find(name);
+      if (it == slices[r].end()) {
+        throw Error("join_slices: slice " + std::to_string(r) + " has no '" + name + "'");
+      }
+      parts.push_back(it->second);
+    }
+    out[name] = joined(parts, s->second);
+  }
+  return out;
 }
 
 }  // namespace scaletrain

@@ -45,25 +45,14 @@ void Run::resume() {
     std::string from;
     if (start_.resume_sharded) {  // every rank reads the shards it needs, at any world size
       const int tp = std::max(o_.tensor_parallel.size, 1);
-      if (start_.resume_sharded_tp != tp) {
-        const int saved = start_.resume_sharded_tp;
-        throw UsageError(
-            "the newest checkpoint in '" + o_.out_dir + "' (step " +
-            std::to_string(*start_.resume_sharded) +
-            ") is sharded at TrainerOptions::tensor_parallel.size " + std::to_string(saved) +
-            ", and this run has TrainerOptions::tensor_parallel.size " + std::to_string(tp) +
-            "; its shards cut the model's layers " +
-            (saved > 1 ? "into " + std::to_string(saved) + " slices" : "whole") +
-            " and load at that degree only: resume with TrainerOptions::tensor_parallel.size " +
-            std::to_string(saved) +
-            " (any number of data-parallel replicas), or save with "
-            "TrainerOptions::checkpoint_format full, "
-            "whose one file loads at any degree");
-      }
-      state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_);
-      state_.optimizer_restored = true;
+      const int saved = start_.resume_sharded_tp;
+      state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_, saved);
+      if (saved == tp) state_.optimizer_restored = true;
       from = "the sharded checkpoint of step " + std::to_string(*start_.resume_sharded) + " in " +
-             o_.out_dir;
+             o_.out_dir +
+             (saved == tp ? ""
+                          : " (saved at TrainerOptions::tensor_parallel.size " +
+                                std::to_string(saved) + ")");
     } else {
       from = *start_.resume_from;
       torch::optim::Optimizer* standard =

@@ -282,7 +282,7 @@ std::string TrainStrategy::save_sharded(const std::string&, const TrainingState&
 }
 
 TrainingState TrainStrategy::load_sharded(const std::string& dir, int64_t step,
-                                          torch::optim::Optimizer&) {
+                                          torch::optim::Optimizer&, int) {
   throw UsageError("the newest checkpoint in '" + dir + "' is sharded (step " +
                    std::to_string(step) +
                    "): resume it with a sharded strategy (zero1, zero2 or fsdp, at any world "

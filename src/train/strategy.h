@@ -82,13 +82,15 @@ class TrainStrategy {
   virtual void weights_loaded() {}
   /// CheckpointFormat::kSharded (the sharded strategies): collective, writes this rank's shard
   /// with `state` under `dir` and returns its path; and loads the shards of `step` (saved at any
-  /// world size) into this rank's shards and `opt`, returning the saved state.
+  /// world size, and at tensor-parallel degree `saved_tp`, which may be another than this run's:
+  /// Note [Sharded checkpoints at another degree] in reshard.h) into this rank's shards and
+  /// `opt`, returning the saved state.
   /// With a `writer`, the shard is written in the background (AsyncCheckpointer).
   virtual std::string save_sharded(const std::string& dir, const TrainingState& state,
                                    const torch::optim::Optimizer& opt, int keep,
                                    AsyncCheckpointer* writer);
   virtual TrainingState load_sharded(const std::string& dir, int64_t step,
-                                     torch::optim::Optimizer& opt);
+                                     torch::optim::Optimizer& opt, int saved_tp);
   /// Whether the weights this rank steps are finite (collective for the sharded strategies,
   /// which agree on one verdict without gathering).
   virtual bool weights_finite();

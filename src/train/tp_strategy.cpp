@@ -34,6 +34,7 @@
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
+#include "train/reshard.h"
 #include "train/run_folder.h"
 #include "train/strategy.h"
 
@@ -207,12 +208,21 @@ class TensorParallelStrategy : public TrainStrategy {
                            const torch::optim::Optimizer& opt, int keep,
                            AsyncCheckpointer* writer) override {
     if (!zero_) return TrainStrategy::save_sharded(dir, state, opt, keep, writer);
-    return zero_->save(slice_dir(dir), state, opt, keep, writer);
+    TrainingState s = state;
+    describe_for_resharding(*zero_, *split_.module, s);
+    return zero_->save(slice_dir(dir), s, opt, keep, writer);
   }
-  TrainingState load_sharded(const std::string& dir, int64_t step,
-                             torch::optim::Optimizer& opt) override {
-    if (!zero_) return TrainStrategy::load_sharded(dir, step, opt);
-    return zero_->load(slice_dir(dir), step, opt, /*reshard=*/true);
+  TrainingState load_sharded(const std::string& dir, int64_t step, torch::optim::Optimizer& opt,
+                             int saved_tp) override {
+    if (!zero_) return TrainStrategy::load_sharded(dir, step, opt, saved_tp);
+    if (saved_tp == tp().size()) return zero_->load(slice_dir(dir), step, opt, /*reshard=*/true);
+    // Note [Sharded checkpoints at another degree] in reshard.h.
+    auto whole = read_whole_checkpoint(dir, step, saved_tp);
+    whole.state.optimizer_restored = load_whole_checkpoint(
+        whole, *whole_.module, *zero_, *split_.module, opt,
+        [&](const auto& m) { return slice_full_state(*split_.module, tp(), m); });
+    weights_loaded();
+    return whole.state;
   }
   bool weights_finite() override {  // one verdict for every rank, nothing gathered
     return on_every_rank(dist_, all_finite(parameters()), dev_);

@@ -12,6 +12,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
+#include "train/reshard.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -80,11 +81,18 @@ class ZeroStrategy : public TrainStrategy {
   std::string save_sharded(const std::string& dir, const TrainingState& state,
                            const torch::optim::Optimizer& opt, int keep,
                            AsyncCheckpointer* writer) override {
-    return zero_->save(dir, state, opt, keep, writer);
+    TrainingState s = state;
+    describe_for_resharding(*zero_, *model_.module, s);
+    return zero_->save(dir, s, opt, keep, writer);
   }
-  TrainingState load_sharded(const std::string& dir, int64_t step,
-                             torch::optim::Optimizer& opt) override {
-    return zero_->load(dir, step, opt, /*reshard=*/true);
+  TrainingState load_sharded(const std::string& dir, int64_t step, torch::optim::Optimizer& opt,
+                             int saved_tp) override {
+    if (saved_tp <= 1) return zero_->load(dir, step, opt, /*reshard=*/true);
+    auto whole = read_whole_checkpoint(dir, step, saved_tp);  // slices joined
+    whole.state.optimizer_restored = load_whole_checkpoint(
+        whole, *model_.module, *zero_, *model_.module, opt, [](const auto& m) { return m; });
+    weights_loaded();
+    return whole.state;
   }
   // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
   bool weights_finite() override {

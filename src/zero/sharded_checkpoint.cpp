@@ -255,11 +255,14 @@ Pieces own_pieces(const TrainingState& file, size_t units) {
   return p;
 }
 
-// Resharding: every saved rank's `files`, their units' slices without padding back to back (the
-// model's values flat in parameter order), cut into this rank's units.
-Pieces resharded_pieces(const std::vector<TrainingState>& files,
-                        const std::vector<std::string>& paths, const std::vector<UnitRange>& plan,
-                        int rank, int world, const std::string& who) {
+// Every saved rank's `files`, their units' slices without padding back to back: the model's
+// values of each kind ("param", "exp_avg"...) flat in parameter order, and the optimizer's step.
+struct Flat {
+  std::map<std::string, at::Tensor> of;
+  int64_t step = 0;
+};
+Flat flat_values(const std::vector<TrainingState>& files, const std::vector<std::string>& paths,
+                 const std::string& who) {
   std::vector<int64_t> saved_units;
   for (auto& l : lines_of(value_of(files[0], "zero/units", paths[0]))) {
     saved_units.push_back(std::stoll(l));
@@ -271,15 +274,15 @@ Pieces resharded_pieces(const std::vector<TrainingState>& files,
                   "' (another run or another layout)");
     }
   }
-  Pieces p;
+  Flat out;
   std::set<std::string> kinds;
   for (auto& [key, t] : files[0].tensors) {
     if (key.rfind("zero/unit0/", 0) == 0) kinds.insert(key.substr(11));
   }
   auto it = files[0].values.find("zero/unit0/step");
-  if (it != files[0].values.end()) p.step = std::stoll(it->second);
+  if (it != files[0].values.end()) out.step = std::stoll(it->second);
   for (const auto& k : kinds) {
-    std::vector<at::Tensor> flat;  // the model's values of kind k, in parameter order
+    std::vector<at::Tensor> flat;
     for (size_t v = 0; v < saved_units.size(); ++v) {
       std::vector<at::Tensor> slices;
       for (size_t f = 0; f < files.size(); ++f) {
@@ -292,9 +295,35 @@ Pieces resharded_pieces(const std::vector<TrainingState>& files,
       }
       flat.push_back(at::cat(slices).narrow(0, 0, saved_units[v]));
     }
-    p.of[k] = cut(at::cat(flat), plan, rank, world);
+    out.of[k] = at::cat(flat);
   }
+  return out;
+}
+
+// Resharding: the saved values flat, cut into this rank's units.
+Pieces resharded_pieces(const std::vector<TrainingState>& files,
+                        const std::vector<std::string>& paths, const std::vector<UnitRange>& plan,
+                        int rank, int world, const std::string& who) {
+  Flat flat = flat_values(files, paths, who);
+  Pieces p;
+  p.step = flat.step;
+  for (auto& [k, all] : flat.of) p.of[k] = cut(all, plan, rank, world);
   return p;
+}
+
+// A parameter as the shard describes it (describe_param: "name dtype [d0, d1, ...]").
+std::pair<std::string, std::vector<int64_t>> described_shape(const std::string& line,
+                                                             const std::string& path) {
+  const auto name_end = line.find(' ');
+  const auto open = line.find('[');
+  const auto close = line.rfind(']');
+  if (name_end == std::string::npos || open == std::string::npos || close < open) {
+    throw Error("sharded checkpoint '" + path + "': parameter line '" + line + "' is unreadable");
+  }
+  std::vector<int64_t> sizes;
+  std::stringstream in(line.substr(open + 1, close - open - 1));
+  for (std::string d; std::getline(in, d, ',');) sizes.push_back(std::stoll(d));
+  return {line.substr(0, name_end), sizes};
 }
 
 // What load() returns: the file's state without the shard's own keys.
@@ -310,6 +339,13 @@ TrainingState caller_state(TrainingState out, const std::string& path) {
 }
 
 }  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedDataParallel::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < impl_->params.size(); ++i)
+    out.emplace_back(impl_->names[i], impl_->params[i]);
+  return out;
+}
 
 std::vector<std::string> ShardedDataParallel::Impl::described_params() const {
   std::vector<std::string> described;
@@ -392,6 +428,50 @@ bool sharded_checkpoint_complete(const std::string& dir, int64_t step) {
   const bool complete = !complete_worlds(dir, step, &damaged).empty();
   for (const auto& d : damaged) report_skipped(d);
   return complete;
+}
+
+WholeShardedCheckpoint read_sharded_checkpoint(const std::string& dir, int64_t global_step) {
+  auto worlds = complete_worlds(dir, global_step);
+  if (worlds.empty()) {
+    throw Error("no complete sharded checkpoint of step " + std::to_string(global_step) + " in '" +
+                dir + "' (every rank's " + dir + "/world-N/rank-R/ckpt-" +
+                std::to_string(global_step) + ".st, sound and of one run)");
+  }
+  const int saved = *std::max_element(worlds.begin(), worlds.end());
+  torch::nn::Module none;
+  std::vector<TrainingState> files;
+  std::vector<std::string> paths;
+  for (int r = 0; r < saved; ++r) {
+    paths.push_back(checkpoint_path(shard_dir(dir, saved, r), global_step));
+    files.push_back(load_checkpoint(paths.back(), none, nullptr, kShardModel));
+  }
+  Flat flat = flat_values(files, paths, "");
+  WholeShardedCheckpoint out;
+  out.optimizer = value_of(files[0], "zero/optimizer", paths[0]);
+  out.optimizer_step = flat.step;
+  int64_t offset = 0;
+  for (const auto& line : lines_of(value_of(files[0], "zero/params", paths[0]))) {
+    auto [name, sizes] = described_shape(line, paths[0]);
+    int64_t numel = 1;
+    for (auto d : sizes) numel *= d;
+    for (auto& [kind, all] : flat.of) {
+      if (offset + numel > all.numel()) {
+        throw Error("sharded checkpoint '" + paths[0] +
+                    "': its parameters hold more values than "
+                    "its units");
+      }
+      auto value = all.narrow(0, offset, numel).view(sizes).clone();
+      if (kind == "param") {
+        out.params[name] = value;
+      } else {
+        out.optimizer_state[kind][name] = value;
+      }
+    }
+    out.names.push_back(name);
+    offset += numel;
+  }
+  out.state = caller_state(files[0], paths[0]);
+  return out;
 }
 
 std::optional<int64_t> newest_sharded_checkpoint(const std::string& dir) {

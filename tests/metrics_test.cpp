@@ -13,6 +13,7 @@
 #include <filesystem>
 
 #include "scaletrain/data.h"
+#include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
 
@@ -116,6 +117,40 @@ TEST(TokenMetrics, ASplitOutputScoresAsTheWholeOne) {
       EXPECT_TRUE(at::allclose(losses[r], whole_loss, 0, 16 * std::ldexp(1.0, -52) * 20))
           << "tp " << tp << ", rank " << r << ": " << (losses[r] - whole_loss).abs().max();
     }
+  }
+}
+
+// Regression (SplitPathScoredOutOfVocabularyTargetsSilently): a target outside the classes was
+// scored on the class-split path (tensor-parallel evaluation: never a hit, a loss from a clamped
+// id) while the whole path's loss threw LibTorch's error and its accuracy counted a miss. Both
+// paths' metrics now refuse it, naming the target and its sample; the ignore index stays fine.
+TEST(TokenMetrics, ATargetOutsideTheClassesIsAnErrorOnBothPaths) {
+  constexpr int64_t vocab = 8;
+  auto g = at::make_generator<at::CPUGeneratorImpl>(5);
+  const auto logits = at::randn({3, kPositions, vocab}, g, at::kDouble);
+  for (const int64_t wrong : {vocab, int64_t{-1}}) {
+    auto y = at::randint(vocab, {3, kPositions}, g, at::kLong);
+    y[0][1] = -100;  // ignored: no error
+    y[1][2] = wrong;
+    const std::string want = "target " + std::to_string(wrong) +
+                             " of sample 1 is outside the output's 8 classes (0 to 7";
+    for (const auto& m : {accuracy(), token_loss()}) {
+      try {
+        m.per_sample(logits, y);
+        ADD_FAILURE() << m.name << " took target " << wrong;
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+      }
+      auto errors = testing::run_ranks(2, [&](Dist& d) {
+        const int64_t width = vocab / 2;
+        m.per_sample_split(logits.narrow(-1, d.rank() * width, width), y,
+                           ClassSlice{&d, d.rank() * width});
+      });
+      for (const auto& e : errors)
+        EXPECT_NE(e.find(want), std::string::npos) << m.name << ": " << e;
+    }
+    y[1][2] = -100;
+    EXPECT_NO_THROW(accuracy().per_sample(logits, y));
   }
 }
 

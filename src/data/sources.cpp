@@ -59,6 +59,23 @@ at::Tensor sample_mean(const at::Tensor& value, const at::Tensor& y, int64_t ign
   return v.sum(1) / keep.sum(1).clamp_min(1);
 }
 
+// Regression (SplitPathScoredOutOfVocabularyTargetsSilently): a target (other than `ignore`) is
+// one of the output's `classes` ids, or a UsageError names it and its sample, on the whole path
+// and the class-split one alike (the split path scored such a target silently: never a hit, a
+// loss from a clamped id). Every rank of a split holds the same targets, so all refuse together.
+void check_targets(const at::Tensor& y, int64_t classes, int64_t ignore, const std::string& who) {
+  const auto bad = y.ne(ignore).logical_and(y.lt(0).logical_or(y.ge(classes))).flatten();
+  if (!bad.any().item<bool>()) return;
+  const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+  const int64_t per_sample = y.dim() > 0 && y.size(0) > 0 ? y.numel() / y.size(0) : 1;
+  throw UsageError(who + ": target " + std::to_string(y.flatten()[first].item<int64_t>()) +
+                   " of sample " + std::to_string(first / per_sample) +
+                   " is outside the output's " + std::to_string(classes) + " classes (0 to " +
+                   std::to_string(classes - 1) + "; " + std::to_string(ignore) +
+                   ", the ignore index, is left out): the data's targets must be ids of the "
+                   "model's classes");
+}
+
 Metric::PerSample positions_counted(int64_t ignore) {
   return [ignore](const at::Tensor&, const at::Tensor& y) { return counted(y, ignore).sum(1); };
 }
@@ -100,12 +117,14 @@ Metric accuracy(int64_t ignore_index) {
              // The classes are the output's last dimension; a sequence's sample scores the
              // mean over its positions.
              auto yy = y.to(out.device());
+             check_targets(yy, out.size(-1), ignore_index, "accuracy()");
              return sample_mean(out.argmax(-1).eq(yy), yy, ignore_index);
            }};
   m.per_sample_split = [ignore_index](const at::Tensor& slice, const at::Tensor& y,
                                       const ClassSlice& where) {
     check_class_shapes(slice, y, "accuracy()");
     auto yy = y.to(slice.device());
+    check_targets(yy, slice.size(-1) * where.group->size(), ignore_index, "accuracy()");
     return sample_mean(split_argmax(slice, where).eq(yy), yy, ignore_index);
   };
   m.weight = positions_counted(ignore_index);
@@ -116,6 +135,7 @@ Metric token_loss(int64_t ignore_index) {
   Metric m{"test_loss", [ignore_index](const at::Tensor& out, const at::Tensor& y) {
              check_class_shapes(out, y, "token_loss()");
              auto yy = y.to(out.device());
+             check_targets(yy, out.size(-1), ignore_index, "token_loss()");
              auto ce = at::cross_entropy_loss(out.reshape({-1, out.size(-1)}), yy.reshape({-1}), {},
                                               at::Reduction::None, ignore_index);
              return sample_mean(ce.reshape(yy.sizes()), yy, ignore_index);
@@ -124,6 +144,7 @@ Metric token_loss(int64_t ignore_index) {
                                       const ClassSlice& where) {
     check_class_shapes(slice, y, "token_loss()");
     auto yy = y.to(slice.device());
+    check_targets(yy, slice.size(-1) * where.group->size(), ignore_index, "token_loss()");
     // bf16/fp16 outputs (the sharded strategies' parameters) in float32, so that the log of the
     // sum does not round at the logits' size.
     const auto s = at::isReducedFloatingType(slice.scalar_type()) ? slice.to(at::kFloat) : slice;

@@ -18,6 +18,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
 #include "support/subprocess.h"
+#include "transport/segment.h"
 
 namespace scaletrain {
 namespace {
@@ -467,15 +468,20 @@ TEST(Launch, SetsidChildOfAWorkerDoesNotOutliveTheJob) {
 
 // Regression (LeftoverSegmentOfAKilledRank): a rank killed (SIGKILL) before it unlinked its
 // shared-memory segment left it in /dev/shm until the machine restarted. The launcher removes the
-// segments of its workers that have exited, and no one else's: a live process's stays.
+// segments of its workers that have exited, and no one else's: a live process's stays, and so
+// does (regression SegmentSweepMatchedThePidAlone) that of a process with the same pid in another
+// PID namespace sharing /dev/shm (a segment's name holds its creator's namespace).
 TEST(Launch, LeftoverSegmentOfAKilledRankIsRemoved) {
   auto dir = temp_dir("segments");
-  const std::string mine = "/dev/shm/scaletrain-" + std::to_string(getpid()) + "-live";
+  const std::string ns = std::to_string(shm::pid_namespace());
+  const std::string mine = "/dev/shm/scaletrain-" + std::to_string(getpid()) + "-" + ns + "-live";
   { std::ofstream(mine) << "in use"; }
-  auto r = run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 -- sh -c '" +
-                           "echo $$ > " + dir.string() +
-                           "/$RANK.pid; : > /dev/shm/scaletrain-$$-left;" + " kill -9 $$'",
-                       60);
+  const std::string other_ns = std::to_string(shm::pid_namespace() + 1);
+  auto r =
+      run_command(cli_path() + " run --nproc-per-node 2 --master-port 0 -- sh -c '" + "echo $$ > " +
+                      dir.string() + "/$RANK.pid; : > /dev/shm/scaletrain-$$-" + ns +
+                      "-left; : > /dev/shm/scaletrain-$$-" + other_ns + "-theirs; kill -9 $$'",
+                  60);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   int seen = 0;
   for (const char* rank : {"0", "1"}) {
@@ -483,8 +489,11 @@ TEST(Launch, LeftoverSegmentOfAKilledRankIsRemoved) {
     int pid = 0;
     if (!(in >> pid)) continue;
     ++seen;
-    EXPECT_FALSE(fs::exists("/dev/shm/scaletrain-" + std::to_string(pid) + "-left"))
-        << "rank " << rank << "'s segment outlived it";
+    const std::string named = "/dev/shm/scaletrain-" + std::to_string(pid) + "-";
+    EXPECT_FALSE(fs::exists(named + ns + "-left")) << "rank " << rank << "'s segment outlived it";
+    EXPECT_TRUE(fs::exists(named + other_ns + "-theirs"))
+        << "the segment of pid " << pid << " of another PID namespace was removed";
+    fs::remove(named + other_ns + "-theirs");
   }
   EXPECT_EQ(seen, 2) << r.output;
   EXPECT_TRUE(fs::exists(mine)) << "a live process's segment was removed";

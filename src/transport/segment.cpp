@@ -36,7 +36,10 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 Segment create(size_t bytes) {
   std::random_device rd;
   std::ostringstream n;
-  n << "/scaletrain-" << getpid() << "-" << std::hex << rd() << rd();
+  // The creator's pid and PID namespace: a launcher removes a dead worker's segments by them
+  // (remove_segments_of), never those of a process with the same pid in another namespace
+  // that shares this /dev/shm (containers).
+  n << "/scaletrain-" << getpid() << "-" << pid_namespace() << "-" << std::hex << rd() << rd();
   const std::string name = n.str();
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw Error("shm_open " + name + ": " + std::strerror(errno));
@@ -66,7 +69,8 @@ void close(const Segment& segment) { munmap(segment.base, segment.bytes); }
 
 int remove_segments_of(int pid) {
   if (pid <= 0) return 0;
-  const std::string prefix = "scaletrain-" + std::to_string(pid) + "-";
+  const std::string prefix =
+      "scaletrain-" + std::to_string(pid) + "-" + std::to_string(pid_namespace()) + "-";
   std::error_code ec;
   int removed = 0;
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {

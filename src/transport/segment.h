@@ -28,8 +28,10 @@ Segment open(const std::string& name, size_t bytes);
 /// Unmaps it.
 void close(const Segment& segment);
 
-/// Removes the segments that process `pid` created and left (their names begin
-/// "/scaletrain-<pid>-"), for a launcher whose worker died before it unlinked them (SIGKILL).
+/// Removes the segments that process `pid` of this PID namespace created and left (their names
+/// begin "/scaletrain-<pid>-<pid_namespace()>-"), for a launcher whose worker died before it
+/// unlinked them (SIGKILL); a process with the same pid in another namespace sharing /dev/shm
+/// keeps its own.
 /// Only for a pid that has exited and that the caller knows: a live process's peers may still
 /// open its segments. Returns how many it removed.
 int remove_segments_of(int pid);

@@ -133,7 +133,7 @@ TEST(TokenMetrics, ATargetOutsideTheClassesIsAnErrorOnBothPaths) {
     y[0][1] = -100;  // ignored: no error
     y[1][2] = wrong;
     const std::string want = "target " + std::to_string(wrong) +
-                             " of sample 1 is outside the output's 8 classes (0 to 7";
+                             " of the batch's sample 1 is outside the output's 8 classes (0 to 7";
     for (const auto& m : {accuracy(), token_loss()}) {
       try {
         m.per_sample(logits, y);
@@ -196,6 +196,45 @@ TEST(TokenMetrics, TheTrainerReportsTokenMeansOverRanks) {
   EXPECT_NEAR(got.at("test_loss"), want.loss, bound);
   EXPECT_NEAR(got.at("test_perplexity"), std::exp(want.loss), 2 * bound * std::exp(want.loss));
   EXPECT_NEAR(got.at("test_accuracy"), want.accuracy, 1e-12);
+  fs::remove_all(out);
+}
+
+// The trainer's side of the same regression: a replica whose test data holds such a target
+// refuses it after the batches' sums, and so does every other rank at once, instead of leaving
+// them to wait for it in the sum until the timeout.
+TEST(TokenMetrics, ATargetOutsideTheClassesStopsEveryReplicaAtTheEvaluation) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(4);
+  Dataset train_set{at::randint(kVocab, {8, kPositions}, g, at::kLong),
+                    at::randint(kVocab, {8, kPositions}, g, at::kLong), kVocab};
+  auto targets = at::randint(kVocab, {8, kPositions}, g, at::kLong);
+  targets[1][3] = kVocab + 2;  // sample 1: replica 1's (the test set is not shuffled)
+  Dataset test_set{at::randint(kVocab, {8, kPositions}, g, at::kLong), targets, kVocab};
+  const fs::path out =
+      fs::temp_directory_path() / ("scaletrain_bad_target_" + std::to_string(getpid()));
+  fs::remove_all(out);
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    TrainTask task;
+    task.train_data = in_memory(train_set);
+    task.test_data = in_memory(test_set);
+    task.model = [] { return model_of(torch::nn::Embedding(kVocab, kVocab).ptr(), "lookup"); };
+    task.metrics = {accuracy(), token_loss()};
+    TrainerOptions o;
+    o.epochs = 1;
+    o.batch_size = 4;
+    o.progress = o.tensorboard = o.channels_last = false;
+    o.device = at::kCPU;
+    o.timeout_s = 30;  // were replica 0 left waiting, its error would be this timeout's
+    o.out_dir = out.string();
+    train(task, o, d);
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_NE(errors[1].find(
+                "accuracy(): target 7 of the batch's sample 0 is outside the output's 5 classes"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[0].find("rank 0: another rank's test data was refused by a metric"),
+            std::string::npos)
+      << errors[0];
   fs::remove_all(out);
 }
 

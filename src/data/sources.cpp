@@ -62,14 +62,15 @@ at::Tensor sample_mean(const at::Tensor& value, const at::Tensor& y, int64_t ign
 // Regression (SplitPathScoredOutOfVocabularyTargetsSilently): a target (other than `ignore`) is
 // one of the output's `classes` ids, or a UsageError names it and its sample, on the whole path
 // and the class-split one alike (the split path scored such a target silently: never a hit, a
-// loss from a clamped id). Every rank of a split holds the same targets, so all refuse together.
+// loss from a clamped id). Every rank of a split holds the same targets, so all refuse together;
+// the trainer's evaluation carries a refusal to the other replicas (run_evaluate.cpp).
 void check_targets(const at::Tensor& y, int64_t classes, int64_t ignore, const std::string& who) {
   const auto bad = y.ne(ignore).logical_and(y.lt(0).logical_or(y.ge(classes))).flatten();
   if (!bad.any().item<bool>()) return;
   const int64_t first = bad.nonzero()[0][0].item<int64_t>();
   const int64_t per_sample = y.dim() > 0 && y.size(0) > 0 ? y.numel() / y.size(0) : 1;
   throw UsageError(who + ": target " + std::to_string(y.flatten()[first].item<int64_t>()) +
-                   " of sample " + std::to_string(first / per_sample) +
+                   " of the batch's sample " + std::to_string(first / per_sample) +
                    " is outside the output's " + std::to_string(classes) + " classes (0 to " +
                    std::to_string(classes - 1) + "; " + std::to_string(ignore) +
                    ", the ignore index, is left out): the data's targets must be ids of the "

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "scaletrain/error.h"
 #include "scaletrain/sampler.h"
 #include "train/run.h"
 
@@ -19,7 +20,13 @@ std::map<std::string, double> Run::evaluate() {
   const int64_t batch = o_.eval_batch_size > 0 ? o_.eval_batch_size : per_replica_;
   auto next = batch_stream(task_.test_data, test_rows_, s.indices(), loader_options(batch, 0, 0));
   const auto k = static_cast<int64_t>(task_.metrics.size());
-  auto sums = at::zeros({2 * k}, at::kDouble);  // each metric's weighted sum, and its weight
+  // Each metric's weighted sum and its weight, and last whether this rank refused its data.
+  auto sums = at::zeros({2 * k + 1}, at::kDouble);
+  // A metric's refusal of this rank's test data (a target outside the classes): the rank goes on
+  // through the batches' collectives without scoring, and every rank throws after the sum, so
+  // that the other replicas never wait for it (regression
+  // SplitPathScoredOutOfVocabularyTargetsSilently).
+  std::string refused;
   int64_t position = 0;
   const at::Device dev = strategy_->device();
   const bool all_split = std::all_of(task_.metrics.begin(), task_.metrics.end(),
@@ -35,13 +42,19 @@ std::map<std::string, double> Run::evaluate() {
       auto keep = at::empty({rows}, at::kDouble);  // padded duplicates count once
       for (int64_t i = 0; i < rows; ++i) keep[i] = s.is_padding(position + i) ? 0.0 : 1.0;
       const auto y = b->targets.to(outputs.device());
-      for (int64_t m = 0; m < k; ++m) {
+      for (int64_t m = 0; m < k && refused.empty(); ++m) {
         const auto& metric = task_.metrics[static_cast<size_t>(m)];
-        auto w = metric.weight ? metric.weight(outputs, y).to(at::kCPU, at::kDouble) * keep : keep;
-        auto v = split ? metric.per_sample_split(outputs, y, split->where)
-                       : metric.per_sample(outputs, y);
-        sums[2 * m] += (v.to(at::kCPU, at::kDouble) * w).sum();
-        sums[2 * m + 1] += w.sum();
+        try {
+          auto w =
+              metric.weight ? metric.weight(outputs, y).to(at::kCPU, at::kDouble) * keep : keep;
+          auto v = split ? metric.per_sample_split(outputs, y, split->where)
+                         : metric.per_sample(outputs, y);
+          sums[2 * m] += (v.to(at::kCPU, at::kDouble) * w).sum();
+          sums[2 * m + 1] += w.sum();
+        } catch (const UsageError& e) {
+          refused = e.what();
+          sums[2 * k] = 1;
+        }
       }
     }
     position += rows;
@@ -50,6 +63,12 @@ std::map<std::string, double> Run::evaluate() {
   auto summed = sums.to(collective_device());
   d_.all_reduce(summed);
   summed = summed.cpu();
+  if (summed[2 * k].item<double>() > 0) {
+    throw UsageError(!refused.empty() ? refused
+                                      : "rank " + std::to_string(d_.rank()) +
+                                            ": another rank's test data was refused by a metric "
+                                            "(its error says why)");
+  }
   for (int64_t m = 0; m < k; ++m) {
     const auto& metric = task_.metrics[static_cast<size_t>(m)];
     const double mean = summed[2 * m].item<double>() / summed[2 * m + 1].item<double>();

@@ -112,7 +112,9 @@ struct TensorParallelTrainOptions {
 };
 
 /// The options of train(): first those of every run, then each strategy's own (ddp, pipeline,
-/// tensor_parallel), which the other strategies refuse when set.
+/// tensor_parallel). The pipeline's and the tensor-parallel ones are refused by the strategies
+/// that do not take them; `ddp` applies wherever DDP runs (ddp, and the replicas of a grid and of
+/// the tensor-parallel strategies) and is unused elsewhere, but for uneven_inputs, ddp's alone.
 struct TrainerOptions {
   Strategy strategy = Strategy::kDDP;
   int epochs = 5;

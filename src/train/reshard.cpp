@@ -130,7 +130,8 @@ bool load_whole_checkpoint(const WholeShardedCheckpoint& whole, torch::nn::Modul
             "the sharded checkpoint's parameter '" + p.key() + "' is " +
             (it == whole.params.end() ? std::string("missing") : c10::str(it->second.sizes())) +
             "; this model's is " + c10::str(p.value().sizes()) +
-            " (a checkpoint of another model?)");
+            " (a checkpoint of another model, or one saved without the names and cuts that "
+            "another degree needs, which loads only at the degree it was saved at)");
       }
       p.value().copy_(it->second);
     }

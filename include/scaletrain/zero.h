@@ -221,8 +221,7 @@ class ShardedDataParallel {
 /// into parameters of other shapes than the saved ones (tensor parallelism at another degree:
 /// train/tp_strategy.cpp) or outside any ShardedDataParallel.
 struct WholeShardedCheckpoint {
-  TrainingState state;             // the program's state, as ShardedDataParallel::load() gives it
-  std::vector<std::string> names;  // the parameters, in the order they were sharded
+  TrainingState state;  // the program's state, as ShardedDataParallel::load() gives it
   std::map<std::string, at::Tensor> params;  // by name, in the masters' dtype, on the CPU
   std::string optimizer;                     // "sgd", "adam" or "adamw"
   int64_t optimizer_step = 0;                // Adam's count (0 before the first step)

@@ -104,7 +104,6 @@ WholeShardedCheckpoint read_whole_checkpoint(const std::string& dir, int64_t ste
   };
   WholeShardedCheckpoint out;
   out.state = first.state;
-  out.names = first.names;
   out.optimizer = first.optimizer;
   out.optimizer_step = first.optimizer_step;
   out.params = join([](WholeShardedCheckpoint& s) { return s.params; });

@@ -467,7 +467,6 @@ WholeShardedCheckpoint read_sharded_checkpoint(const std::string& dir, int64_t g
         out.optimizer_state[kind][name] = value;
       }
     }
-    out.names.push_back(name);
     offset += numel;
   }
   out.state = caller_state(files[0], paths[0]);

@@ -122,8 +122,8 @@ void add_run_command(CLI::App& app, Action& action) {
                   "Seconds between SIGTERM and SIGKILL when stopping workers")
       ->capture_default_str();
   cmd->add_option("--stopped-timeout", o.stopped_timeout_s,
-                  "Seconds every worker of this node may stay stopped by a signal (SIGSTOP) "
-                  "before the group counts as failed")
+                  "Seconds a worker may stay stopped by a signal (SIGSTOP, a debugger) before "
+                  "its group counts as failed")
       ->capture_default_str();
   cmd->add_option("command", o.command, "The program and its arguments (after --)")->required();
   cmd->callback([args, &action] {

@@ -266,10 +266,31 @@ TEST(Launch, EveryWorkerStoppedFailsTheGroupAfterTheStoppedTimeout) {
                        60);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_LT(r.seconds, 30) << r.output;
-  EXPECT_TRUE(contains(r.output, "every worker left is stopped by a signal for")) << r.output;
-  EXPECT_TRUE(contains(r.output, "restarting the worker group (1 of 1 restarts)")) << r.output;
-  EXPECT_TRUE(contains(r.output, "worker group failed (attempt 2 of 2): every worker was stopped"))
+  EXPECT_TRUE(std::regex_search(r.output,
+                                std::regex("rank [01] \\(pid [0-9]+\\) was stopped by a signal for "
+                                           "--stopped-timeout 2 s: the group counts as failed")))
       << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting the worker group (1 of 1 restarts)")) << r.output;
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex("worker group failed \\(attempt 2 of 2\\): rank [01] "
+                                             "\\(pid [0-9]+\\) was stopped by a signal")))
+      << r.output;
+}
+
+// Regression (StoppedStoreServerHeldItsPeersForever): rank 0 serves the rendezvous store, and a
+// peer's store request to a stopped rank 0 has no timeout: the kill loop's SIGSTOP left a
+// replica's rank 1 waiting in DDP's constructor for good while its rank 0 was stopped, and only
+// a group whose workers were *all* stopped failed by --stopped-timeout. One stopped worker now
+// fails its group too; here its peer would wait 60 s.
+TEST(Launch, OneStoppedWorkerFailsTheGroupAfterTheStoppedTimeout) {
+  auto r = run_command(cli_path() +
+                           " run --nproc-per-node 2 --master-port 0 --grace-period 1 "
+                           "--stopped-timeout 2 -- sh -c "
+                           "'if [ $RANK = 0 ]; then kill -STOP $$; else sleep 60; fi'",
+                       90);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_TRUE(contains(r.output, "worker group failed (attempt 1 of 1): rank 0 (pid ")) << r.output;
 }
 
 // Issue: signals were ignored while workers were being started (a SIGINT 2 s into starting 500

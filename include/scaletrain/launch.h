@@ -40,8 +40,9 @@ struct LaunchOptions {
   std::vector<int> show_ranks;  // ranks whose output reaches the terminal; empty: all
   bool quiet = false;           // show no worker output at all (logs are still kept)
   double grace_period_s = 5;    // SIGTERM, then SIGKILL after this long
-  // Every worker of this node stopped by a signal (SIGSTOP) for this long: nothing of the group
-  // can time out any more, so the group counts as failed (restarted where restarts are left).
+  // A worker stopped by a signal (SIGSTOP, a debugger) for this long fails its group (restarted
+  // where restarts are left): its peers may wait on it where no timeout reaches (a store request
+  // to rank 0, which serves the store), and with every worker stopped nothing times out at all.
   double stopped_timeout_s = 300;
   int tail_lines = 20;  // error-output lines quoted in the failure summary (512 B each)
 };

@@ -299,38 +299,39 @@ void Group::reap() {
 
 // A worker stopped by a signal (SIGSTOP, a debugger) neither runs nor exits: its peers wait for it
 // until their collective timeout, which then names it (Note [Heartbeats]). Said as it happens,
-// once a second at most, and again when it goes on. When every worker left is stopped, nothing
-// can time out any more: past --stopped-timeout the group counts as failed.
+// once a second at most, and again when it goes on. Not every wait has a timeout: rank 0 serves
+// the rendezvous store, and a peer's store request to a stopped rank 0 waits for its answer for
+// good (regression StoppedStoreServerHeldItsPeersForever); when every worker left is stopped,
+// nothing can time out at all. So past --stopped-timeout a stopped worker fails its group.
 void Group::watch_stops() {
   if (Clock::now() < next_stop_check_) return;
   next_stop_check_ = Clock::now() + std::chrono::seconds(1);
-  bool all = phase_ == Phase::kRunning;
+  const Worker* longest = nullptr;
   for (auto& w : workers_) {
     if (w.exited) continue;
     const bool now = proc::is_stopped(w.program_pid);
-    all = all && now;
     if (now && !w.signal_stopped) {
       spdlog::warn(
           "scaletrain run: rank {} (pid {}) is stopped by a signal; its peers wait for it until "
-          "their collective timeout (--timeout). `kill -CONT {}` lets it go on.",
-          w.rank, w.program_pid, w.program_pid);
+          "their collective timeout (--timeout), or --stopped-timeout {} s. `kill -CONT {}` lets "
+          "it go on.",
+          w.rank, w.program_pid, o_.stopped_timeout_s, w.program_pid);
+      w.stopped_since = Clock::now();
     } else if (!now && w.signal_stopped) {
       spdlog::info("scaletrain run: rank {} (pid {}) goes on", w.rank, w.program_pid);
     }
     w.signal_stopped = now;
+    if (now && (!longest || w.stopped_since < longest->stopped_since)) longest = &w;
   }
-  if (!all) {
-    all_stopped_since_ = {};
-    return;
-  }
-  if (all_stopped_since_ == Clock::time_point{}) all_stopped_since_ = Clock::now();
-  const std::chrono::duration<double> stuck = Clock::now() - all_stopped_since_;
+  if (!longest || phase_ != Phase::kRunning) return;
+  const std::chrono::duration<double> stuck = Clock::now() - longest->stopped_since;
   if (stuck.count() < o_.stopped_timeout_s) return;
+  stopped_out_ = fmt::format("rank {} (pid {}) was stopped by a signal for --stopped-timeout {} s",
+                             longest->rank, longest->program_pid, o_.stopped_timeout_s);
   spdlog::error(
-      "scaletrain run: every worker left is stopped by a signal for {:.0f} s (--stopped-timeout): "
-      "nothing can time out; the group counts as failed",
-      stuck.count());
-  all_stopped_ = true;
+      "scaletrain run: {}: the group counts as failed (raise --stopped-timeout to hold a rank in "
+      "a debugger longer)",
+      stopped_out_);
   stop_running(SIGTERM);  // kill_all continues them into it
 }
 
@@ -401,11 +402,10 @@ int Group::supervise() {
   finish_output();
   if (stopped_by_signal_) return report_interrupted();
   if (recalled_) return kRecalled;
-  if (all_stopped_) {
-    const std::string msg = fmt::format(
-        "scaletrain run: worker group failed (attempt {} of {}): every worker was stopped by a "
-        "signal for --stopped-timeout {} s\n",
-        w_.restarts + 1, o_.max_restarts + 1, o_.stopped_timeout_s);
+  if (!stopped_out_.empty()) {
+    const std::string msg =
+        fmt::format("scaletrain run: worker group failed (attempt {} of {}): {}\n", w_.restarts + 1,
+                    o_.max_restarts + 1, stopped_out_);
     [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
     return 1;
   }

@@ -70,6 +70,7 @@ struct Worker {
   Clock::time_point exit_time{};
   bool stopped = false;         // still running when the launcher signalled the group
   bool signal_stopped = false;  // the program is stopped by a signal (SIGSTOP...), last we looked
+  Clock::time_point stopped_since{};  // since when, if so
   bool shown = true;
 
   bool failed() const;
@@ -130,8 +131,7 @@ class Group {
   bool recalled_ = false;
   Clock::time_point settle_deadline_{}, kill_deadline_{};
   Clock::time_point next_stop_check_{};
-  Clock::time_point all_stopped_since_{};
-  bool all_stopped_ = false;  // failed by --stopped-timeout
+  std::string stopped_out_;  // failed by --stopped-timeout: which worker, for the report
 };
 
 // Installs the launcher's signal handlers for one launch() and restores the old ones after.

@@ -16,7 +16,12 @@ Modes, one process per rank started with torchrun's environment, gloo:
            and the row-parallel outputs reduce-scattered along the sequence, the
            column-parallel inputs gathered along it;
   fsdp     FSDP2 (fully_shard on every block, then on the model) over all ranks;
-  fsdp-tp  2D: the tp plan over pairs of consecutive ranks, FSDP2 over the pairs.
+  fsdp-tp  2D: the tp plan over pairs of consecutive ranks, FSDP2 over the pairs;
+  pp-tp    3D's pipeline and tensor dimensions on 4 ranks, the mesh (pp 2, tp 2): the tp plan
+           over pairs of consecutive ranks, the model cut into two stages (embeddings and the
+           first half of the blocks; the second half, ln_f and lm_head) run by
+           torch.distributed.pipelining's PipelineStage under Schedule1F1B over --chunks
+           micro-batches, the loss under loss_parallel().
 
     torchrun --nproc-per-node 2 benchmarks/python/transformer_peer.py --mode tp --csv out.csv
 
@@ -70,6 +75,28 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+class Stage(nn.Module):
+    """Blocks [begin, end) of a GPT, with its embeddings on the first stage and its head on the
+    last: pipelining's stage module (the blocks are the GPT's own, already split by the tp
+    plan)."""
+
+    def __init__(self, gpt, begin, end):
+        super().__init__()
+        layers = len(gpt.transformer.h)
+        self.wte = gpt.transformer.wte if begin == 0 else None
+        self.wpe = gpt.transformer.wpe if begin == 0 else None
+        self.h = nn.ModuleList(gpt.transformer.h[i] for i in range(begin, end))
+        self.ln_f = gpt.transformer.ln_f if end == layers else None
+        self.lm_head = gpt.lm_head if end == layers else None
+
+    def forward(self, x):
+        if self.wte is not None:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.lm_head is not None else x
 
 
 class GPT(nn.Module):
@@ -147,7 +174,7 @@ def parallelize(model, tp, sp, mesh=None):
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "tp", "tp-sp", "fsdp", "fsdp-tp"], default="ddp")
+    p.add_argument("--mode", choices=["ddp", "tp", "tp-sp", "fsdp", "fsdp-tp", "pp-tp"], default="ddp")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
@@ -156,6 +183,7 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=4, help="global batch, sequences")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--chunks", type=int, default=4, help="pp-tp: micro-batches per step")
     p.add_argument("--expect-params", type=int, default=0)
     p.add_argument("--csv", required=True)
     return p.parse_args()
@@ -195,13 +223,21 @@ def main():
         for block in model.transformer.h:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    elif mode == "pp-tp":
+        return pipelined(args, model, rank, world, params)
     else:
         parallelize(model, world, mode == "tp-sp")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1 + replica)
     data = torch.randint(args.vocab, (args.batch_size // dp, args.context + 1), generator=gen)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    step = make_step(model, opt, x, y, args.mode)
+    times, loss = timed(args, make_step(model, opt, x, y, args.mode))
+    report(args, rank, world, times, params, loss)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timed(args, step):
     for _ in range(args.warmup):
         step()
     dist.barrier()
@@ -210,6 +246,51 @@ def main():
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
+    return times, loss
+
+
+def pipelined(args, model, rank, world, params):
+    """pp-tp: the mesh (pp 2, tp 2); a stage's two tp ranks run the same pipeline tasks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import loss_parallel
+    if world != 4:
+        raise SystemExit(f"pp-tp runs on 4 ranks (pp 2 x tp 2), not {world}")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    parallelize(model, 2, False, mesh["tp"])
+    stage_index, half = mesh.get_local_rank("pp"), len(model.transformer.h) // 2
+    module = Stage(model, 0, half) if stage_index == 0 else Stage(model, half,
+                                                                 len(model.transformer.h))
+    stage = PipelineStage(module, stage_index, 2, torch.device("cpu"),
+                          group=mesh["pp"].get_group())
+
+    def loss_fn(logits, target):  # logits: a DTensor, its vocabulary split over tp
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    schedule = Schedule1F1B(stage, args.chunks, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(module.parameters(), lr=3e-4, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(args.vocab, (args.batch_size, args.context + 1), generator=gen)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    last = stage_index == 1
+
+    def step():
+        opt.zero_grad()
+        losses = []
+        with loss_parallel():  # the parallel loss's backward runs inside the schedule too
+            if stage_index == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=losses)
+        opt.step()
+        # The batch's loss (the mean of the micro-batches'), from the last stage's tp rank 0.
+        mean = torch.zeros(1, dtype=torch.float64)
+        if last:
+            mean[0] = sum(float(l.detach().full_tensor()) for l in losses) / len(losses)
+        dist.broadcast(mean, src=2)
+        return float(mean[0])
+
+    times, loss = timed(args, step)
     report(args, rank, world, times, params, loss)
     dist.barrier()
     dist.destroy_process_group()

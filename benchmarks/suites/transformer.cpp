@@ -13,6 +13,10 @@
 //               per block                             |   on the model
 //   fsdp-tp  4  2D, mesh {dp: 2, tp: 2}: the plan     | the plan on the mesh's "tp", FSDP2 on
 //               over tp, stage 3 over dp              |   its "dp"
+//   pp-tp    4  mesh {pp: 2, tp: 2}: the plan over    | the plan on the mesh's "tp", the model
+//               tp, the chain in two DistPipeline     |   in two PipelineStages over its "pp"
+//               stages, 1F1B over --chunks            |   (torch.distributed.pipelining),
+//               micro-batches                         |   Schedule1F1B, loss_parallel()
 //
 // The global batch, steps, data shape and optimizer are the same on both sides. Each launch
 // reports the median of its timed steps (after warm-up) as tokens/s and every rank's peak
@@ -33,6 +37,7 @@
 #include "gpt.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
+#include "scaletrain/dist_pipeline.h"
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/zero.h"
@@ -47,6 +52,7 @@ struct RunSize {
   GPTConfig gpt;
   int64_t batch = 4;  // global, sequences of gpt.block_size tokens
   int steps = 20, warmup = 3;
+  int chunks = 4;  // pp-tp: micro-batches per step
 };
 
 RunSize size_of(const std::map<std::string, std::string>& kv) {
@@ -60,6 +66,7 @@ RunSize size_of(const std::map<std::string, std::string>& kv) {
   s.batch = std::stoll(arg_or(kv, "--batch-size", "4"));
   s.steps = std::stoi(arg_or(kv, "--steps", "20"));
   s.warmup = std::stoi(arg_or(kv, "--warmup", "3"));
+  s.chunks = std::stoi(arg_or(kv, "--chunks", "4"));
   return s;
 }
 
@@ -68,7 +75,8 @@ std::vector<std::string> size_args(const RunSize& s) {
   return {"--layers", std::to_string(c.n_layer),    "--heads",      std::to_string(c.n_head),
           "--width",  std::to_string(c.n_embd),     "--context",    std::to_string(c.block_size),
           "--vocab",  std::to_string(c.vocab_size), "--batch-size", std::to_string(s.batch),
-          "--steps",  std::to_string(s.steps),      "--warmup",     std::to_string(s.warmup)};
+          "--steps",  std::to_string(s.steps),      "--warmup",     std::to_string(s.warmup),
+          "--chunks", std::to_string(s.chunks)};
 }
 
 int64_t peak_rss() {
@@ -99,12 +107,56 @@ static int replicas_of(const std::string& mode, int world) {
   return mode == "fsdp-tp" ? world / 2 : 1;
 }
 
+// pp-tp: the mesh {pp: 2, tp: 2}; the plan over "tp", the model's chain cut in two stages (the
+// embeddings and the first half of the blocks; the second half and the head), 1F1B over the
+// pipeline. The tp ranks of a stage run the same tasks, so their collectives meet.
+class TwoStages {
+ public:
+  TwoStages(GPT& m, const Dist& d, int chunks) : m_(m), d_(d) {
+    if (d.size() != 4) {
+      throw UsageError("transformer worker: pp-tp runs on 4 ranks (pp 2 x tp 2), not " +
+                       std::to_string(d.size()));
+    }
+    const DeviceMesh mesh({{"pp", 2}, {"tp", 2}}, d.size());
+    tp_ = mesh_groups(d, mesh, "transformer", {"tp"}).at("tp");
+    m->parallelize(tp_, false);
+    auto chain = m->blocks();
+    const size_t half = chain->size() / 2;  // embed, h0 .. h(L/2-1) | h(L/2) .. h(L-1), head
+    stage_ = mesh.coordinate(d.rank(), "pp");
+    DistPipelineOptions po;
+    po.stage_ranks = mesh.group(d.rank(), "pp");
+    po.chunks = chunks;
+    po.schedule = PipelineSchedule::k1F1B;
+    pipe_ = std::make_unique<DistPipeline>(
+        stage_ == 0 ? slice(chain, 0, half) : slice(chain, half, chain->size()), po, d);
+  }
+  std::vector<at::Tensor> parameters() { return pipe_->module()->parameters(); }
+  // The batch's loss on every rank (from the last stage's tp rank 0, rank 2).
+  double step(const at::Tensor& x, const at::Tensor& y) {
+    auto loss = pipe_->train_step(
+        stage_ == 0 ? x : at::Tensor(), stage_ == 1 ? y : at::Tensor(),
+        [&](const at::Tensor& out, const at::Tensor& t) { return m_->loss(out, t); });
+    auto t = at::zeros({1}, at::kDouble);
+    if (loss.defined()) t.fill_(loss.item<double>());
+    d_.broadcast(t, 2);
+    return t.item<double>();
+  }
+
+ private:
+  GPT& m_;
+  const Dist& d_;
+  Dist tp_;
+  int stage_ = 0;
+  std::unique_ptr<DistPipeline> pipe_;
+};
+
 int run_transformer_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
   const std::string mode = arg_or(kv, "--mode", "ddp");
-  if (mode != "ddp" && mode != "tp" && mode != "tp-sp" && mode != "fsdp" && mode != "fsdp-tp") {
+  if (mode != "ddp" && mode != "tp" && mode != "tp-sp" && mode != "fsdp" && mode != "fsdp-tp" &&
+      mode != "pp-tp") {
     throw UsageError("transformer worker: --mode " + mode +
-                     "; use ddp, tp, tp-sp, fsdp or fsdp-tp");
+                     "; use ddp, tp, tp-sp, fsdp, fsdp-tp or pp-tp");
   }
   const RunSize s = size_of(kv);
   Dist d = init_process_group();
@@ -120,6 +172,7 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   }
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<ShardedDataParallel> fsdp;
+  std::unique_ptr<TwoStages> pipe;
   ShardOptions so;
   so.stage = 3;
   so.unit_cap_mb = 0.001;  // a unit per block, as FSDP2's fully_shard per block
@@ -132,10 +185,14 @@ int run_transformer_worker(const std::vector<std::string>& args) {
     auto groups = mesh_groups(d, mesh, "transformer");
     m->parallelize(groups.at("tp"), false);
     fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so);
+  } else if (mode == "pp-tp") {
+    pipe = std::make_unique<TwoStages>(m, d, s.chunks);
   } else {
     m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
   }
-  torch::optim::AdamW opt(fsdp ? fsdp->parameters() : m->parameters(),
+  torch::optim::AdamW opt(fsdp   ? fsdp->parameters()
+                          : pipe ? pipe->parameters()
+                                 : m->parameters(),
                           torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
   // Random tokens: each replica its own part of the batch, the same rows on every rank of a
   // tensor-parallel group (consecutive ranks, dp outer).
@@ -145,6 +202,11 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   auto y = data.narrow(1, 1, s.gpt.block_size).contiguous();
   auto step = [&] {
     opt.zero_grad();
+    if (pipe) {
+      const double loss = pipe->step(x, y);
+      opt.step();
+      return loss;
+    }
     auto logits = ddp    ? ddp->forward([&] { return m->forward(x); })
                   : fsdp ? fsdp->forward(x)
                          : m->forward(x);
@@ -214,7 +276,8 @@ const std::vector<Config> kConfigs = {{"ddp", "DDP, 2 ranks", 2},
                                       {"tp-sp", "tensor + sequence parallel, tp 2", 2},
                                       {"tp", "tensor parallel, tp 4", 4},
                                       {"fsdp", "FSDP, 4 ranks (FSDP2 on the Python side)", 4},
-                                      {"fsdp-tp", "FSDP x TP, dp 2 x tp 2", 4}};
+                                      {"fsdp-tp", "FSDP x TP, dp 2 x tp 2", 4},
+                                      {"pp-tp", "pipeline x TP, pp 2 x tp 2 (1F1B)", 4}};
 
 std::string fixed(double v, int digits) {
   char buf[64];
@@ -301,13 +364,19 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
       "machine has fewer), the Gloo process group, the same torch. "
       "scaletrain: DistributedDataParallel (same-machine gradients through shared memory, its "
       "default), GPT::parallelize with the vocabulary-parallel cross entropy, "
-      "ShardedDataParallel stage 3 with a unit per block (over the mesh's dp group in 2D). "
+      "ShardedDataParallel stage 3 with a unit per block (over the mesh's dp group in 2D), "
+      "for pp-tp the plan over the mesh's tp pairs and the chain in two DistPipeline stages "
+      "under 1F1B over " +
+      std::to_string(s.chunks) +
+      " micro-batches. "
       "Python (benchmarks/python/transformer_peer.py): torch DDP; parallelize_module with "
       "ColwiseParallel / RowwiseParallel on the same plan (c_attn's rows interleaved once so "
       "that each rank holds its own heads of q, k and v), SequenceParallel on the LayerNorms for "
       "tp-sp, the loss under loss_parallel() (no rank gathers the logits on either side); FSDP2 "
       "(fully_shard per block and on the model; on the 2D mesh's dp dimension after the tp "
-      "plan).");
+      "plan); for pp-tp the same tp plan on the mesh's \"tp\" and two PipelineStages over its "
+      "\"pp\" (torch.distributed.pipelining) under Schedule1F1B, the loss under "
+      "loss_parallel().");
 }
 
 }  // namespace

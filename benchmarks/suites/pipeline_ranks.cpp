@@ -81,14 +81,39 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
       pipe.train_step(first ? x : at::Tensor(), last ? y : at::Tensor(), mse);
       for (auto& c : chunks) c->zero_grad();
     };
-    step();  // warm-up
-    for (int r = 0; r < repeats; ++r) {
+    // The control: each rank computes its own stages' forwards and backwards of the step's
+    // micro-batches at the same moment as the other, with no message and no schedule (a stage
+    // past the first takes a random input of the activation's shape and needs its gradient; a
+    // stage before the last, a random output gradient). Timed beside each step, it is what this
+    // machine gives two busy processes at once, drift included.
+    const auto xs = x.chunk(m), ys = y.chunk(m);
+    auto alone = [&] {
+      for (int k = 0; k < m; ++k) {
+        for (size_t c = 0; c < chunks.size(); ++c) {
+          const bool first_stage = first && c == 0, last_stage = last && c + 1 == chunks.size();
+          auto in = first_stage ? xs[k] : at::randn_like(xs[k]).requires_grad_(true);
+          auto out = chunks[c]->forward(in);
+          if (last_stage) {
+            mse(out, ys[k]).backward();
+          } else {
+            out.backward(at::randn_like(out));
+          }
+        }
+      }
+      for (auto& c : chunks) c->zero_grad();
+    };
+    auto timed = [&](const std::function<void()>& f) {
       d.barrier();
       auto t0 = std::chrono::steady_clock::now();
-      step();
+      f();
       d.barrier();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (d.rank() == 0) csv << m << "," << s << "\n";
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    };
+    step();  // warm-up
+    alone();
+    for (int r = 0; r < repeats; ++r) {
+      const double s = timed(step), control = timed(alone);
+      if (d.rank() == 0) csv << m << "," << s << "," << control << "\n";
     }
   }
   return 0;
@@ -96,10 +121,13 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
 
 namespace {
 
-// One schedule's step times by micro-batch count, from 2 worker processes.
-std::map<int, std::vector<double>> pipeline_ranks_times(const SuiteOptions& o,
-                                                        const std::string& schedule, bool shm,
-                                                        int64_t width, int64_t batch) {
+// One schedule's step times and their controls' (the same work on both ranks at once, without
+// messages) by micro-batch count, from 2 worker processes.
+struct StepTimes {
+  std::map<int, std::vector<double>> step, control;
+};
+StepTimes pipeline_ranks_times(const SuiteOptions& o, const std::string& schedule, bool shm,
+                               int64_t width, int64_t batch) {
   const std::string what = "pipeline_ranks_" + schedule + (shm ? "" : "_gloo");
   const std::string csv = o.work_dir + "/" + what + ".csv";
   run_local_ranks(o, 2,
@@ -108,14 +136,39 @@ std::map<int, std::vector<double>> pipeline_ranks_times(const SuiteOptions& o,
                    std::to_string(batch), "--repeats", std::to_string(o.repeats), "--quick",
                    o.quick ? "1" : "0", "--shared-memory", shm ? "1" : "0"},
                   what);
-  std::map<int, std::vector<double>> times;
+  StepTimes times;
   std::ifstream in(csv);
   std::string line;
   while (std::getline(in, line)) {
-    const auto comma = line.find(',');
-    times[std::stoi(line.substr(0, comma))].push_back(std::stod(line.substr(comma + 1)));
+    const auto a = line.find(','), b = line.find(',', a + 1);
+    const int m = std::stoi(line.substr(0, a));
+    times.step[m].push_back(std::stod(line.substr(a + 1, b - a - 1)));
+    times.control[m].push_back(std::stod(line.substr(b + 1)));
   }
   return times;
+}
+
+// The suite's notes: the model, the method and the table.
+void add_notes(SuiteResult& r, int64_t width, int64_t batch, const std::string& table) {
+  r.notes.push_back("Model: " + std::to_string(2 * kLayers) + " Linear+Tanh layers of width " +
+                    std::to_string(width) + ", batch " + std::to_string(batch) +
+                    ", MSE loss, 2 processes with one intra-op thread each (interleaved: 4 "
+                    "stages, 2 per rank), activations and gradients through shared memory "
+                    "(rows \"over Gloo\": loopback TCP). "
+                    "Baseline: the same model as one stage in one process with the same "
+                    "micro-batches. Measured bubble = 1 - T_one_stage / (2 T_step) per "
+                    "repetition; theory as in pipeline-bubble. The control, timed beside each "
+                    "step in the same processes: each rank computes its own stages' forwards and "
+                    "backwards of the step's micro-batches at the same moment as the other, "
+                    "without messages or schedule; against it the ideal step is T_control / (1 - "
+                    "bubble), so what the machine loses to two busy processes at once (shared "
+                    "caches, memory bandwidth, a neighbour's load) and its drift during the run "
+                    "drop out, and what remains is the pipeline's own cost.");
+  r.notes.push_back(
+      "Each schedule's step time against its theory's (T_one_stage / p / (1 - bubble); 1.00 = "
+      "the theory reached, mean of the repetitions), and against the control's (T_control / (1 - "
+      "bubble), per repetition):\n\n" +
+      table);
 }
 
 }  // namespace
@@ -150,46 +203,50 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
   };
   std::string table = "| schedule | theory / measured step time at m = ";
   for (size_t k = 0; k < ms.size(); ++k) table += (k ? ", " : "") + std::to_string(ms[k]);
-  table += " |\n|---|---|\n";
+  table += " | the same against the control |\n|---|---|---|\n";
   // With --full, each schedule through Gloo too (the plot shows the shared-memory runs).
   const std::vector<bool> paths =
       o.quick ? std::vector<bool>{true} : std::vector<bool>{true, false};
+  std::string machine = "| the control itself: T_one_stage / p / T_control (GPipe's run) | ";
   for (const auto& sc : scheds) {
     for (const bool shm : paths) {
       const auto times = pipeline_ranks_times(o, sc.flag, shm, width, batch);
-      std::string row = "| " + sc.name + (shm ? "" : " over Gloo") + " | ";
+      std::string row = "| " + sc.name + (shm ? "" : " over Gloo") + " | ", against = "| ";
       for (int m : ms) {
-        if (!times.count(m)) {
+        if (!times.step.count(m)) {
           row += "- ";
+          against += "- ";
           continue;
         }
+        const auto& steps = times.step.at(m);
         if (shm) {
           Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
-          for (double t : times.at(m)) s.values.push_back(1.0 - base[m] / (p * t));
+          for (double t : steps) s.values.push_back(1.0 - base[m] / (p * t));
           r.samples.push_back(s);
           r.samples.push_back(
               {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
         }
         const double ideal = base[m] / p / (1.0 - sc.theory(m));
-        char cell[32];
-        std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(times.at(m)).mean);
+        // Against the control, repetition by repetition (each control timed beside its step).
+        double of_control = 0;
+        for (size_t k = 0; k < steps.size(); ++k) {
+          of_control += times.control.at(m)[k] / (1.0 - sc.theory(m)) / steps[k];
+        }
+        char cell[64];
+        std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(steps).mean);
         row += cell;
+        std::snprintf(cell, sizeof cell, "%.2f ", of_control / static_cast<double>(steps.size()));
+        against += cell;
+        if (&sc == &scheds.front() && shm) {
+          std::snprintf(cell, sizeof cell, "%.2f ", base[m] / p / stats(times.control.at(m)).mean);
+          machine += cell;
+        }
       }
-      table += row + "|\n";
+      table += row + against + "|\n";
     }
   }
-  r.notes.push_back("Model: " + std::to_string(2 * kLayers) + " Linear+Tanh layers of width " +
-                    std::to_string(width) + ", batch " + std::to_string(batch) +
-                    ", MSE loss, 2 processes with one intra-op thread each (interleaved: 4 "
-                    "stages, 2 per rank), activations and gradients through shared memory "
-                    "(rows \"over Gloo\": loopback TCP). "
-                    "Baseline: the same model as one stage in one process with the same "
-                    "micro-batches. Measured bubble = 1 - T_one_stage / (2 T_step) per "
-                    "repetition; theory as in pipeline-bubble.");
-  r.notes.push_back(
-      "Each schedule's step time against its theory's (T_one_stage / p / (1 - bubble); 1.00 = "
-      "the theory reached, mean of the repetitions):\n\n" +
-      table);
+  table += machine + "| |\n";
+  add_notes(r, width, batch, table);
   return r;
 }
 

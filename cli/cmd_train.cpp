@@ -188,7 +188,13 @@ void apply_strategy_flags(Args& a) {
                        "' is not a device; give e.g. cpu,cpu or cuda:0,cuda:1");
     }
   }
-  if (a.device != "auto") a.o.device = parse_device(a.device, "TrainerOptions::device");
+  if (a.device != "auto") {
+    try {
+      a.o.device = parse_device(a.device, "TrainerOptions::device");
+    } catch (const UsageError& e) {  // the library's device is unset for auto
+      throw UsageError(std::string(e.what()) + ", or auto (a GPU when there is one)");
+    }
+  }
   if (a.schedule == "none" || a.schedule == "step" || a.schedule == "cosine") {
     throw UsageError(
         "--schedule is a pipeline's (gpipe, 1f1b, interleaved or zb-h1); the learning-rate "

@@ -87,16 +87,25 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
     // stage before the last, a random output gradient). Timed beside each step, it is what this
     // machine gives two busy processes at once, drift included.
     const auto xs = x.chunk(m), ys = y.chunk(m);
+    // Drawn once, outside the timed region: the pipeline draws nothing.
+    std::vector<std::vector<at::Tensor>> ins(static_cast<size_t>(m)), grads(ins.size());
+    for (size_t k = 0; k < ins.size(); ++k) {
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        ins[k].push_back(at::randn_like(xs[k]));
+        grads[k].push_back(at::randn_like(xs[k]));  // every layer keeps the width
+      }
+    }
     auto alone = [&] {
-      for (int k = 0; k < m; ++k) {
+      for (size_t k = 0; k < ins.size(); ++k) {
         for (size_t c = 0; c < chunks.size(); ++c) {
           const bool first_stage = first && c == 0, last_stage = last && c + 1 == chunks.size();
-          auto in = first_stage ? xs[k] : at::randn_like(xs[k]).requires_grad_(true);
+          // (detach: a fresh leaf on the same storage, so no gradient accumulates on it)
+          auto in = first_stage ? xs[k] : ins[k][c].detach().requires_grad_(true);
           auto out = chunks[c]->forward(in);
           if (last_stage) {
             mse(out, ys[k]).backward();
           } else {
-            out.backward(at::randn_like(out));
+            out.backward(grads[k][c]);
           }
         }
       }

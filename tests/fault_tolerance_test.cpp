@@ -427,7 +427,9 @@ const char* kJobFlags =
     "--checkpoint-every 40 --keep 100 --no-progress --log-every 16 --timeout 5 --ft-timeout 3";
 
 testing::CommandResult ft_job(const fs::path& dir, const std::string& signal) {
-  return run_command(script_path("ft_job.sh") + " " + cli_path() + " " + dir.string() + " " +
+  // (The punisher's overrides, for scripts/kill-loop-accuracy.sh, are not this test's.)
+  return run_command("env -u PUNISH_EVERY -u PUNISH_FOR -u PUNISH_SEED " +
+                         script_path("ft_job.sh") + " " + cli_path() + " " + dir.string() + " " +
                          std::to_string(testing::free_port()) + " " + signal + kJobFlags,
                      400);
 }
@@ -502,7 +504,8 @@ TEST(FaultTolerantJob, KillLoopEndsWithEqualReplicasAsAccurateAsNoKill) {
   // Two runs over other batch sequences (the batch shrank while a replica was gone) differ by
   // the noise of SGD: on this small job (8192 images) killed and calm jobs ended up to 3.3
   // points apart on 2000 test images in five trials at 4 and 6 epochs. A lost epoch or a
-  // diverged replica would show far beyond it.
+  // diverged replica would show far beyond it. On the whole data set the killed runs' mean is
+  // within 0.1 points of the calm runs' (scripts/kill-loop-accuracy.sh, docs/resilience.md).
   EXPECT_NEAR(killed_acc.back(), calm_acc.back(), 0.04) << r.output;
 }
 

@@ -1,10 +1,11 @@
 #!/bin/bash
 # A fault-tolerant job of 2 replicas x 2 ranks on this host: a lighthouse on port $3, each
 # replica under its own launcher (restarts allowed), and with $4 = KILL or STOP the punisher
-# (scripts/punisher) sending that signal to a random worker every 4 s for 16 s. Waits for both
+# (scripts/punisher) sending that signal to a random worker every 4 s for 16 s (PUNISH_EVERY,
+# PUNISH_FOR and PUNISH_SEED in the environment change them). Waits for both
 # replicas, stops the lighthouse, and prints every log, then "replica R exit S" for each. A
 # worker stopped while its replica starts holds the others in the rendezvous: --rdzv-timeout 20
-# bounds that; a replica whose workers are all stopped fails by --stopped-timeout 8 (the
+# bounds that; a replica with a worker stopped for 8 s fails by --stopped-timeout 8 (the
 # defaults, 5 minutes each, would outlast the test). A killed worker's replica restarts within
 # about a second on an idle machine: the lighthouse's --heartbeat-timeout 0.5 (the default 1.5)
 # sees it gone before its new process beats, so the other replica goes on alone meanwhile
@@ -23,8 +24,8 @@ for r in 0 1; do
   pids="$pids $!"
 done
 if [ "$sig" != none ]; then
-  "$here/../../scripts/punisher" --match "--out $dir/run" --every 4 --for 16 --signal "$sig" \
-    --seed 7 > "$dir/punisher.log" 2>&1 &
+  "$here/../../scripts/punisher" --match "--out $dir/run" --every "${PUNISH_EVERY:-4}" \
+    --for "${PUNISH_FOR:-16}" --signal "$sig" --seed "${PUNISH_SEED:-7}" > "$dir/punisher.log" 2>&1 &
   punisher=$!
 fi
 status=""

@@ -50,8 +50,10 @@ gpu-check:
 format:
 	clang-format -i $$(git ls-files '*.cpp' '*.h')
 
-tidy: configure
-	clang-tidy -p $(BUILD) $$(git ls-files 'src/*.cpp')
+# clang-tidy needs a compile command per file: its own build folder, without unity batches.
+tidy: setup
+	@[ -f build-tidy/build.ninja ] || cmake -S . -B build-tidy -G Ninja -DSCALETRAIN_UNITY_BUILD=OFF
+	clang-tidy -p build-tidy $$(git ls-files 'src/*.cpp')
 
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-tidy

@@ -17,7 +17,7 @@
 namespace scaletrain {
 namespace {
 
-torch::nn::Sequential make_model() {
+torch::nn::Sequential seq_model() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(),
                                torch::nn::Linear(12, 3));
@@ -41,9 +41,9 @@ TEST_P(DataParallelDevices, ThreeStepsEqualTheSingleModel) {
   // replicas' weighted losses and summed gradients (2 per replica).
   const double terms = 7 + 13 + 3 + 3 + 11 + 2 * n;
 
-  DataParallel dp(make_model(), std::vector<at::Device>(static_cast<size_t>(n), at::kCPU));
+  DataParallel dp(seq_model(), std::vector<at::Device>(static_cast<size_t>(n), at::kCPU));
   torch::optim::SGD opt(dp.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto make = [] { return make_model().ptr(); };
+  auto make = [] { return seq_model().ptr(); };
   for (int step = 0; step < 3; ++step) {
     const std::string where = "step " + std::to_string(step);
     auto exact =
@@ -164,7 +164,7 @@ TEST(DataParallel, AnyUserModuleClonedOrBuiltByAFactory) {
 }
 
 TEST(DataParallel, ReplicasPersistAcrossSteps) {
-  DataParallel dp(make_model(), {at::kCPU, at::kCPU});
+  DataParallel dp(seq_model(), {at::kCPU, at::kCPU});
   auto before = dp.replicas()[1].get();
   dp.train_step(at::randn({4, 6}), at::randn({4, 3}), mse);
   dp.train_step(at::randn({4, 6}), at::randn({4, 3}), mse);
@@ -172,14 +172,14 @@ TEST(DataParallel, ReplicasPersistAcrossSteps) {
 }
 
 TEST(DataParallel, ReplicaErrorReachesTheCaller) {
-  DataParallel dp(make_model(), {at::kCPU, at::kCPU});
+  DataParallel dp(seq_model(), {at::kCPU, at::kCPU});
   try {
     dp.train_step(at::randn({4, 5}), at::randn({4, 3}), mse);  // 5 features, model wants 6
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("DataParallel replica"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(DataParallel(make_model(), {}), UsageError);
+  EXPECT_THROW(DataParallel(seq_model(), {}), UsageError);
 }
 
 }  // namespace

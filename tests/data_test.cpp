@@ -7,6 +7,7 @@
 
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
+#include "support/temp_dir.h"
 #include "support/tolerance.h"
 
 namespace scaletrain {
@@ -28,14 +29,8 @@ void write_idx(const fs::path& p, const std::vector<int32_t>& dims,
   gzclose(f);
 }
 
-struct TempDir {
-  fs::path path = fs::temp_directory_path() / ("scaletrain_data_" + std::to_string(getpid()));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-};
-
 TEST(Data, ReadsIdxFiles) {
-  TempDir dir;
+  testing::TempDir dir("data");
   write_idx(dir.path / "x.gz", {2, 2, 3}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 255});
   auto t = read_idx((dir.path / "x.gz").string());
   EXPECT_EQ(t.sizes(), (std::vector<int64_t>{2, 2, 3}));
@@ -43,7 +38,7 @@ TEST(Data, ReadsIdxFiles) {
 }
 
 TEST(Data, LoadsASmallFashionMnistFolder) {
-  TempDir dir;
+  testing::TempDir dir("data");
   std::vector<uint8_t> img(3 * 28 * 28, 0);
   img[28 * 28] = 255;  // image 1's first pixel
   for (auto split : {"train", "t10k"}) {
@@ -61,7 +56,7 @@ TEST(Data, LoadsASmallFashionMnistFolder) {
 }
 
 TEST(Data, TruncatedFileIsNamed) {
-  TempDir dir;
+  testing::TempDir dir("data");
   auto p = dir.path / "bad.gz";
   write_idx(p, {4}, {1, 2, 3, 4}, 2);
   try {

@@ -28,6 +28,7 @@
 #include "support/net.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 #include "train/atomic_file.h"
 #include "train/run_folder.h"
 #include "zoo_models.h"
@@ -39,16 +40,7 @@ namespace fs = std::filesystem;
 using testing::cli_path;
 using testing::run_command;
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() /
-             ("scaletrain_hard_" + name + "_" + std::to_string(getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 using testing::net_model;
 using testing::NetImpl;

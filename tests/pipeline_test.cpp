@@ -22,7 +22,7 @@
 namespace scaletrain {
 namespace {
 
-torch::nn::Sequential make_model() {
+torch::nn::Sequential seq_model() {
   torch::manual_seed(0);
   return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(),
                                torch::nn::Linear(16, 16), torch::nn::ReLU(),
@@ -37,7 +37,7 @@ at::Tensor run_sequential(torch::nn::Module& m, const at::Tensor& x) {
   return static_cast<torch::nn::SequentialImpl&>(m).forward(x);
 }
 
-// Terms along make_model()'s longest chain for a batch of `rows` cut into `chunks`: forward
+// Terms along seq_model()'s longest chain for a batch of `rows` cut into `chunks`: forward
 // fan-ins 9, 17, 17; the loss 3; backward fan-outs 16, 4; the batch; the micro-batches' weighted
 // losses and summed gradients.
 double terms(int64_t rows, int chunks) {
@@ -59,9 +59,9 @@ TEST_P(PipelineTransparency, OutputsAndGradientsEqualTheWholeModel) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
   auto x = at::randn({10, 8}, gen), y = at::randn({10, 4}, gen);
   const double k = terms(10, c.chunks);
-  auto exact = testing::exact_and_magnitudes([] { return make_model().ptr(); }, run_sequential,
-                                             testing::weights_of(*make_model()), x,
-                                             testing::mse_gradient(y));
+  auto exact =
+      testing::exact_and_magnitudes([] { return seq_model().ptr(); }, run_sequential,
+                                    testing::weights_of(*seq_model()), x, testing::mse_gradient(y));
 
   PipelineOptions o;
   o.balance = c.balance;
@@ -70,7 +70,7 @@ TEST_P(PipelineTransparency, OutputsAndGradientsEqualTheWholeModel) {
   o.chunks = c.chunks;
   o.schedule = c.schedule;
   o.checkpoint = c.checkpoint;
-  Pipeline pipe(make_model(), o);
+  Pipeline pipe(seq_model(), o);
   {
     torch::NoGradGuard g;
     EXPECT_TRUE(testing::within_rounding(pipe.forward(x), exact.output, exact.output_magnitude, k));
@@ -125,7 +125,7 @@ TEST(Pipeline, StageThreadsPersistAcrossSteps) {
       seen[static_cast<size_t>(step)].insert(std::this_thread::get_id());
       return t;
     });
-    auto model = make_model();
+    auto model = seq_model();
     model->push_back(spy);  // 6 layers
     PipelineOptions o;
     o.balance = schedule == PipelineSchedule::kInterleaved1F1B ? std::vector<int>{1, 2, 2, 1}
@@ -153,11 +153,11 @@ TEST(Pipeline, InterleavedNeedsItsScheduleAndWholeRounds) {
   o.balance = {1, 1, 1, 2};
   o.devices = {at::kCPU, at::kCPU};
   o.stages_per_device = 2;
-  EXPECT_THROW(Pipeline(make_model(), o), UsageError);  // GPipe with 2 stages per device
+  EXPECT_THROW(Pipeline(seq_model(), o), UsageError);  // GPipe with 2 stages per device
   o.schedule = PipelineSchedule::kInterleaved1F1B;
   o.chunks = 3;  // not a multiple of 2 devices
   try {
-    Pipeline pipe(make_model(), o);
+    Pipeline pipe(seq_model(), o);
     FAIL() << "expected an error";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("use a multiple of 2"), std::string::npos) << e.what();
@@ -170,16 +170,16 @@ TEST(Pipeline, InterleavedNeedsItsScheduleAndWholeRounds) {
 TEST(Pipeline, InterleavedShortBatchRunsFillDrain) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
   auto x = at::randn({3, 8}, gen), y = at::randn({3, 4}, gen);
-  auto exact = testing::exact_and_magnitudes([] { return make_model().ptr(); }, run_sequential,
-                                             testing::weights_of(*make_model()), x,
-                                             testing::mse_gradient(y));
+  auto exact =
+      testing::exact_and_magnitudes([] { return seq_model().ptr(); }, run_sequential,
+                                    testing::weights_of(*seq_model()), x, testing::mse_gradient(y));
   PipelineOptions o;
   o.balance = {1, 1, 1, 2};
   o.devices = {at::kCPU, at::kCPU};
   o.stages_per_device = 2;
   o.schedule = PipelineSchedule::kInterleaved1F1B;
   o.chunks = 4;
-  Pipeline pipe(make_model(), o);
+  Pipeline pipe(seq_model(), o);
   pipe.train_step(x, y, mse);
   std::vector<at::Tensor> got;
   for (auto& st : pipe.stages()) {
@@ -197,7 +197,7 @@ TEST(Pipeline, CheckpointedForwardRecordsNoGraph) {
   o.devices = {at::kCPU, at::kCPU};
   o.chunks = 2;
   o.checkpoint = PipelineCheckpoint::kAlways;
-  Pipeline pipe(make_model(), o);
+  Pipeline pipe(seq_model(), o);
   std::vector<bool> had_graph;
   auto probe = [&](const at::Tensor& out, const at::Tensor& y) {
     had_graph.push_back(out.requires_grad());
@@ -214,17 +214,17 @@ TEST(Pipeline, CheckpointedForwardRecordsNoGraph) {
 TEST(Pipeline, PlacedByMemoryAndStillTheModel) {
   // Layer bytes: Linear(8,16) 576, ReLU 0, Linear(16,16) 1088, ReLU 0, Linear(16,4) 272.
   std::string report;
-  auto o = place_by_memory(make_model(), {{"cpu", 1700}, {"cpu", 1700}}, &report);
+  auto o = place_by_memory(seq_model(), {{"cpu", 1700}, {"cpu", 1700}}, &report);
   EXPECT_EQ(o.balance, (std::vector<int>{4, 1}));
   ASSERT_EQ(o.devices.size(), 2u);
   EXPECT_EQ(report,
             "cpu: layers 0-3, 1664 B, 416 parameters\ncpu: layer 4, 272 B, 68 parameters\n");
   auto x = at::randn({6, 8});
-  Pipeline pipe(make_model(), o);
+  Pipeline pipe(seq_model(), o);
   torch::NoGradGuard g;
   // One micro-batch: the same kernels on the same batch as the model itself.
-  EXPECT_TRUE(at::equal(pipe.forward(x), make_model()->forward(x)));
-  EXPECT_THROW(place_by_memory(make_model(), {{"cpu", 1000}}), UsageError);
+  EXPECT_TRUE(at::equal(pipe.forward(x), seq_model()->forward(x)));
+  EXPECT_THROW(place_by_memory(seq_model(), {{"cpu", 1000}}), UsageError);
 }
 
 // A model with one heavy layer: profiling finds it (by a wide margin: ~1000x the work of the
@@ -264,7 +264,7 @@ TEST(Pipeline, SplitSizeSetsTheMicrobatchCount) {
   o.balance = {2, 3};
   o.devices = {at::kCPU, at::kCPU};
   o.split_size = 4;  // batch 10 -> 3 micro-batches of 4, 3, 3
-  Pipeline pipe(make_model(), o);
+  Pipeline pipe(seq_model(), o);
   std::vector<int64_t> sizes;
   pipe.train_step(at::randn({10, 8}), at::randn({10, 4}),
                   [&](const at::Tensor& out, const at::Tensor& y) {
@@ -304,10 +304,10 @@ TEST(Pipeline, BadBalanceIsRefused) {
   PipelineOptions o;
   o.balance = {2, 2};
   o.devices = {at::kCPU, at::kCPU};
-  EXPECT_THROW(Pipeline(make_model(), o), UsageError);  // 4 of 5 layers
+  EXPECT_THROW(Pipeline(seq_model(), o), UsageError);  // 4 of 5 layers
   o.balance = {2, 3};
   o.devices = {at::kCPU};
-  EXPECT_THROW(Pipeline(make_model(), o), UsageError);
+  EXPECT_THROW(Pipeline(seq_model(), o), UsageError);
 }
 
 }  // namespace

@@ -14,17 +14,12 @@
 
 #include "scaletrain/error.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 
 namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path = fs::temp_directory_path() / ("scaletrain_tb_" + std::to_string(getpid()));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 TEST(Crc32c, KnownValues) {
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);  // the check value of CRC-32C
@@ -111,7 +106,7 @@ std::string slurp(const fs::path& p) {
 }
 
 TEST(EventWriter, WritesTheRecordsTensorBoardExpects) {
-  TempDir dir;
+  testing::TempDir dir("tb");
   fs::path path;
   {
     EventWriter w(dir.path / "run");
@@ -140,7 +135,7 @@ TEST(EventWriter, WritesTheRecordsTensorBoardExpects) {
 }
 
 TEST(EventWriter, ACorruptByteIsCaughtByTheChecksum) {
-  TempDir dir;
+  testing::TempDir dir("tb");
   fs::path path;
   {
     EventWriter w(dir.path);
@@ -155,7 +150,7 @@ TEST(EventWriter, ACorruptByteIsCaughtByTheChecksum) {
 }
 
 TEST(EventWriter, AnUnwritableFolderIsNamed) {
-  TempDir dir;
+  testing::TempDir dir("tb");
   std::ofstream(dir.path / "file") << "x";
   try {
     EventWriter w(dir.path / "file" / "logs");
@@ -173,7 +168,7 @@ TEST(EventWriter, TensorBoardReadsItBack) {
   ASSERT_EQ(have.exit_code, 0) << "the project's Python environment lacks TensorBoard; run "
                                   "scripts/setup.sh (scripts/requirements-tools.txt): "
                                << have.output;
-  TempDir dir;
+  testing::TempDir dir("tb");
   {
     EventWriter w(dir.path);
     for (int step = 1; step <= 5; ++step) {

@@ -23,6 +23,7 @@
 #include "scaletrain/tokens.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 #include "train/strategy.h"
 #include "zoo_models.h"
 
@@ -33,15 +34,7 @@ namespace fs = std::filesystem;
 using testing::cli_path;
 using testing::run_command;
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / ("scaletrain_" + name + "_" + std::to_string(getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 std::vector<at::Tensor> params_of(const std::string& checkpoint,
                                   const std::string& model = "lenet") {

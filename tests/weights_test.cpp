@@ -14,6 +14,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "support/subprocess.h"
+#include "support/temp_dir.h"
 #include "support/tolerance.h"
 #include "support/zoo.h"
 #include "zoo_models.h"
@@ -22,12 +23,6 @@ namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempDir {
-  fs::path path = fs::temp_directory_path() / ("scaletrain_weights_" + std::to_string(getpid()));
-  TempDir() { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 std::string python() { return std::string(VENV_DIR) + "/bin/python"; }
 
@@ -65,7 +60,7 @@ Model warmed(const std::string& name, uint64_t seed) {
 }
 
 TEST(Weights, RoundTripKeepsEveryParameterAndBuffer) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   Model a = warmed("resnet18", 1), b = warmed("resnet18", 2);
   save_weights((dir.path / "w.pt").string(), *a.module);
   load_weights((dir.path / "w.pt").string(), *b.module);
@@ -75,7 +70,7 @@ TEST(Weights, RoundTripKeepsEveryParameterAndBuffer) {
 }
 
 TEST(Weights, AnotherModelsWeightsAreRefusedByName) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   Model lenet = make_model("lenet"), mlp = make_model("mlp");
   save_weights((dir.path / "w.pt").string(), *lenet.module);
   const auto before = mlp.module->parameters()[0].clone();
@@ -118,7 +113,7 @@ void expect_exact_outputs(const Model& m, const at::Tensor& x,
 }
 
 TEST_P(PythonInterop, PythonLoadsOurWeightsAndGetsOurOutputs) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   Model m = warmed(model(), 3);
   auto x = at::randn({4, 1, 28, 28});
   at::Tensor y;
@@ -138,7 +133,7 @@ TEST_P(PythonInterop, PythonLoadsOurWeightsAndGetsOurOutputs) {
 }
 
 TEST_P(PythonInterop, WeLoadPythonsWeightsAndGetItsOutputs) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   auto r = testing::run_command(python() + " " + testing::script_path("interop.py") + " make " +
                                 model() + " " + (dir.path / file()).string() + " " +
                                 (dir.path / "io.pt").string() + " 2>&1");
@@ -162,7 +157,7 @@ INSTANTIATE_TEST_SUITE_P(Models, PythonInterop,
 // A bare model.state_dict() is an OrderedDict, which LibTorch's unpickler cannot rebuild: the
 // error says how to save instead.
 TEST(Weights, AnOrderedDictGetsAnErrorWithTheFix) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   const std::string w = (dir.path / "ordered.pt").string();
   auto r = testing::run_command(
       python() + " -c 'import torch; torch.save(torch.nn.Linear(2, 3).state_dict(), \"" + w +
@@ -180,7 +175,7 @@ TEST(Weights, AnOrderedDictGetsAnErrorWithTheFix) {
 }
 
 TEST(Weights, SafetensorsRoundTripAndCorruption) {
-  TempDir dir;
+  testing::TempDir dir("weights");
   Model a = warmed("lenet", 1), b = warmed("lenet", 2);
   const std::string w = (dir.path / "w.safetensors").string();
   save_weights(w, *a.module);

@@ -431,14 +431,14 @@ TEST(ZeroMemory, ModelStatePerRankFollowsTheZeroFormulas) {
 
 // ---- Checkpoints ---------------------------------------------------------------------------
 
-struct TempDir {
-  TempDir() {
+struct CheckpointDir {
+  CheckpointDir() {
     static int count = 0;
     dir = std::filesystem::temp_directory_path() /
           ("scaletrain_zero_" + std::to_string(getpid()) + "_" + std::to_string(count++));
     std::filesystem::remove_all(dir);
   }
-  ~TempDir() { std::filesystem::remove_all(dir); }
+  ~CheckpointDir() { std::filesystem::remove_all(dir); }
   std::string path() const { return dir.string(); }
   std::filesystem::path dir;
 };
@@ -489,7 +489,7 @@ std::vector<at::Tensor> train_zero(int world, int from, int steps, const std::st
 }
 
 TEST(ZeroCheckpoint, SavedAtFourLoadsAtTwoAndAtOneAndGoesOnAsIfNeverStopped) {
-  TempDir dir;
+  CheckpointDir dir;
   const auto straight = train_zero(4, 0, 4, "", "");
   train_zero(4, 0, 2, "", dir.path());
   for (int world : {4, 2, 1}) {
@@ -508,7 +508,7 @@ TEST(ZeroCheckpoint, SavedAtFourLoadsAtTwoAndAtOneAndGoesOnAsIfNeverStopped) {
 }
 
 TEST(ZeroCheckpoint, StagesShareOneFormat) {
-  TempDir dir;
+  CheckpointDir dir;
   const auto straight = train_zero(2, 0, 4, "", "", 1);
   train_zero(2, 0, 2, "", dir.path(), 1);  // saved by stage 1, loaded by stage 3
   const auto resumed = train_zero(2, 2, 2, dir.path(), "", 3);
@@ -518,7 +518,7 @@ TEST(ZeroCheckpoint, StagesShareOneFormat) {
 }
 
 TEST(ZeroCheckpoint, LoadErrorsNameTheWorldTheFileAndTheParameter) {
-  TempDir dir;
+  CheckpointDir dir;
   train_zero(2, 0, 1, "", dir.path());
   auto errors = run_ranks(1, [&](Dist& d) {
     auto chain = make_chain(0);
@@ -784,7 +784,7 @@ TEST(ZeroMixedPrecision, MastersLoadedIntoTheModuleReachTheShardsLosslessly) {
 }
 
 TEST(ZeroMixedPrecision, SavedAndLoadedGoesOnAsIfNeverStopped) {
-  TempDir dir;
+  CheckpointDir dir;
   for (int stage : {1, 2, 3}) {
     const auto straight = train_zero(2, 0, 4, "", "", stage, at::kBFloat16);
     train_zero(2, 0, 2, "", dir.path(), stage, at::kBFloat16);

@@ -21,10 +21,6 @@
 namespace scaletrain::bench {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 int64_t max_bytes(bool quick) { return quick ? (16 << 20) : (256 << 20); }
 
 double memcpy_gbps(int64_t bytes, int repeats) {

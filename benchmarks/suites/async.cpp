@@ -15,10 +15,6 @@
 namespace scaletrain::bench {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 void sync(const at::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize(d.index());
 }

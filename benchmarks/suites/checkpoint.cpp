@@ -17,10 +17,6 @@
 namespace scaletrain::bench {
 namespace {
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 TrainingState state_of(int64_t step) {
   TrainingState s;
   s.run_id = "bench";

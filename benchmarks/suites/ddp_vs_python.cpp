@@ -163,12 +163,6 @@ std::map<std::string, double> read_phases(const std::string& csv) {
   return out;
 }
 
-std::string fixed(double v, int digits = 2) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
-  return buf;
-}
-
 }  // namespace
 
 SuiteResult run_ddp_vs_python(const SuiteOptions& o) {

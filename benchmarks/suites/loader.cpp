@@ -22,10 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 }  // namespace
 
 SuiteResult run_loader(const SuiteOptions& o) {
@@ -59,7 +55,7 @@ SuiteResult run_loader(const SuiteOptions& o) {
     auto t0 = Clock::now();
     int64_t seen = 0;
     while (auto b = loader.next()) seen += b->targets.size(0);
-    return static_cast<double>(seen) / since(t0);
+    return static_cast<double>(seen) / seconds_since(t0);
   };
   for (int rep = 0; rep < o.repeats; ++rep) {
     inline_loader.values.push_back(drain(0));
@@ -77,7 +73,7 @@ SuiteResult run_loader(const SuiteOptions& o) {
       opt.step();
       seen += b->targets.size(0);
     }
-    training.values.push_back(static_cast<double>(seen) / since(t0));
+    training.values.push_back(static_cast<double>(seen) / seconds_since(t0));
   }
   r.samples = {inline_loader, threaded, training};
   const double ratio = stats(threaded.values).mean / stats(training.values).mean;

@@ -30,10 +30,6 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 pid_t spawn(const std::string& command) {
   const pid_t pid = fork();
   if (pid == 0) {
@@ -103,13 +99,13 @@ Job run_kill_loop(const std::vector<std::string>& commands, double every, const 
       }
       pick = pick * 6364136223846793005ULL + 1442695040888963407ULL;
       const pid_t victim = find_worker(needle, -1, pick >> 33);
-      if (since(t0) > kill_for) break;
+      if (seconds_since(t0) > kill_for) break;
       if (!done && victim > 0 && kill(victim, SIGKILL) == 0) ++job.kills;
     }
   });
   int failed = 0;
   for (pid_t p : pids) failed += wait_for_exit(p) != 0;
-  job.seconds = since(t0);
+  job.seconds = seconds_since(t0);
   done = true;
   killer.join();
   if (failed > 0) throw Error("resilience: a job under the kill loop failed (logs: work folder)");
@@ -141,12 +137,12 @@ Job run_job(const std::vector<std::string>& commands, int64_t kill_at, const fs:
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       const pid_t victim = find_worker(needle, rank);
-      if (!done && victim > 0 && kill(victim, SIGKILL) == 0) job.killed_at = since(t0);
+      if (!done && victim > 0 && kill(victim, SIGKILL) == 0) job.killed_at = seconds_since(t0);
     });
   }
   int failed = 0;
   for (pid_t p : pids) failed += wait_for_exit(p) != 0;
-  job.seconds = since(t0);
+  job.seconds = seconds_since(t0);
   done = true;
   if (killer.joinable()) killer.join();
   if (failed > 0) throw Error("resilience: a job failed; its logs are under the work folder");

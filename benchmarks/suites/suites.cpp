@@ -1,3 +1,6 @@
+#include <sys/resource.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -47,6 +50,22 @@ PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name) {
                 "SCALETRAIN_SOURCE_DIR)");
   }
   return peer;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int64_t peak_rss() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
 }
 
 std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args) {

@@ -3,6 +3,8 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include <chrono>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -36,6 +38,13 @@ struct PythonPeer {
   std::string python, script;
 };
 PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name);
+
+/// Seconds on the steady clock since `t0`.
+double seconds_since(std::chrono::steady_clock::time_point t0);
+/// This process's peak resident memory so far, in bytes (getrusage).
+int64_t peak_rss();
+/// `v` printed with `digits` digits after the point.
+std::string fixed(double v, int digits = 2);
 
 /// `--key value` pairs of a worker's arguments.
 std::map<std::string, std::string> parse_kv(const std::vector<std::string>& args);

@@ -24,7 +24,6 @@
 // both alike.
 
 #include <ATen/ATen.h>
-#include <sys/resource.h>
 #include <torch/nn/modules/container/sequential.h>  // models/gpt.h uses it without including it
 #include <torch/optim/adamw.h>
 
@@ -77,12 +76,6 @@ std::vector<std::string> size_args(const RunSize& s) {
           "--vocab",  std::to_string(c.vocab_size), "--batch-size", std::to_string(s.batch),
           "--steps",  std::to_string(s.steps),      "--warmup",     std::to_string(s.warmup),
           "--chunks", std::to_string(s.chunks)};
-}
-
-int64_t peak_rss() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
 }
 
 // Rank 0 writes what the Python peer writes: `step,s` per timed step, `rss,rank,bytes` per rank,
@@ -278,12 +271,6 @@ const std::vector<Config> kConfigs = {{"ddp", "DDP, 2 ranks", 2},
                                       {"fsdp", "FSDP, 4 ranks (FSDP2 on the Python side)", 4},
                                       {"fsdp-tp", "FSDP x TP, dp 2 x tp 2", 4},
                                       {"pp-tp", "pipeline x TP, pp 2 x tp 2 (1F1B)", 4}};
-
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
-  return buf;
-}
 
 std::string rss_cell(const std::vector<Launch>& launches) {
   std::string s;

@@ -9,7 +9,6 @@
 // is compared with the same stage in fp32 (a change of precision, not a framework ratio).
 
 #include <ATen/ATen.h>
-#include <sys/resource.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 
@@ -27,12 +26,6 @@
 
 namespace scaletrain::bench {
 namespace {
-
-int64_t peak_rss() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
-}
 
 const std::vector<std::string> kModes = {"ddp", "1", "2", "3", "1m", "2m", "3m"};
 bool mixed(const std::string& m) { return m.back() == 'm'; }

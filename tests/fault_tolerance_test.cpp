@@ -494,7 +494,13 @@ TEST(FaultTolerantJob, KillLoopEndsWithEqualReplicasAsAccurateAsNoKill) {
   auto r = ft_job(killed.path, "KILL");
   expect_a_clean_end(r, killed.path);
   EXPECT_NE(r.output.find("punisher: SIGKILL"), std::string::npos) << r.output;
-  EXPECT_TRUE(std::regex_search(r.output, std::regex("lighthouse: .*: replica [01]; [01] left")))
+  // The lighthouse saw a replica go: it left a quorum, or (regression
+  // KillLoopLandedBeforeTheReplicaFirstJoined: on a loaded machine every kill may come while the
+  // replica is still starting) it joined only after the other had trained alone.
+  EXPECT_TRUE(
+      std::regex_search(r.output, std::regex("lighthouse: .*: replica [01]; [01] left")) ||
+      std::regex_search(r.output, std::regex("lighthouse: .*: quorum 2 at step [1-9][0-9]*: "
+                                             "replicas 0, 1; [01] \\(at step [0-9]+\\) takes")))
       << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("[01] \\(at step [0-9]+\\) takes the state")))
       << r.output;

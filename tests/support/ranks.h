@@ -1,6 +1,9 @@
 #pragma once
 // Runs N ranks as threads of one test process, each with its own process group over a fresh
-// loopback port (gloo's own tests work this way). Exceptions are collected per rank.
+// loopback port (gloo's own tests work this way). Exceptions are collected per rank. The ranks
+// share the process's cores, one intra-op thread each; the process gets its own count back after,
+// so that a test that follows in the same process (a suite runs in one) computes as it would
+// alone.
 
 #include <ATen/Parallel.h>
 
@@ -19,7 +22,11 @@ inline std::vector<std::string> run_ranks(
     int n, const std::function<void(Dist&)>& body,
     std::chrono::milliseconds timeout = std::chrono::seconds(30),
     const std::string& backend = "gloo") {
-  at::set_num_threads(1);
+  struct Threads {
+    int before = at::get_num_threads();
+    Threads() { at::set_num_threads(1); }
+    ~Threads() { at::set_num_threads(before); }
+  } threads_per_rank;
   const int port = free_port();
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;

@@ -25,11 +25,10 @@ build: configure
 run: build
 	$(BUILD)/scaletrain train --out runs/lenet
 
-# Every test, then the numeric ones again under each CPU dispatch level below this machine's own
-# (scripts/test-isa.sh; Note [Tolerances] in tests/support/tolerance.h).
+# Every test, the numeric ones also under each CPU dispatch level below this machine's own (the
+# `isa-<level>/` entries: tests/numeric_tests.txt, Note [Tolerances] in tests/support/tolerance.h).
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
-	scripts/test-isa.sh --below-native $(BUILD)
 
 # The numeric tests under every CPU dispatch level this machine offers (default, avx2, avx512).
 test-isa: build

@@ -18,8 +18,11 @@ int main(int argc, char** argv) {
   app.set_version_flag(
       "--version",
       [] {
+        // Where the CUDA half is not loaded, why (Note [CUDA half on demand]).
+        const std::string cuda =
+            torch_cuda_status() == "loaded" ? ", CUDA" : ", CUDA " + torch_cuda_status();
         return "scaletrain " + version() + " (LibTorch " + libtorch_version() +
-               (built_with_cuda() ? ", CUDA" : ", CPU only") + ")";
+               (built_with_cuda() ? cuda : ", CPU only") + ")";
       },
       cli::kVersionDescription);
   cli::Action action;

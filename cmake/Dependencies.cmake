@@ -32,6 +32,18 @@ if(TARGET torch_cuda OR EXISTS "${TORCH_INSTALL_PREFIX}/lib/libtorch_cuda.so")
 endif()
 message(STATUS "scaletrain: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUDA: ${SCALETRAIN_HAVE_CUDA}")
 
+# What the library links of LibTorch: its CPU half (every operator), c10 and c10_cuda, but not
+# libtorch_cuda, which it loads at start where a CUDA driver exists (Note [CUDA half on demand],
+# src/runtime/torch_cuda.cpp). A LibTorch without these targets: all of it, as before.
+if(TARGET torch_cpu_library AND TARGET c10)
+  set(SCALETRAIN_TORCH_LINK torch_cpu_library c10)
+  if(SCALETRAIN_HAVE_CUDA AND TARGET c10_cuda)
+    list(APPEND SCALETRAIN_TORCH_LINK c10_cuda)
+  endif()
+else()
+  set(SCALETRAIN_TORCH_LINK ${TORCH_LIBRARIES})
+endif()
+
 # Runtime search path of the library and the tools: LibTorch's own libraries, the CUDA libraries
 # the pip wheels add beside it (nvidia/*/lib), and the CUDA toolkit's. Binaries then run without
 # LD_LIBRARY_PATH, from the build tree and installed.

@@ -1,7 +1,9 @@
 # scaletrain_discover_suites(target
 #     [EACH_TEST suite...]          suites whose tests get a ctest entry each
 #     [RUN_SERIAL pattern...]       tests (regular expressions on Suite.Test) that run alone
-#     [PROPERTIES name value...])   properties of every entry
+#     [PROPERTIES name value...]    properties of every entry
+#     [NUMERIC_FILE file])          entries to run again under each CPU dispatch level below the
+#                                   machine's own ("include REGEX" / "exclude REGEX" lines)
 #
 # Registers a GoogleTest program with CTest by suite: every suite is one entry, `Suite.*`, that
 # runs the suite's tests in one process (`--gtest_filter=Suite.*`). A process that includes
@@ -15,16 +17,22 @@
 # The list comes from the built program (--gtest_list_tests), after each build, as CMake's own
 # gtest_discover_tests does: a new test or suite is run without a line here. A batch that selects
 # no test fails rather than passing empty.
+#
+# The entries NUMERIC_FILE selects are written again as `isa-<level>/<entry>`, for each CPU
+# dispatch level below the machine's own (`default`, and `avx2` on an AVX-512 machine), with
+# ATen, oneDNN and MKL capped at that level (Note [Tolerances] in tests/support/tolerance.h): one
+# `ctest` then runs them beside the others, and two cores stay busy to its end.
 function(scaletrain_discover_suites target)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "EACH_TEST;RUN_SERIAL;PROPERTIES")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "NUMERIC_FILE" "EACH_TEST;RUN_SERIAL;PROPERTIES")
   set(base "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites")
   # The arguments travel in a file: suite names and patterns keep their characters.
   # (file(CONFIGURE) writes only a change: the program is linked and listed again after one.)
   set(script "${PROJECT_SOURCE_DIR}/cmake/GTestSuitesDiscover.cmake")
   file(CONFIGURE OUTPUT "${base}_arguments.cmake" CONTENT
     "set(each_test [==[${arg_EACH_TEST}]==])\nset(run_serial [==[${arg_RUN_SERIAL}]==])
-set(properties [==[${arg_PROPERTIES}]==])\n")
-  set_property(TARGET ${target} APPEND PROPERTY LINK_DEPENDS "${base}_arguments.cmake" "${script}")
+set(properties [==[${arg_PROPERTIES}]==])\nset(numeric_file [==[${arg_NUMERIC_FILE}]==])\n")
+  set_property(TARGET ${target} APPEND PROPERTY LINK_DEPENDS "${base}_arguments.cmake" "${script}"
+    ${arg_NUMERIC_FILE})
   add_custom_command(TARGET ${target} POST_BUILD
     COMMAND "${CMAKE_COMMAND}" "-DPROGRAM=$<TARGET_FILE:${target}>" "-DBASE=${base}"
       -P "${script}"

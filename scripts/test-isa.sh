@@ -21,14 +21,9 @@ has avx2 && has fma && levels+=(avx2)
 has avx512f && has avx512bw && has avx512vl && has avx512dq && levels+=(avx512)
 ((below_native)) && unset 'levels[-1]'
 
-# The suites whose tests compare floats (and not the trainer's tests of errors and signals).
-numeric='^(Models|Kernels|Devices/DataParallel|DataParallel|Sizes/DDPWorlds|DDP\.|Cases/Pipeline|Pipeline|Cases/DistPipeline|DistPipeline|Data\.|ImageFolder|Models/PythonInterop|GradScaler|Autocast|Train\.|Strategies/ExactResume|Strategies/StrategyTransparency|BatchNormSemantics|Blocks|Worlds/ZeroTransparency|Zero\.|ZeroCheckpoint|ZeroAccumulation|ZeroMixedPrecision|TensorParallel|Degrees/TensorParallelOps|Degrees/GptTransparency|Meshes/ThreeDimensions|Gpt\.|TrainTensorParallel|TokenMetrics|ActivationCheckpoint)'
-
-# Not the exact-resume tests either: each compares a killed and resumed run with a straight one
-# of the same flags on the same machine, bit for bit, with no tolerance that another kernel could
-# break (both runs take the same kernels at any level). They run once, at the machine's own level,
-# and so at AVX2 on an AVX2 machine and at AVX-512 on another; here they were 45% of the sweep.
-not_numeric='(_CUDA$|^Train\.(Timeout|Interrupted|Uneven|Reused|Restart|NonFinite)|^Strategies/ExactResume\.)'
+# The numeric entries and those left out of them: tests/numeric_tests.txt.
+numeric=$(sed -n 's/^include //p' tests/numeric_tests.txt)
+not_numeric=$(sed -n 's/^exclude //p' tests/numeric_tests.txt)
 
 declare -A onednn=([default]=SSE41 [avx2]=AVX2 [avx512]=AVX512_CORE)
 declare -A mkl=([default]=SSE4_2 [avx2]=AVX2 [avx512]=AVX512)

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
@@ -625,6 +626,16 @@ struct BadInput {
   std::string args;
   std::string message;
 };
+
+// The flags and the program's file name, spaces as '_': CTest names each case by it, the same in
+// every build (a struct without a printer is named by its bytes, addresses included).
+void PrintTo(const BadInput& b, std::ostream* os) {
+  const auto at = b.args.find(" -- ");
+  std::string name = b.args.substr(0, at);
+  if (at != std::string::npos) name += " -- " + fs::path(b.args.substr(at + 4)).filename().string();
+  std::replace(name.begin(), name.end(), ' ', '_');
+  *os << name;
+}
 
 class LaunchBadInput : public ::testing::TestWithParam<BadInput> {};
 

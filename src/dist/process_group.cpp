@@ -6,9 +6,6 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef SCALETRAIN_WITH_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -17,6 +14,7 @@
 #include <thread>
 
 #include "dist/heartbeat.h"
+#include "dist/nccl_module.h"
 #include "dist/text.h"
 #include "launch/net.h"
 #include "scaletrain/dist.h"
@@ -294,9 +292,10 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
                   ": backend 'nccl' needs a CUDA GPU and none is visible; use backend 'gloo' "
                   "(or 'auto') on CPU");
     }
-    auto opts = c10d::ProcessGroupNCCL::Options::create();
-    opts->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    std::string why;
+    c10d::Backend* nccl = nccl_factory()(store.get(), rank, size, timeout.count(), &why);
+    if (nccl == nullptr) throw Error("rank " + std::to_string(w.rank) + ": backend 'nccl': " + why);
+    return c10::intrusive_ptr<c10d::Backend>::reclaim(nccl);
 #else
     throw Error("backend 'nccl' is not available: this scaletrain was built without CUDA");
 #endif

@@ -36,8 +36,9 @@
 // average off by 0.05% fails them), loose on deep ones, where Σ|terms| dwarfs the result (on
 // the random-weight ResNet-18 of the interop test an output 10% off fails, 1% passes). That is
 // the price of a tolerance that no summation order on any core can break; a wrong weight, a
-// missing term or a dropped micro-batch is still far outside it. `make test-isa`
-// (scripts/test-isa.sh) runs these tests under every CPU dispatch level the machine has.
+// missing term or a dropped micro-batch is still far outside it. `make test` runs these tests
+// again under each CPU dispatch level below the machine's own (the `isa-<level>/` entries,
+// tests/numeric_tests.txt), and `make test-isa` (scripts/test-isa.sh) under every level it has.
 
 #include <ATen/core/Tensor.h>
 #include <gtest/gtest.h>

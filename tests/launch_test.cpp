@@ -639,6 +639,14 @@ void PrintTo(const BadInput& b, std::ostream* os) {
 
 class LaunchBadInput : public ::testing::TestWithParam<BadInput> {};
 
+// Regression (LaunchBadInputNamedByItsBytes): the cases were named by their parameter's bytes,
+// addresses included, and CTest saw new names after every build.
+TEST(LaunchBadInput, CasesAreNamedByTheirFlagsNotTheirBytes) {
+  EXPECT_EQ(::testing::PrintToString(BadInput{"--nnodes x -- /any/where/pid_and_sleep.sh", "m"}),
+            "--nnodes_x_--_pid_and_sleep.sh");
+  EXPECT_EQ(::testing::PrintToString(BadInput{"--frobnicate", "m"}), "--frobnicate");
+}
+
 TEST_P(LaunchBadInput, ExitsWithStatus2AndStartsNothing) {
   auto pids = temp_dir("bad");
   auto r = run_command("PID_DIR=" + pids.string() + " " + cli_path() + " run " + GetParam().args);

@@ -13,6 +13,12 @@ int main(int argc, char** argv) {
   set_log_sink([console = console_log_sink()](LogLevel level, const std::string& line) {
     console(level, cli::in_flag_names(line));
   });
+  // A GPU machine whose LibTorch CUDA half would not load (Note [CUDA half on demand]): say so
+  // rather than train on the CPU without a word.
+  if (torch_cuda_status().rfind("failed", 0) == 0) {
+    log_line(LogLevel::kWarning,
+             "LibTorch's CUDA half " + torch_cuda_status() + ": no GPU can be used");
+  }
   CLI::App app;
   cli::configure_app(app);
   app.set_version_flag(

@@ -2,6 +2,7 @@
 // process loads libtorch_cuda where a CUDA driver exists, and otherwise starts without it.
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -42,7 +43,12 @@ std::string this_program() {
 TEST(TorchCudaHalf, ReportWhatThisProcessLoaded) {
   std::cout << "status: " << torch_cuda_status() << "\n"
             << "mapped: " << cuda_half_mapped() << "\n"
-            << "cuda kernels: " << add_has_a_cuda_kernel() << "\n";
+            << "cuda kernels: " << add_has_a_cuda_kernel()
+            << "\n"
+            // LibTorch settles its CUDA hooks once: asked before the CUDA half came, they stay
+            // without CUDA for good.
+            << "cuda hooks: " << at::detail::getCUDAHooks().hasCUDART() << "\n"
+            << "devices: " << cuda_device_count() << "\n";
   if (torch_cuda_status() == "loaded" && cuda_device_count() == 0) {
     // The NCCL module opens, and its factory answers (a group, or why not without a GPU).
     std::string why;
@@ -78,7 +84,8 @@ TEST(TorchCudaHalf, LoadedOnlyWhereACudaDriverExists) {
   // Forced: the CUDA half is there before main, its kernels registered.
   auto forced = testing::run_command("SCALETRAIN_LOAD_TORCH_CUDA=1 " + self + " 2>&1");
   ASSERT_EQ(forced.exit_code, 0) << forced.output;
-  EXPECT_NE(forced.output.find("status: loaded\nmapped: 1\ncuda kernels: 1"), std::string::npos)
+  EXPECT_NE(forced.output.find("status: loaded\nmapped: 1\ncuda kernels: 1\ncuda hooks: 1\n"),
+            std::string::npos)
       << forced.output;
   if (!driver) {
     EXPECT_NE(forced.output.find("nccl module: opened ("), std::string::npos) << forced.output;
@@ -86,8 +93,10 @@ TEST(TorchCudaHalf, LoadedOnlyWhereACudaDriverExists) {
   // Refused: never, driver or not.
   auto off = testing::run_command("SCALETRAIN_LOAD_TORCH_CUDA=0 " + self + " 2>&1");
   ASSERT_EQ(off.exit_code, 0) << off.output;
+  // Regression (GpusCountedWithoutTheCudaHalf): c10_cuda counted the GPUs, and the trainer chose
+  // them, with no CUDA kernel to run on them. Without the CUDA half there are none.
   EXPECT_NE(off.output.find("status: not loaded: SCALETRAIN_LOAD_TORCH_CUDA=0\nmapped: 0\n"
-                            "cuda kernels: 0"),
+                            "cuda kernels: 0\ncuda hooks: 0\ndevices: 0\n"),
             std::string::npos)
       << off.output;
 }

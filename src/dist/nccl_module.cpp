@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "runtime/torch_cuda.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 
@@ -14,13 +15,12 @@ namespace scaletrain {
 
 NcclFactory nccl_factory() {
   static NcclFactory factory = [] {
-    Dl_info self{};
-    if (dladdr(reinterpret_cast<void*>(&nccl_factory), &self) == 0 || self.dli_fname == nullptr) {
+    const std::string folder = scaletrain_library_folder();
+    if (folder.empty()) {
       throw Error(
           "backend 'nccl': cannot find the folder of libscaletrain to open its NCCL module");
     }
-    std::string path = self.dli_fname;
-    path = path.substr(0, path.find_last_of('/') + 1) + "libscaletrain_nccl.so";
+    const std::string path = folder + "/libscaletrain_nccl.so";
     void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
       const char* e = dlerror();

@@ -2,6 +2,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/version.h>
 
+#include "runtime/torch_cuda.h"
 #include "scaletrain/version.h"
 
 #ifdef SCALETRAIN_WITH_CUDA
@@ -23,8 +24,10 @@ bool built_with_cuda() {
 }
 
 int cuda_device_count() {
-  // Asks the CUDA device-guard implementation LibTorch registered, which exists only when
-  // libtorch_cuda is loaded; it reports 0 devices on a machine without a GPU.
+  // No GPU is usable without LibTorch's CUDA half (Note [CUDA half on demand]), although c10_cuda,
+  // always linked, registers the CUDA device guard and would count the GPUs.
+  if (!torch_cuda_loaded()) return 0;
+  // Asks the CUDA device-guard implementation (c10_cuda's); 0 devices on a machine without a GPU.
   if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return 0;
   return static_cast<int>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->deviceCount());
 }
@@ -32,7 +35,8 @@ int cuda_device_count() {
 std::string cuda_device_name(int index) {
 #ifdef SCALETRAIN_WITH_CUDA
   cudaDeviceProp p{};
-  if (index >= 0 && index < cuda_device_count() && cudaGetDeviceProperties(&p, index) == cudaSuccess)
+  if (index >= 0 && index < cuda_device_count() &&
+      cudaGetDeviceProperties(&p, index) == cudaSuccess)
     return p.name;
 #endif
   (void)index;

@@ -27,8 +27,14 @@ run: build
 
 # Every test, the numeric ones also under each CPU dispatch level below this machine's own (the
 # `isa-<level>/` entries: tests/numeric_tests.txt, Note [Tolerances] in tests/support/tolerance.h).
+# JOBS tests run at once, so each one's processes get cores / JOBS threads (at least 1), unless
+# OMP_NUM_THREADS is set: with a full-size pool each, 8 tests at a time ran ~10x slower on a
+# 16-core machine and some timed out (docs/build.md, "Threads per test").
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(JOBS) )); echo $$(( n > 0 ? n : 1 )))
+
 test: build
-	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)} \
+	  ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
 
 # The numeric tests under every CPU dispatch level this machine offers (default, avx2, avx512).
 test-isa: build

@@ -27,14 +27,17 @@ run: build
 
 # Every test, the numeric ones also under each CPU dispatch level below this machine's own (the
 # `isa-<level>/` entries: tests/numeric_tests.txt, Note [Tolerances] in tests/support/tolerance.h).
-# JOBS tests run at once, so each one's processes get cores / JOBS threads (at least 1), unless
-# OMP_NUM_THREADS is set: with a full-size pool each, 8 tests at a time ran ~10x slower on a
-# 16-core machine and some timed out (docs/build.md, "Threads per test").
+# Each entry's processes get cores / JOBS threads (at least 1), unless OMP_NUM_THREADS is set:
+# with a full-size pool each, 8 entries at a time ran ~10x slower on a 16-core machine and some
+# timed out. One entry more than JOBS runs at once, to fill the time the others spend waiting
+# (launches, timeouts, Python's start): 649 s against 792 s on two cores (docs/build.md,
+# "Threads per test"). Two jobs that heal within deadlines count as two (TIMED in tests/).
 TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(JOBS) )); echo $$(( n > 0 ? n : 1 )))
+TEST_JOBS ?= $(shell echo $$(( $(JOBS) + 1 )))
 
 test: build
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)} \
-	  ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) --timeout 600 $(CTEST_FLAGS)
+	  ctest --test-dir $(BUILD) --output-on-failure -j $(TEST_JOBS) --timeout 600 $(CTEST_FLAGS)
 
 # The numeric tests under every CPU dispatch level this machine offers (default, avx2, avx512).
 test-isa: build

@@ -40,16 +40,19 @@ if [ -d .deps/fashion-mnist ] && ! [ -d /usr/share/datasets/fashion-mnist ]; the
   mkdir -p /usr/share/datasets && cp -r .deps/fashion-mnist /usr/share/datasets/ ||
     echo "warning: cannot install Fashion-MNIST into /usr/share/datasets; its tests will skip"
 fi
-jobs=${CTEST_JOBS:-8}  # test entries at once, below
+# The machine's cores (GNU nproc reports OMP_NUM_THREADS instead where it is set), and the test
+# entries run at once, below.
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+jobs=${CTEST_JOBS:-8}
 [[ $jobs =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: CTEST_JOBS=$jobs is not a positive number"; exit 2; }
 gen=(-G Ninja); command -v ninja >/dev/null || gen=()
 # The interop tests use this Python (its torch, safetensors, tensorboard) in place of .venv.
 [ -x "${info[5]}/bin/python" ] || ln -sf "$(command -v "$PY")" "${info[5]}/bin/python" 2>/dev/null || true
 cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
   -DSCALETRAIN_PYTHON_ENV="${info[5]}" "${extra[@]}"
-cmake --build "$BUILD" -j "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
+cmake --build "$BUILD" -j "$cores"
 # Eight tests at a time, each with its share of the cores (a full-size thread pool per test made
 # them ~10x slower on 16 cores, and some timed out).
-threads=$(( $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / jobs )); [ "$threads" -gt 0 ] || threads=1
+threads=$(( cores / jobs )); [ "$threads" -gt 0 ] || threads=1
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads} ctest --test-dir "$BUILD" --output-on-failure -j "$jobs" "$@"
 echo "gpu-check: all tests passed on ${info[3]}"

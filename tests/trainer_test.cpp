@@ -198,17 +198,18 @@ INSTANTIATE_TEST_SUITE_P(
                "--strategy fsdp --checkpoint-format sharded --async-checkpoint"}),
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
-// Coordinated dropout (Note [Coordinated dropout] in src/models/gpt.cpp): a GPT with dropout
-// split over tp 2 processes, with and without sequence parallelism, draws the single process's
-// masks (a tensor-parallel group's ranks share one random stream), so its loss curve is the
-// single process's to float32's rounding; without dropout the curve is another one.
+// Coordinated dropout (Note [Coordinated dropout] in zoo/gpt.cpp): a GPT with dropout split
+// over tp 2 processes, with and without sequence parallelism, draws the single process's masks
+// (a tensor-parallel group's ranks share one random stream), so its loss curve is the single
+// process's to float32's rounding; without dropout the curve is another one. One epoch (6 steps):
+// the runs are a numeric test, repeated at each CPU dispatch level.
 TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
   auto curve = [](int processes, const std::string& flags) {
     TempDir out("tp_dropout");
-    auto r =
-        run_command(cli_path() + " run --nproc-per-node " + std::to_string(processes) +
-                    " --master-port 0 -- " + cli_path() + train_cmd(out.path) +
-                    with_text_data(" --model gpt-tiny --dataset text --data-dir {text} ") + flags);
+    auto r = run_command(
+        cli_path() + " run --nproc-per-node " + std::to_string(processes) + " --master-port 0 -- " +
+        cli_path() + train_cmd(out.path) +
+        with_text_data(" --model gpt-tiny --dataset text --data-dir {text} --epochs 1 ") + flags);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return step_lines(out.path / "metrics.jsonl");
   };

@@ -2,8 +2,8 @@
 # Regression (FullThreadPoolPerTest): `make test` ran JOBS entries at once, and each sized ATen's
 # thread pool to the whole machine: on 16 cores, 8 entries at a time ran ~10x slower than alone
 # and timed out. Each entry now gets cores / JOBS threads, at least one, unless the caller set
-# OMP_NUM_THREADS. Checks what `make test` would run for
-# several JOBS, that a caller's value wins, and that a bad JOBS is refused.
+# OMP_NUM_THREADS. Checks what `make test` would run for several JOBS, that a caller's value
+# wins, and that a bad JOBS is refused.
 # Usage: tests/make_test_threads.sh SOURCE_DIR
 set -euo pipefail
 src=${1:?usage: make_test_threads.sh SOURCE_DIR}

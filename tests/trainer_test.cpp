@@ -8,6 +8,7 @@
 #include <torch/optim/sgd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +25,7 @@
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/tolerance.h"
 #include "train/strategy.h"
 #include "zoo_models.h"
 
@@ -79,8 +81,7 @@ std::map<std::string, std::string> contents_of(const fs::path& dir) {
 // EXPECT_EQ would print).
 ::testing::AssertionResult same_bytes(const std::string& a, const std::string& b) {
   if (a == b) return ::testing::AssertionSuccess();
-  size_t at = 0;
-  while (at < a.size() && at < b.size() && a[at] == b[at]) ++at;
+  const auto at = std::mismatch(a.begin(), a.end(), b.begin(), b.end()).first - a.begin();
   return ::testing::AssertionFailure() << "the files differ from byte " << at << " on (sizes "
                                        << a.size() << " and " << b.size() << ")";
 }
@@ -134,9 +135,7 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
     auto y = params_of((killed.path / "ckpt-12.st").string(), GetParam().model);
     ASSERT_EQ(x.size(), y.size());
     for (size_t i = 0; i < x.size(); ++i) {
-      EXPECT_TRUE(at::equal(x[i], y[i])) << "parameter " << i << ", largest difference "
-                                         << (x[i] - y[i]).abs().max().item<double>()
-                                         << " in values up to " << x[i].abs().max().item<double>();
+      EXPECT_TRUE(testing::bit_for_bit(y[i], x[i])) << "parameter " << i;
     }
   }
   // The resumed run's loss curve is the straight run's: the killed attempt's lines past the

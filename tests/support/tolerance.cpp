@@ -81,6 +81,17 @@ double gamma(double terms, at::ScalarType dtype) { return gamma_of(terms, unit_r
   return ::testing::AssertionFailure() << s.str();
 }
 
+::testing::AssertionResult bit_for_bit(const at::Tensor& got, const at::Tensor& want) {
+  if (at::equal(got, want)) return ::testing::AssertionSuccess();
+  if (got.sizes() != want.sizes()) {
+    return ::testing::AssertionFailure() << "shape " << got.sizes() << " against " << want.sizes();
+  }
+  const auto g = got.detach().to(at::kDouble), w = want.detach().to(at::kDouble);
+  return ::testing::AssertionFailure()
+         << "largest difference " << (g - w).abs().max().item<double>() << " in values up to "
+         << w.abs().max().item<double>();
+}
+
 ::testing::AssertionResult within_rounding(const at::Tensor& got, double exact, double magnitude,
                                            double terms, at::ScalarType dtype) {
   return within_rounding(got, at::scalar_tensor(exact, at::kDouble),

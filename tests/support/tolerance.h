@@ -69,6 +69,11 @@ double gamma(double terms, at::ScalarType dtype = at::kFloat);
                                            const at::Tensor& magnitude, double terms,
                                            at::ScalarType dtype = at::kFloat, double absolute = 0);
 
+/// `got` equal to `want` bit for bit (at::equal). On failure, says which differs, the shapes or
+/// the largest difference against the largest value, so that rounding tells itself apart from
+/// another computation.
+::testing::AssertionResult bit_for_bit(const at::Tensor& got, const at::Tensor& want);
+
 /// The same bound with one magnitude for every element.
 ::testing::AssertionResult within_rounding(const at::Tensor& got, double exact, double magnitude,
                                            double terms, at::ScalarType dtype = at::kFloat);

@@ -9,12 +9,14 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/functional.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 
 #include <mutex>
 #include <set>
 #include <thread>
 
+#include "pipeline/split_backward.h"
 #include "scaletrain/error.h"
 #include "scaletrain/intra_op_threads.h"
 #include "support/tolerance.h"
@@ -308,6 +310,68 @@ TEST(Pipeline, BadBalanceIsRefused) {
   o.balance = {2, 3};
   o.devices = {at::kCPU};
   EXPECT_THROW(Pipeline(seq_model(), o), UsageError);
+}
+
+// Note [Split backward]: I then W give one whole backward's gradients, the same operations on
+// the same values, so bit for bit; with layers without weights after a weighted one in a piece
+// (a Tanh, a frozen Linear, a dropout; an in-place ReLU), a stage's input with and without a
+// gradient. And what those layers saved is freed at I, not kept until W.
+TEST(SplitBackward, InputThenWeightGradientsAreOneWholeBackward) {
+  c10::weak_intrusive_ptr<c10::StorageImpl> tanh_output{c10::intrusive_ptr<c10::StorageImpl>()};
+  auto make = [&] {
+    torch::manual_seed(3);
+    torch::nn::Linear frozen(16, 16);
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                                 torch::nn::Functional([&](const at::Tensor& t) {
+                                   tanh_output = t.storage().getWeakStorageImpl();
+                                   return t;
+                                 }),
+                                 frozen, torch::nn::Dropout(0.25), torch::nn::Linear(16, 16),
+                                 torch::nn::ReLU(torch::nn::ReLUOptions().inplace(true)),
+                                 torch::nn::Linear(16, 4));
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto x = at::randn({6, 8}, gen), g = at::randn({6, 4}, gen);
+  for (const bool input_grad : {true, false}) {
+    SCOPED_TRACE(input_grad ? "the input needs a gradient" : "the input needs none");
+    auto whole = make();
+    auto xw = x.detach().requires_grad_(input_grad);
+    torch::manual_seed(11);  // the dropout's mask
+    whole->forward(xw).backward(g);
+
+    auto split_model = make();
+    SplitStage split(split_model);
+    auto xs = x.detach().requires_grad_(input_grad);
+    SplitStage::Graphs graphs;
+    torch::manual_seed(11);
+    auto out = split.forward(xs, graphs);
+    EXPECT_EQ(graphs.size(), 3u);  // [Linear ... Dropout], [Linear, ReLU], [Linear]
+    graphs.back().out = out;
+    out = at::Tensor();
+    const auto gx = split.input_gradient(graphs, g);
+    if (input_grad) {
+      EXPECT_TRUE(testing::bit_for_bit(gx, xw.grad()));
+      // The Tanh's output, saved by the Tanh and the frozen Linear, is gone after I.
+      EXPECT_TRUE(tanh_output.expired());
+    } else {
+      EXPECT_FALSE(gx.defined());
+    }
+    for (const auto& p : split_model->parameters()) {
+      if (p.requires_grad()) {
+        EXPECT_FALSE(p.grad().defined()) << "W's gradients before W";
+      }
+    }
+    split.weight_gradient(graphs);
+    EXPECT_TRUE(graphs.empty());
+    const auto want = whole->parameters(), got = split_model->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < got.size(); ++k) {
+      SCOPED_TRACE("parameter " + std::to_string(k));
+      if (!want[k].requires_grad()) continue;
+      EXPECT_TRUE(testing::bit_for_bit(got[k].grad(), want[k].grad()));
+    }
+  }
 }
 
 }  // namespace

@@ -22,6 +22,9 @@ class SplitStage {
   struct Piece {
     at::Tensor in, out, grad;
     torch::autograd::Edge root;
+    // Where W starts: the weighted layer's output when layers without weights follow it in
+    // the piece (I captures its gradient there), else the root; `grad` is W's gradient there.
+    torch::autograd::Edge weighted;
     bool differentiable = false;
   };
   using Graphs = std::vector<Piece>;
@@ -30,7 +33,7 @@ class SplitStage {
   at::Tensor forward(const at::Tensor& input, Graphs& graphs);
   /// I: from the gradient of the stage's end (its output, or the loss set as the last piece's
   /// out), the gradient of the stage's input — undefined when the input needs none. Keeps the
-  /// graphs and output gradients of the pieces with parameters, for W.
+  /// graphs of the pieces with parameters and the gradients where their W starts.
   at::Tensor input_gradient(Graphs& graphs, const at::Tensor& grad) const;
   /// W: the parameters' gradients, accumulated into .grad; frees the graphs.
   void weight_gradient(Graphs& graphs) const;

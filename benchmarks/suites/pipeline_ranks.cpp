@@ -4,20 +4,20 @@
 // Gloo too, side by side. The model and the method are pipeline-bubble's (Linear+Tanh layers of
 // equal work, one intra-op thread per process, so each rank owns a core): the same model as one
 // stage in one process is the baseline, and each schedule's ideal step time is T_one_stage / p / (1
-// − bubble). What this adds over pipeline-bubble is the transport: every activation and gradient
-// crosses a process boundary through the backend.
+// − bubble), the baseline timed beside each step. What this adds over pipeline-bubble is the
+// transport: every activation and gradient crosses a process boundary through the backend.
 
 #include <torch/nn/functional/loss.h>
 
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <optional>
 
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/dist_pipeline.h"
 #include "scaletrain/error.h"
-#include "scaletrain/intra_op_threads.h"
 #include "scaletrain/pipeline.h"
 #include "scaletrain/schedule.h"
 #include "suites_internal.h"
@@ -111,6 +111,22 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
       }
       for (auto& c : chunks) c->zero_grad();
     };
+    // The baseline, timed beside each step as well: the whole model as one stage in one process
+    // (rank 0, while rank 1 waits at the barrier), with the step's micro-batches. Beside the
+    // step, the machine's drift during the run drops out of the figures against the theory.
+    std::optional<Pipeline> whole;
+    if (first) {
+      PipelineOptions one;
+      one.balance = {2 * kLayers};
+      one.devices = {at::kCPU};
+      one.chunks = m;
+      whole.emplace(linear_tanh_stack(kLayers, width), one);
+    }
+    auto baseline = [&] {
+      if (!whole) return;
+      whole->train_step(x, y, mse);
+      for (auto s : whole->stages()) s->zero_grad();
+    };
     auto timed = [&](const std::function<void()>& f) {
       d.barrier();
       auto t0 = std::chrono::steady_clock::now();
@@ -120,9 +136,10 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
     };
     step();  // warm-up
     alone();
+    baseline();
     for (int r = 0; r < repeats; ++r) {
-      const double s = timed(step), control = timed(alone);
-      if (d.rank() == 0) csv << m << "," << s << "," << control << "\n";
+      const double s = timed(step), control = timed(alone), one = timed(baseline);
+      if (d.rank() == 0) csv << m << "," << s << "," << control << "," << one << "\n";
     }
   }
   return 0;
@@ -133,7 +150,7 @@ namespace {
 // One schedule's step times and their controls' (the same work on both ranks at once, without
 // messages) by micro-batch count, from 2 worker processes.
 struct StepTimes {
-  std::map<int, std::vector<double>> step, control;
+  std::map<int, std::vector<double>> step, control, one_stage;
 };
 StepTimes pipeline_ranks_times(const SuiteOptions& o, const std::string& schedule, bool shm,
                                int64_t width, int64_t batch) {
@@ -149,12 +166,26 @@ StepTimes pipeline_ranks_times(const SuiteOptions& o, const std::string& schedul
   std::ifstream in(csv);
   std::string line;
   while (std::getline(in, line)) {
-    const auto a = line.find(','), b = line.find(',', a + 1);
+    const auto a = line.find(','), b = line.find(',', a + 1), c = line.find(',', b + 1);
     const int m = std::stoi(line.substr(0, a));
     times.step[m].push_back(std::stod(line.substr(a + 1, b - a - 1)));
-    times.control[m].push_back(std::stod(line.substr(b + 1)));
+    times.control[m].push_back(std::stod(line.substr(b + 1, c - b - 1)));
+    times.one_stage[m].push_back(std::stod(line.substr(c + 1)));
   }
   return times;
+}
+
+// The mean of f(0), ..., f(n - 1).
+double mean_over(size_t n, const std::function<double(size_t)>& f) {
+  double sum = 0;
+  for (size_t k = 0; k < n; ++k) sum += f(k);
+  return n > 0 ? sum / static_cast<double>(n) : 0;
+}
+
+std::string cell(double v) {
+  char out[32];
+  std::snprintf(out, sizeof out, "%.2f ", v);
+  return out;
 }
 
 // The suite's notes: the model, the method and the table.
@@ -165,8 +196,10 @@ void add_notes(SuiteResult& r, int64_t width, int64_t batch, const std::string& 
                     "stages, 2 per rank), activations and gradients through shared memory "
                     "(rows \"over Gloo\": loopback TCP). "
                     "Baseline: the same model as one stage in one process with the same "
-                    "micro-batches. Measured bubble = 1 - T_one_stage / (2 T_step) per "
-                    "repetition; theory as in pipeline-bubble. The control, timed beside each "
+                    "micro-batches, timed beside each step (rank 0 alone, rank 1 waiting), so "
+                    "the machine's drift during the run drops out. Measured bubble = 1 - "
+                    "T_one_stage / (2 T_step) per repetition; theory as in pipeline-bubble. The "
+                    "control, timed beside each "
                     "step in the same processes: each rank computes its own stages' forwards and "
                     "backwards of the step's micro-batches at the same moment as the other, "
                     "without messages or schedule; against it the ideal step is T_control / (1 - "
@@ -175,8 +208,8 @@ void add_notes(SuiteResult& r, int64_t width, int64_t batch, const std::string& 
                     "drop out, and what remains is the pipeline's own cost.");
   r.notes.push_back(
       "Each schedule's step time against its theory's (T_one_stage / p / (1 - bubble); 1.00 = "
-      "the theory reached, mean of the repetitions), and against the control's (T_control / (1 - "
-      "bubble), per repetition):\n\n" +
+      "the theory reached) and against the control's (T_control / (1 - bubble)), repetition by "
+      "repetition, mean of the repetitions:\n\n" +
       table);
 }
 
@@ -191,13 +224,6 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
   const int p = 2;
   const int64_t width = o.quick ? 256 : 512, batch = o.quick ? 512 : 1024;
   const auto ms = microbatch_counts(o.quick);
-  // The baseline: the whole model as one stage, in this process, one thread, same micro-batches.
-  std::map<int, double> base;
-  {
-    IntraOpThreads one_thread(1);
-    auto x = at::randn({batch, width}), y = at::randn({batch, width});
-    for (int m : ms) base[m] = one_stage_step_time(kLayers, x, y, m, o.repeats);
-  }
   struct Sched {
     std::string flag, name;
     int per_rank;
@@ -228,27 +254,25 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
           continue;
         }
         const auto& steps = times.step.at(m);
+        const auto& one = times.one_stage.at(m);
+        const auto& control = times.control.at(m);
+        const double keep = 1.0 - sc.theory(m);
         if (shm) {
           Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
-          for (double t : steps) s.values.push_back(1.0 - base[m] / (p * t));
+          for (size_t k = 0; k < steps.size(); ++k)
+            s.values.push_back(1.0 - one[k] / (p * steps[k]));
           r.samples.push_back(s);
           r.samples.push_back(
               {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
         }
-        const double ideal = base[m] / p / (1.0 - sc.theory(m));
-        // Against the control, repetition by repetition (each control timed beside its step).
-        double of_control = 0;
-        for (size_t k = 0; k < steps.size(); ++k) {
-          of_control += times.control.at(m)[k] / (1.0 - sc.theory(m)) / steps[k];
-        }
-        char cell[64];
-        std::snprintf(cell, sizeof cell, "%.2f ", ideal / stats(steps).mean);
-        row += cell;
-        std::snprintf(cell, sizeof cell, "%.2f ", of_control / static_cast<double>(steps.size()));
-        against += cell;
+        // Repetition by repetition: each baseline and control was timed beside its step.
+        row +=
+            cell(mean_over(steps.size(), [&](size_t k) { return one[k] / p / keep / steps[k]; }));
+        against +=
+            cell(mean_over(steps.size(), [&](size_t k) { return control[k] / keep / steps[k]; }));
         if (&sc == &scheds.front() && shm) {
-          std::snprintf(cell, sizeof cell, "%.2f ", base[m] / p / stats(times.control.at(m)).mean);
-          machine += cell;
+          machine +=
+              cell(mean_over(steps.size(), [&](size_t k) { return one[k] / p / control[k]; }));
         }
       }
       table += row + against + "|\n";

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/edge.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace scaletrain {
@@ -15,25 +16,24 @@ class SplitStage {
   /// gradients now).
   explicit SplitStage(torch::nn::Sequential stage);
 
-  /// One micro-batch's graphs, a piece each (a weighted layer and the unweighted ones after it):
-  /// its input, the root of its graph and, after I, the root's gradient. `out` holds the
-  /// stage's output on the last piece until I (the caller may put the loss there, for the last
-  /// stage); other pieces keep only their graph's root.
+  /// One micro-batch's graph, described piece by piece (a weighted layer and the unweighted
+  /// ones after it). The first piece holds the stage's input until I; the last one's `out`
+  /// holds the stage's output until I (the caller may put the loss there, for the last stage).
+  /// A piece with weights keeps where its W starts (its weighted layer's output), the sequence
+  /// number of the layer's first autograd node and, after I, the gradient W starts from.
   struct Piece {
     at::Tensor in, out, grad;
-    torch::autograd::Edge root;
-    // Where W starts: the weighted layer's output when layers without weights follow it in
-    // the piece (I captures its gradient there), else the root; `grad` is W's gradient there.
     torch::autograd::Edge weighted;
-    bool differentiable = false;
+    uint64_t first_node = 0;
   };
   using Graphs = std::vector<Piece>;
 
-  /// Forward of the stage on `input`, each piece on a graph of its own; returns the output.
+  /// Forward of the stage on `input` (one autograd graph); returns the output.
   at::Tensor forward(const at::Tensor& input, Graphs& graphs);
   /// I: from the gradient of the stage's end (its output, or the loss set as the last piece's
-  /// out), the gradient of the stage's input — undefined when the input needs none. Keeps the
-  /// graphs of the pieces with parameters and the gradients where their W starts.
+  /// out), the gradient of the stage's input — undefined when the input needs none — in one
+  /// autograd pass. Keeps the weighted layers' part of the graph and the gradients at their
+  /// outputs, for W; frees the rest.
   at::Tensor input_gradient(Graphs& graphs, const at::Tensor& grad) const;
   /// W: the parameters' gradients, accumulated into .grad; frees the graphs.
   void weight_gradient(Graphs& graphs) const;

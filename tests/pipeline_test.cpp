@@ -374,5 +374,49 @@ TEST(SplitBackward, InputThenWeightGradientsAreOneWholeBackward) {
   }
 }
 
+// A layer with weights inside and a skip around them (its W part reaches back to the layer
+// before through the skip: cut), and two weighted layers with nothing between them.
+struct ResidualImpl : torch::nn::Module {
+  explicit ResidualImpl(int64_t width)
+      : fc(register_module("fc", torch::nn::Linear(width, width))) {}
+  at::Tensor forward(const at::Tensor& x) { return x + torch::tanh(fc->forward(x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Residual);
+
+TEST(SplitBackward, ResidualAndAdjacentLayersAreOneWholeBackward) {
+  auto make = [] {
+    torch::manual_seed(5);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 16), Residual(16),
+                                 torch::nn::Tanh(), Residual(16), torch::nn::Linear(16, 4));
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const auto x = at::randn({5, 8}, gen), g = at::randn({5, 4}, gen);
+  auto whole = make();
+  auto xw = x.detach().requires_grad_(true);
+  whole->forward(xw).backward(g);
+  for (int step = 0; step < 2; ++step) {  // the second accumulates onto the first
+    auto split_model = make();
+    if (step == 1) {
+      for (auto& p : split_model->parameters()) p.mutable_grad() = at::ones_like(p);
+    }
+    SplitStage split(split_model);
+    SplitStage::Graphs graphs;
+    auto xs = x.detach().requires_grad_(true);
+    auto out = split.forward(xs, graphs);
+    graphs.back().out = out;
+    out = at::Tensor();
+    EXPECT_TRUE(testing::bit_for_bit(split.input_gradient(graphs, g), xw.grad()));
+    split.weight_gradient(graphs);
+    const auto want = whole->parameters(), got = split_model->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < got.size(); ++k) {
+      SCOPED_TRACE("parameter " + std::to_string(k));
+      const at::Tensor expected = step == 0 ? want[k].grad() : want[k].grad() + 1;
+      EXPECT_TRUE(testing::bit_for_bit(got[k].grad(), expected));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace scaletrain

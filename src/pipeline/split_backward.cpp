@@ -13,9 +13,11 @@
 // gradient I has computed) is removed, and every node outside those parts is freed, as a whole
 // backward frees it (a Tanh's saved output, a dropout's mask). The weighted layers' parts are
 // now disjoint, so W runs them all in one pass, from their outputs' captured gradients into
-// their parameters. Nothing is computed twice: the gradients are one whole backward's, bit for
-// bit for a chain of layers (the same operations on the same values), and a stage costs two
-// autograd passes instead of one.
+// their parameters. A stage costs two autograd passes instead of one. Between layers nothing is
+// computed twice; but a layer whose weights sit at several depths (a residual block, a
+// transformer layer) is one part, and W goes again through the gradients of its inner
+// activations that I computed. The gradients are one whole backward's, bit for bit for a chain
+// of layers (the same operations on the same values).
 //
 // Memory. What W adds over 1F1B is each weighted layer's output gradient, from I to W (an
 // activation-sized tensor per weighted layer), and what the weighted layers' own backward

@@ -1,54 +1,39 @@
 // Note [Split backward]
 // ~~~~~~~~~~~~~~~~~~~~~
 // Zero-bubble schedules split a stage's backward into I (the gradient of the stage's input,
-// which the previous stage waits for) and W (its weights' gradients, which nobody waits for).
-// The stage's layers fall in pieces: a layer with weights and the layers without weights that
-// follow it (a Linear and its Tanh), and the layers without weights before the first such
-// layer. Forward records, for each weighted layer, its output's autograd edge and the sequence
-// number of the first node it creates (autograd numbers a thread's nodes in creation order).
-// I is one autograd pass from the stage's end to its input that asks only for the input's
-// gradient (so no weight gradient is computed) and captures, on its way, the gradient at each
-// weighted layer's output. I then cuts the graph: in each weighted layer's part (the nodes its
-// output reaches), an edge to a node created before the layer (the previous layer, whose input
-// gradient I has computed) is removed, and every node outside those parts is freed, as a whole
-// backward frees it (a Tanh's saved output, a dropout's mask). The weighted layers' parts are
-// now disjoint, so W runs them all in one pass, from their outputs' captured gradients into
-// their parameters. A stage costs two autograd passes instead of one. Between layers nothing is
-// computed twice; but a layer whose weights sit at several depths (a residual block, a
-// transformer layer) is one part, and W goes again through the gradients of its inner
-// activations that I computed. The gradients are one whole backward's, bit for bit for a chain
-// of layers (the same operations on the same values).
+// which the previous stage waits for) and W (its weights' gradients, which nobody waits for),
+// operation by operation, as the zero-bubble paper does. The stage's forward is one autograd
+// graph. Before I, a walk of the graph from the stage's end finds the nodes on a path to the
+// stage's input (I's nodes) and, among them, the weight nodes: those with an edge out of I's
+// nodes towards a trainable parameter (a Linear's addmm, towards its weight and bias; a layer
+// norm; a product with a weight). I is one autograd pass that asks only for the input's
+// gradient, so no weight gradient is computed, and captures on its way the gradients arriving
+// at every weight node. Then each weight node's edges into I's nodes are cut, and every node
+// outside W's part (the weight nodes and what they reach) is freed, as a whole backward frees
+// it (a Tanh's saved output, an attention's probabilities, a dropout's mask). W is one autograd
+// pass from the weight nodes, with the gradients I captured, into the parameters: only the
+// weights' own gradients, nothing of I computed again. The gradients are one whole backward's,
+// bit for bit for a chain of layers (the same operations on the same values). A stage whose
+// input needs no gradient (the model's first) has nothing for I: W is its whole backward.
 //
-// Memory. What W adds over 1F1B is each weighted layer's output gradient, from I to W (an
-// activation-sized tensor per weighted layer), and what the weighted layers' own backward
-// functions saved (a Linear's input, which 1F1B's B frees at B).
+// Memory. What W keeps over 1F1B, from I to W, is what the weight nodes saved (a Linear's
+// input, which 1F1B's B frees at B) and the gradient at each of them (an activation-sized
+// tensor per weight operation).
 
 #include "pipeline/split_backward.h"
 
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
 namespace scaletrain {
 
-SplitStage::SplitStage(torch::nn::Sequential stage) : stage_(std::move(stage)) {
-  for (const auto& any : *stage_) layers_.push_back(any);
-  size_t l = 0;
-  for (const auto& layer : stage_->children()) {
-    std::vector<at::Tensor> trainable;
-    for (auto& t : layer->parameters()) {
-      if (t.requires_grad()) trainable.push_back(t);
-    }
-    // A layer with weights starts a piece; one without joins the piece before it.
-    if (pieces_.empty() || !trainable.empty()) {
-      pieces_.emplace_back();
-      trainable_.emplace_back();
-    }
-    pieces_.back().push_back(l++);
-    trainable_.back().insert(trainable_.back().end(), trainable.begin(), trainable.end());
+SplitStage::SplitStage(const torch::nn::Sequential& stage) : stage_(stage) {
+  for (auto& t : stage_->parameters()) {
+    if (t.requires_grad()) trainable_.push_back(t);
   }
 }
 
@@ -57,105 +42,133 @@ namespace {
 using torch::autograd::Edge;
 using torch::autograd::Node;
 
-// After I: the weighted layers' parts of the graph (what each weighted output reaches without
-// going back past the layer's first node) are kept for W, and the edges out of them cut; every
-// other node reachable from the stage's end is freed (Note [Split backward]).
-void keep_only_weighted_parts(const Edge& end, const SplitStage::Graphs& graphs) {
-  std::unordered_set<Node*> kept;
-  std::vector<std::pair<Node*, size_t>> cuts;
+// What a node reaches: the stage's input (I's nodes), a trainable parameter.
+enum Reach : unsigned char { kInput = 1, kTrainable = 2 };
+
+// Every node reachable from `root`, with what it reaches (post-order, without recursion).
+std::unordered_map<Node*, unsigned char> reach_of(Node* root, Node* input,
+                                                  const std::unordered_set<Node*>& params) {
+  std::unordered_map<Node*, unsigned char> reach;
+  std::vector<std::pair<Node*, size_t>> stack{{root, 0}};
+  reach[root] = 0;
+  while (!stack.empty()) {
+    auto& [n, next] = stack.back();
+    if (next < n->num_outputs()) {
+      Node* child = n->next_edge(next++).function.get();
+      if (child != nullptr && reach.emplace(child, 0).second) stack.emplace_back(child, 0);
+      continue;
+    }
+    unsigned char r = (n == input ? kInput : 0) | (params.count(n) != 0 ? kTrainable : 0);
+    for (const auto& e : n->next_edges()) {
+      if (e.function) r |= reach.at(e.function.get());
+    }
+    reach[n] = r;
+    stack.pop_back();
+  }
+  return reach;
+}
+
+// A node of I's with an edge out of I's nodes towards a trainable parameter.
+bool weight_node(Node* n, const std::unordered_map<Node*, unsigned char>& reach) {
+  if ((reach.at(n) & kInput) == 0) return false;
+  for (const auto& e : n->next_edges()) {
+    if (!e.function) continue;
+    const unsigned char r = reach.at(e.function.get());
+    if ((r & kInput) == 0 && (r & kTrainable) != 0) return true;
+  }
+  return false;
+}
+
+// After I: frees every node W does not reach (from the weight nodes, not into I's nodes), then
+// cuts the weight nodes' edges into I's nodes.
+void keep_only_w(Node* root, const std::vector<Node*>& weight_nodes,
+                 const std::unordered_map<Node*, unsigned char>& reach) {
+  std::unordered_set<Node*> kept(weight_nodes.begin(), weight_nodes.end());
   std::vector<Node*> stack;
-  for (const auto& piece : graphs) {
-    if (!piece.grad.defined()) continue;
-    stack.push_back(piece.weighted.function.get());
-    while (!stack.empty()) {
-      Node* n = stack.back();
-      stack.pop_back();
-      if (n == nullptr || !kept.insert(n).second) continue;
-      for (size_t i = 0; i < n->num_outputs(); ++i) {
-        Node* next = n->next_edge(i).function.get();
-        if (next == nullptr) continue;
-        if (next->sequence_nr() < piece.first_node) {
-          cuts.emplace_back(n, i);  // into an earlier layer: I's part
-        } else {
-          stack.push_back(next);
-        }
+  for (Node* n : weight_nodes) {
+    for (const auto& e : n->next_edges()) {
+      if (e.function && (reach.at(e.function.get()) & kInput) == 0) {
+        stack.push_back(e.function.get());
       }
     }
   }
-  std::unordered_set<Node*> seen;
-  stack.push_back(end.function.get());
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
-    if (n == nullptr || !seen.insert(n).second) continue;
-    if (kept.count(n) == 0) n->release_variables();
-    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
+    if (!kept.insert(n).second) continue;
+    for (const auto& e : n->next_edges()) {
+      if (e.function) stack.push_back(e.function.get());
+    }
   }
+  for (const auto& [n, r] : reach) {
+    if (kept.count(n) == 0) n->release_variables();
+  }
+  (void)root;
   // (set_next_edge would update the node's topological number, which autograd forbids once
   // the node has parents; an edge removed leaves it an upper bound, as autograd needs.)
-  for (const auto& [n, i] : cuts) n->next_edges()[i] = Edge();
+  for (Node* n : weight_nodes) {
+    for (auto& e : n->next_edges()) {
+      if (e.function && (reach.at(e.function.get()) & kInput) != 0) e = Edge();
+    }
+  }
 }
 
 }  // namespace
 
-at::Tensor SplitStage::forward(const at::Tensor& input, Graphs& graphs) {
-  graphs.assign(pieces_.size(), Piece{});
-  graphs.front().in = input;
-  at::Tensor h = input;
-  for (size_t p = 0; p < pieces_.size(); ++p) {
-    for (size_t l : pieces_[p]) {
-      const uint64_t first_node = at::sequence_number::peek();
-      h = layers_[l].forward(h);
-      if (l == pieces_[p].front() && !trainable_[p].empty() && h.grad_fn()) {
-        graphs[p].weighted = torch::autograd::impl::gradient_edge(h);
-        graphs[p].first_node = first_node;
-      }
-    }
-  }
-  graphs.back().out = h;
-  return h;
+at::Tensor SplitStage::forward(const at::Tensor& input, Graph& graph) {
+  graph = Graph{};
+  graph.in = input;
+  graph.out = stage_->forward(input);
+  return graph.out;
 }
 
-at::Tensor SplitStage::input_gradient(Graphs& graphs, const at::Tensor& grad) const {
-  const at::Tensor in = std::move(graphs.front().in), end = std::move(graphs.back().out);
+at::Tensor SplitStage::input_gradient(Graph& graph, const at::Tensor& grad) const {
+  const at::Tensor in = std::move(graph.in), end = std::move(graph.out);
   if (!end.defined() || !end.requires_grad()) return at::Tensor();
+  const Edge root = torch::autograd::impl::gradient_edge(end);
   const bool wants_input = in.requires_grad();
-  torch::autograd::edge_list outputs;
-  if (wants_input) outputs.push_back(torch::autograd::impl::gradient_edge(in));
-  std::vector<size_t> weighted;  // pieces whose W starts at a captured gradient
-  for (size_t p = 0; p < graphs.size(); ++p) {
-    if (graphs[p].weighted.is_valid()) {
-      outputs.push_back(graphs[p].weighted);
-      weighted.push_back(p);
+  const Edge input = wants_input ? torch::autograd::impl::gradient_edge(in) : Edge();
+  std::unordered_set<Node*> params;
+  for (const auto& p : trainable_)
+    params.insert(torch::autograd::impl::gradient_edge(p).function.get());
+  const auto reach = reach_of(root.function.get(), input.function.get(), params);
+  if ((reach.at(root.function.get()) & kInput) == 0) {
+    // Nothing of the graph leads to the input: W is the whole backward.
+    graph.roots = {root};
+    graph.grads = {grad};
+    return wants_input ? at::zeros_like(in) : at::Tensor();
+  }
+  std::vector<Node*> weight_nodes;
+  torch::autograd::edge_list outputs{input};
+  for (const auto& [n, r] : reach) {
+    if (!weight_node(n, reach)) continue;
+    weight_nodes.push_back(n);
+    for (uint32_t i = 0; i < n->num_inputs(); ++i) {
+      outputs.emplace_back(n->getptr(), i);
     }
   }
-  if (outputs.empty()) return at::Tensor();
-  const Edge root = torch::autograd::impl::gradient_edge(end);
   auto got = torch::autograd::Engine::get_default_engine().execute(
-      {root}, {grad}, /*keep_graph=*/!weighted.empty(), /*create_graph=*/false,
+      {root}, {grad}, /*keep_graph=*/!weight_nodes.empty(), /*create_graph=*/false,
       /*accumulate_grad=*/false, outputs);
-  const size_t first = wants_input ? 1 : 0;
-  for (size_t j = 0; j < weighted.size(); ++j) graphs[weighted[j]].grad = got[first + j];
-  if (!weighted.empty()) keep_only_weighted_parts(root, graphs);
-  if (!wants_input) return at::Tensor();
+  for (size_t k = 1; k < outputs.size(); ++k) {
+    graph.roots.push_back(outputs[k]);
+    graph.grads.push_back(got[k]);
+  }
+  if (!weight_nodes.empty()) keep_only_w(root.function.get(), weight_nodes, reach);
   return got[0].defined() ? got[0] : at::zeros_like(in);
 }
 
-void SplitStage::weight_gradient(Graphs& graphs) const {
-  // The weighted layers' parts of the graph are disjoint after I: one pass runs all of them.
-  torch::autograd::edge_list roots, into;  // into: the parameters' gradient accumulators
-  std::vector<at::Tensor> grads;
-  for (size_t p = 0; p < graphs.size(); ++p) {
-    if (!graphs[p].grad.defined()) continue;
-    roots.push_back(graphs[p].weighted);
-    grads.push_back(graphs[p].grad);
-    for (const auto& t : trainable_[p]) into.push_back(torch::autograd::impl::gradient_edge(t));
-  }
-  if (!roots.empty()) {
+void SplitStage::weight_gradient(Graph& graph) const {
+  bool any = false;
+  for (const auto& g : graph.grads) any = any || g.defined();
+  if (any) {
+    torch::autograd::edge_list into;  // the parameters' gradient accumulators
+    for (const auto& p : trainable_) into.push_back(torch::autograd::impl::gradient_edge(p));
     torch::autograd::Engine::get_default_engine().execute(
-        roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true, into);
+        graph.roots, graph.grads, /*keep_graph=*/false, /*create_graph=*/false,
+        /*accumulate_grad=*/true, into);
   }
-  graphs.clear();
+  graph = Graph{};
 }
 
 }  // namespace scaletrain

@@ -5,44 +5,36 @@
 #include <torch/csrc/autograd/edge.h>
 #include <torch/nn/modules/container/sequential.h>
 
-#include <cstdint>
 #include <vector>
 
 namespace scaletrain {
 
 class SplitStage {
  public:
-  /// Groups the layers into pieces and remembers their trainable parameters (those requiring
-  /// gradients now).
-  explicit SplitStage(torch::nn::Sequential stage);
+  /// Remembers the stage's trainable parameters (those requiring gradients now).
+  explicit SplitStage(const torch::nn::Sequential& stage);
 
-  /// One micro-batch's graph, described piece by piece (a weighted layer and the unweighted
-  /// ones after it). The first piece holds the stage's input until I; the last one's `out`
-  /// holds the stage's output until I (the caller may put the loss there, for the last stage).
-  /// A piece with weights keeps where its W starts (its weighted layer's output), the sequence
-  /// number of the layer's first autograd node and, after I, the gradient W starts from.
-  struct Piece {
-    at::Tensor in, out, grad;
-    torch::autograd::Edge weighted;
-    uint64_t first_node = 0;
+  /// One micro-batch's graph: the stage's input and end until I (`out`: the stage's output; the
+  /// caller may put the loss there, for the last stage), then where W starts and the gradients
+  /// there, until W.
+  struct Graph {
+    at::Tensor in, out;
+    std::vector<torch::autograd::Edge> roots;
+    std::vector<at::Tensor> grads;
   };
-  using Graphs = std::vector<Piece>;
 
-  /// Forward of the stage on `input` (one autograd graph); returns the output.
-  at::Tensor forward(const at::Tensor& input, Graphs& graphs);
-  /// I: from the gradient of the stage's end (its output, or the loss set as the last piece's
-  /// out), the gradient of the stage's input — undefined when the input needs none — in one
-  /// autograd pass. Keeps the weighted layers' part of the graph and the gradients at their
-  /// outputs, for W; frees the rest.
-  at::Tensor input_gradient(Graphs& graphs, const at::Tensor& grad) const;
-  /// W: the parameters' gradients, accumulated into .grad; frees the graphs.
-  void weight_gradient(Graphs& graphs) const;
+  /// Forward of the stage on `input`; returns the output.
+  at::Tensor forward(const at::Tensor& input, Graph& graph);
+  /// I: from the gradient of the stage's end, the gradient of the stage's input — undefined
+  /// when the input needs none — in one autograd pass that computes no weight gradient. Keeps
+  /// what W needs of the graph and frees the rest.
+  at::Tensor input_gradient(Graph& graph, const at::Tensor& grad) const;
+  /// W: the parameters' gradients, accumulated into .grad, in one autograd pass; frees the graph.
+  void weight_gradient(Graph& graph) const;
 
  private:
   torch::nn::Sequential stage_;
-  std::vector<torch::nn::AnyModule> layers_;
-  std::vector<std::vector<size_t>> pieces_;         // layer indices (Note [Split backward])
-  std::vector<std::vector<at::Tensor>> trainable_;  // per piece
+  std::vector<at::Tensor> trainable_;
 };
 
 }  // namespace scaletrain

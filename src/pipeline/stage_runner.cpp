@@ -99,7 +99,7 @@ void StageRunner::forward(int i, int c) {
   const at::Tensor& y = step_.targets[ui];
   const double share = static_cast<double>(y.size(0)) / step_.total;
   losses_[ui] = loss_fn_(outputs_[k], y.to(device_)) * share;
-  if (split_ && !graphs_[k].empty()) graphs_[k].back().out = losses_[ui];
+  if (split_ && graphs_[k].out.defined()) graphs_[k].out = losses_[ui];
 }
 
 // Under activation checkpointing, the forward again, now recording the graph.

@@ -94,10 +94,10 @@ class StageRunner {
   const size_t m_;
   // [chunk · m + micro-batch]: the chunk's (detached) input and its output; the losses.
   std::vector<at::Tensor> inputs_, outputs_, losses_;
-  // Zero bubble H1: each chunk's layers in pieces, and each micro-batch's graphs.
+  // Zero bubble H1: each chunk's backward split in two, and each micro-batch's graph.
   const bool split_;
   std::vector<SplitStage> splits_;
-  std::vector<SplitStage::Graphs> graphs_;
+  std::vector<SplitStage::Graph> graphs_;
 };
 
 }  // namespace scaletrain

@@ -81,7 +81,7 @@ bool weight_node(Node* n, const std::unordered_map<Node*, unsigned char>& reach)
 
 // After I: frees every node W does not reach (from the weight nodes, not into I's nodes), then
 // cuts the weight nodes' edges into I's nodes.
-void keep_only_w(Node* root, const std::vector<Node*>& weight_nodes,
+void keep_only_w(const std::vector<Node*>& weight_nodes,
                  const std::unordered_map<Node*, unsigned char>& reach) {
   std::unordered_set<Node*> kept(weight_nodes.begin(), weight_nodes.end());
   std::vector<Node*> stack;
@@ -103,7 +103,6 @@ void keep_only_w(Node* root, const std::vector<Node*>& weight_nodes,
   for (const auto& [n, r] : reach) {
     if (kept.count(n) == 0) n->release_variables();
   }
-  (void)root;
   // (set_next_edge would update the node's topological number, which autograd forbids once
   // the node has parents; an edge removed leaves it an upper bound, as autograd needs.)
   for (Node* n : weight_nodes) {
@@ -154,7 +153,7 @@ at::Tensor SplitStage::input_gradient(Graph& graph, const at::Tensor& grad) cons
     graph.roots.push_back(outputs[k]);
     graph.grads.push_back(got[k]);
   }
-  if (!weight_nodes.empty()) keep_only_w(root.function.get(), weight_nodes, reach);
+  if (!weight_nodes.empty()) keep_only_w(weight_nodes, reach);
   return got[0].defined() ? got[0] : at::zeros_like(in);
 }
 

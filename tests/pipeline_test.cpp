@@ -313,9 +313,9 @@ TEST(Pipeline, BadBalanceIsRefused) {
 }
 
 // Note [Split backward]: I then W give one whole backward's gradients, the same operations on
-// the same values, so bit for bit; with layers without weights after a weighted one in a piece
-// (a Tanh, a frozen Linear, a dropout; an in-place ReLU), a stage's input with and without a
-// gradient. And what those layers saved is freed at I, not kept until W.
+// the same values, so bit for bit; with layers without weights after a weighted one (a Tanh, a
+// frozen Linear, a dropout; an in-place ReLU), a stage's input with and without a gradient.
+// And what those layers saved is freed at I, not kept until W.
 TEST(SplitBackward, InputThenWeightGradientsAreOneWholeBackward) {
   c10::weak_intrusive_ptr<c10::StorageImpl> tanh_output{c10::intrusive_ptr<c10::StorageImpl>()};
   auto make = [&] {
@@ -343,12 +343,12 @@ TEST(SplitBackward, InputThenWeightGradientsAreOneWholeBackward) {
     auto split_model = make();
     SplitStage split(split_model);
     auto xs = x.detach().requires_grad_(input_grad);
-    SplitStage::Graph graphs;
+    SplitStage::Graph graph;
     torch::manual_seed(11);
-    auto out = split.forward(xs, graphs);
-    graphs.out = out;
+    auto out = split.forward(xs, graph);
+    graph.out = out;
     out = at::Tensor();
-    const auto gx = split.input_gradient(graphs, g);
+    const auto gx = split.input_gradient(graph, g);
     if (input_grad) {
       EXPECT_TRUE(testing::bit_for_bit(gx, xw.grad()));
       // The Tanh's output, saved by the Tanh and the frozen Linear, is gone after I.
@@ -361,8 +361,8 @@ TEST(SplitBackward, InputThenWeightGradientsAreOneWholeBackward) {
         EXPECT_FALSE(p.grad().defined()) << "W's gradients before W";
       }
     }
-    split.weight_gradient(graphs);
-    EXPECT_TRUE(graphs.roots.empty());
+    split.weight_gradient(graph);
+    EXPECT_TRUE(graph.roots.empty());
     const auto want = whole->parameters(), got = split_model->parameters();
     ASSERT_EQ(got.size(), want.size());
     for (size_t k = 0; k < got.size(); ++k) {
@@ -400,13 +400,13 @@ TEST(SplitBackward, ResidualAndAdjacentLayersAreOneWholeBackward) {
       for (auto& p : split_model->parameters()) p.mutable_grad() = at::ones_like(p);
     }
     SplitStage split(split_model);
-    SplitStage::Graph graphs;
+    SplitStage::Graph graph;
     auto xs = x.detach().requires_grad_(true);
-    auto out = split.forward(xs, graphs);
-    graphs.out = out;
+    auto out = split.forward(xs, graph);
+    graph.out = out;
     out = at::Tensor();
-    EXPECT_TRUE(testing::bit_for_bit(split.input_gradient(graphs, g), xw.grad()));
-    split.weight_gradient(graphs);
+    EXPECT_TRUE(testing::bit_for_bit(split.input_gradient(graph, g), xw.grad()));
+    split.weight_gradient(graph);
     const auto want = whole->parameters(), got = split_model->parameters();
     ASSERT_EQ(got.size(), want.size());
     for (size_t k = 0; k < got.size(); ++k) {

@@ -259,8 +259,9 @@ SuiteResult run_pipeline_ranks(const SuiteOptions& o) {
         const double keep = 1.0 - sc.theory(m);
         if (shm) {
           Sample s{sc.name + " measured", std::to_string(m), static_cast<double>(m), {}};
-          for (size_t k = 0; k < steps.size(); ++k)
+          for (size_t k = 0; k < steps.size(); ++k) {
             s.values.push_back(1.0 - one[k] / (p * steps[k]));
+          }
           r.samples.push_back(s);
           r.samples.push_back(
               {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});

@@ -1,5 +1,6 @@
 // `scaletrain lighthouse`: the process that forms the quorum of fault-tolerant replicas every
-// step (fault_tolerance.h, Note [Replica groups]). It runs until SIGINT or SIGTERM.
+// step (fault_tolerance.h, Note [Replica groups]). It runs until SIGINT or SIGTERM, and hears
+// only processes that prove the job's secret (SCALETRAIN_SECRET_FILE or SCALETRAIN_SECRET).
 
 #include <signal.h>
 
@@ -28,7 +29,10 @@ void add_lighthouse_command(CLI::App& app, Action& action) {
     double heartbeat_timeout = 1.5, join_timeout = 5;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--host", a->o.host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--host", a->o.host,
+                  "Interface to listen on: 0.0.0.0 every one, 127.0.0.1 this machine alone, or "
+                  "one address of this machine")
+      ->capture_default_str();
   cmd->add_option("--port", a->o.port, "Port to listen on (0: a free one, printed)")
       ->capture_default_str();
   cmd->add_option("--min-replicas", a->o.min_replicas,
@@ -57,6 +61,9 @@ void add_lighthouse_command(CLI::App& app, Action& action) {
       a->o.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(a->join_timeout * 1000));
       a->o.on_listening = [](int port) {
         std::cout << "lighthouse: listening on port " << port << std::endl;
+      };
+      a->o.on_refused = [](const std::string& what) {
+        std::cout << "lighthouse: " << what << std::endl;
       };
       const auto t0 = std::chrono::steady_clock::now();
       a->o.on_quorum = [t0](const std::string& what) {

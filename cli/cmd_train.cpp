@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/secret.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/flops.h"
@@ -150,12 +151,24 @@ void apply_fault_tolerance_flags(Args& a) {
   if (!(a.ft_timeout > 0)) {
     throw UsageError("--ft-timeout " + std::to_string(a.ft_timeout) + " must be above 0 seconds");
   }
+  if (user_secret().empty()) {  // before any worker starts (Note [Job secret])
+    throw UsageError(
+        "--fault-tolerant: the lighthouse hears only processes that prove the job's secret, and "
+        "none was given: set SCALETRAIN_SECRET_FILE=PATH (the lighthouse's; made where missing) "
+        "or SCALETRAIN_SECRET for this command (docs/resilience.md)");
+  }
   ReplicaGroupOptions r;
   r.lighthouse = a.lighthouse;
   r.replica_id = a.replica_id;
   r.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.ft_timeout * 1000));
   // The replica's other ranks wait for rank 0's quorum under --timeout: the same bound for both.
   r.quorum_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
+  // Note [Replica settings]: what the trainer cannot read off the model and the optimizer (a
+  // GPT's dropout is a function, not a module; the data set by its name).
+  std::ostringstream settings;
+  settings << "dropout=" << a.o.dropout << "|dataset=" << a.o.dataset
+           << "|init_weights=" << (a.o.init_weights.empty() ? "none" : a.o.init_weights);
+  r.fingerprint = settings.str();
   a.o.fault_tolerant = r;
   a.o.out_dir += "/replica-" + std::to_string(a.replica_id);
 }

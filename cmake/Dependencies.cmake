@@ -66,6 +66,8 @@ find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ${CUDAToolkit_IN
 find_package(nlohmann_json REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(ZLIB REQUIRED)
+# HMAC-SHA256 and the random source of the job's secret (Note [Authenticated connections]).
+find_package(OpenSSL REQUIRED COMPONENTS Crypto)
 
 # Note [libstdc++ first]: the PyPI libtorch.so exports its own copy of std::filesystem (64
 # functions, from the toolchain it was built with), and some of them crash when called from other

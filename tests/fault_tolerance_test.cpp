@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
 #include <atomic>
@@ -26,8 +27,10 @@
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
+#include "support/lighthouse.h"
 #include "support/net.h"
 #include "support/ranks.h"
+#include "support/secret.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
 #include "zoo_models.h"
@@ -36,33 +39,15 @@ namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::BareReplica;
 using testing::cli_path;
 using testing::run_command;
 using testing::script_path;
 using testing::TempDir;
+using testing::TestLighthouse;
 
 using testing::net_model;
 using testing::NetImpl;
-
-// The lighthouse of a test, in a thread of its own, on a free port.
-struct TestLighthouse {
-  std::vector<std::string> quorums;
-  std::mutex mu;
-  LighthouseThread lighthouse;
-  int port;
-  TestLighthouse() : lighthouse(options(this)), port(lighthouse.port()) {}
-  static LighthouseOptions options(TestLighthouse* self) {
-    LighthouseOptions o;
-    o.host = "127.0.0.1";
-    o.port = 0;
-    o.join_timeout = std::chrono::seconds(1);  // the first quorum waits this long
-    o.on_quorum = [self](const std::string& q) {
-      std::lock_guard<std::mutex> lock(self->mu);
-      self->quorums.push_back(q);
-    };
-    return o;
-  }
-};
 
 // Replica 0 trains alone for a few steps; replica 1 starts then and asks with step 0: it takes
 // replica 0's weights, momentum and data position (no file read), and from there the two step
@@ -129,6 +114,7 @@ TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
       o.channels_last = false;
       o.device = at::kCPU;  // rank threads (regression RankThreadsSharedTheGpu, hardening_test)
       ReplicaGroupOptions ro;
+      ro.secret = testing::kTestSecret;
       ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
       ro.replica_id = id;
       o.fault_tolerant = ro;
@@ -204,66 +190,6 @@ INSTANTIATE_TEST_SUITE_P(Strategies, LateReplica,
                            return to_string(p.param);
                          });
 
-// A replica started with another seed would train another permutation (some samples twice,
-// others never): the lighthouse refuses it by name, and the job's replica goes on alone.
-TEST(FaultTolerantReplicas, AReplicaWithOtherSettingsIsRefusedByName) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-  Dataset data;
-  data.inputs = at::randn({64, 6}, gen);
-  data.targets = at::randint(3, {64}, gen);
-  data.num_classes = 3;
-  TempDir dir("ft_other_settings");
-  TestLighthouse lighthouse;
-  std::mutex mu;
-  std::atomic<bool> started{false}, refused{false};
-  auto replica = [&](int id, uint64_t seed) {
-    return testing::run_ranks(1, [&, id, seed](Dist& d) {
-      TrainTask task;
-      task.train_data = in_memory(data);
-      task.model = [&] { return net_model(mu); };
-      task.on_step = [&](const StepReport&) {
-        started = true;
-        for (int i = 0; i < 400 && !refused; ++i) {  // until the other one is refused
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-      };
-      TrainerOptions o;
-      o.epochs = 1;
-      o.batch_size = 8;
-      o.seed = seed;
-      o.out_dir = (dir.path / ("replica-" + std::to_string(id))).string();
-      o.progress = false;
-      o.tensorboard = false;
-      o.log_every = 0;
-      o.workers = 0;
-      ReplicaGroupOptions ro;
-      ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
-      ro.replica_id = id;
-      o.fault_tolerant = ro;
-      try {
-        train(task, o, d);
-      } catch (const UsageError&) {
-        refused = true;
-        throw;
-      }
-    });
-  };
-  std::vector<std::string> errors0, errors1;
-  std::thread first([&] { errors0 = replica(0, 0); });
-  for (int i = 0; i < 12000 && !started; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  errors1 = replica(1, 7);
-  first.join();
-  ASSERT_EQ(errors0.size(), 1u);
-  EXPECT_EQ(errors0[0], "");
-  ASSERT_EQ(errors1.size(), 1u);
-  EXPECT_NE(errors1[0].find("replica 1: the lighthouse's job trains with other settings (seed=0"),
-            std::string::npos)
-      << errors1[0];
-  EXPECT_NE(errors1[0].find("than this replica (seed=7"), std::string::npos) << errors1[0];
-}
-
 // A lighthouse thread whose port is taken throws from its constructor, instead of a thread that
 // died unseen and replicas that wait for it.
 TEST(FaultTolerantReplicas, ALighthouseThreadOnATakenPortThrowsFromItsConstructor) {
@@ -290,7 +216,12 @@ TEST(FaultTolerantReplicas, BadOptionsAreRefusedWithTheFix) {
   r = run_command(cli_path() + " train --lighthouse 127.0.0.1:1 --out /tmp/x");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("add --fault-tolerant"), std::string::npos) << r.output;
-  r = run_command(cli_path() +
+  r = run_command("env -u SCALETRAIN_SECRET -u SCALETRAIN_SECRET_FILE " + cli_path() +
+                  " train --fault-tolerant --lighthouse 127.0.0.1:1 --out /tmp/x");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("none was given: set SCALETRAIN_SECRET_FILE=PATH"), std::string::npos)
+      << r.output;
+  r = run_command(std::string("SCALETRAIN_SECRET=") + testing::kTestSecret + " " + cli_path() +
                   " train --fault-tolerant --lighthouse 127.0.0.1:1 --strategy grid --out /tmp/x");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--strategy ddp, zero1, zero2 or fsdp within each replica"),
@@ -307,24 +238,14 @@ TEST(FaultTolerantReplicas, AMemberThatNeverConnectsCostsTheExchangeTimeoutAlone
   TestLighthouse lighthouse;
   const int port = lighthouse.port;
   std::atomic<bool> stop{false};
-  std::thread silent([&] {
-    auto store = lighthouse_client("127.0.0.1", port, std::chrono::seconds(30));
-    const int64_t i = store->add("ft/nreg", 1) - 1;
-    store->set("ft/reg/" + std::to_string(i), std::vector<uint8_t>{'1'});
-    auto text = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
-    store->set("ft/req/1", text("silent-1 0 0 |ranks=1"));
-    const int64_t ask = store->add("ft/nask", 1);
-    store->set("ft/ask/" + std::to_string(ask), text(""));
-    while (!stop) {  // beats like a live replica, and never makes the group
-      store->add("ft/beat/1", 1);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
+  BareReplica silent(port, 1, "silent");
+  silent.ask_async(0, "|ranks=1");  // beats like a live replica, and never makes the group
   Quorum q;
   bool exchanged = true, committed = true;
   double seconds = 0;
   auto errors = testing::run_ranks(1, [&](Dist& d) {
     ReplicaGroupOptions ro;
+    ro.secret = testing::kTestSecret;
     ro.lighthouse = "127.0.0.1:" + std::to_string(port);
     ro.replica_id = 0;
     ro.timeout = std::chrono::seconds(2);
@@ -337,8 +258,6 @@ TEST(FaultTolerantReplicas, AMemberThatNeverConnectsCostsTheExchangeTimeoutAlone
     exchanged = group.all_reduce(t);
     committed = group.commit(true);
   });
-  stop = true;
-  silent.join();
   ASSERT_EQ(errors, std::vector<std::string>(1));
   EXPECT_EQ(q.replicas, (std::vector<int>{0, 1}));
   // The lighthouse's join timeout (1 s), then the connect's 2 s: far below the quorum's 120 s.
@@ -357,6 +276,7 @@ TEST(FaultTolerantReplicas, AReplicaRestartedUnnoticedGetsAGroupWithTheHealthyOn
   std::atomic<int> phase{0};  // 1: both exchanged once; 2: replica 1's new process exists
   auto options = [&](int id) {
     ReplicaGroupOptions ro;
+    ro.secret = testing::kTestSecret;
     ro.lighthouse = "127.0.0.1:" + std::to_string(lighthouse.port);
     ro.replica_id = id;
     ro.timeout = std::chrono::seconds(3);

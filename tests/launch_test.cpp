@@ -18,6 +18,7 @@
 #include "launch/proc_tree.h"
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
+#include "support/secret.h"
 #include "support/subprocess.h"
 #include "transport/segment.h"
 
@@ -114,7 +115,7 @@ TEST(Launch, EachWorkerGetsTorchrunEnvironment) {
 
 TEST(Launch, SecondNodeNumbersItsRanksAfterTheFirst) {
   int port = testing::free_port();
-  auto r = run_command(cli_path() +
+  auto r = run_command(std::string("SCALETRAIN_SECRET=") + testing::kTestSecret + " " + cli_path() +
                        " run --nnodes 2 --node-rank 1 --nproc-per-node 2 "
                        "--master-port " +
                        std::to_string(port) + " -- " + script_path("print_env.sh"));
@@ -649,7 +650,9 @@ TEST(LaunchBadInput, CasesAreNamedByTheirFlagsNotTheirBytes) {
 
 TEST_P(LaunchBadInput, ExitsWithStatus2AndStartsNothing) {
   auto pids = temp_dir("bad");
-  auto r = run_command("PID_DIR=" + pids.string() + " " + cli_path() + " run " + GetParam().args);
+  auto r = run_command("PID_DIR=" + pids.string() +
+                       " env -u SCALETRAIN_SECRET -u SCALETRAIN_SECRET_FILE " + cli_path() +
+                       " run " + GetParam().args);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, GetParam().message)) << r.output;
   EXPECT_TRUE(fs::is_empty(pids)) << "a worker was started";
@@ -678,6 +681,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"--frobnicate -- " + script_path("pid_and_sleep.sh"), "--frobnicate"},
         BadInput{"--nnodes 2 --master-port 0 -- " + script_path("pid_and_sleep.sh"),
                  "works on one node only"},
+        // Regression NodesOfAJobTrustedAnyoneOnTheirPort: several nodes share a secret, which
+        // none of them can make for the others.
+        BadInput{
+            "--nnodes 2 --node-rank 1 --master-port 29999 -- " + script_path("pid_and_sleep.sh"),
+            "none was given. Set SCALETRAIN_SECRET_FILE=PATH on every node"},
+        BadInput{"--nnodes 1:2 --master-port 29999 -- " + script_path("pid_and_sleep.sh"),
+                 "--nnodes 1:2: the nodes of a job prove to each other"},
         // torchrun's elastic range: checked, not "Could not convert".
         BadInput{"--nnodes 3:2 -- " + script_path("pid_and_sleep.sh"),
                  "--nnodes 3:2: give MIN:MAX with 1 <= MIN <= MAX"},

@@ -15,6 +15,7 @@
 
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
+#include "support/secret.h"
 #include "support/subprocess.h"
 
 namespace scaletrain {
@@ -43,7 +44,8 @@ TEST(MultiNode, TwoLaunchersOnLoopbackFormOneWorld) {
   const std::string common =
       cli_path() + " run --nnodes 2 --nproc-per-node 2 --master-port " + port + " --run-id loop";
   const std::string check = " -- " + cli_path() + " check --numel 1000";
-  auto r = run_command(common + " --node-rank 1" + check + " & " + common + " --node-rank 0" +
+  auto r = run_command(std::string("export SCALETRAIN_SECRET=") + testing::kTestSecret + "; " +
+                       common + " --node-rank 1" + check + " & " + common + " --node-rank 0" +
                        check + "; s0=$?; wait $!; s1=$?; exit $((s0 + s1))");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_checked(r.output, 4);

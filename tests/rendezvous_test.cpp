@@ -12,9 +12,11 @@
 #include <string>
 #include <thread>
 
+#include "launch/auth.h"
 #include "launch/net.h"
 #include "launch/rendezvous.h"
 #include "scaletrain/error.h"
+#include "support/secret.h"
 #include "support/subprocess.h"
 
 namespace scaletrain::launch_detail {
@@ -30,7 +32,36 @@ RendezvousOptions options(int min_nodes, int max_nodes) {
   o.last_call_s = 0.3;
   o.node_timeout_s = 3;
   o.join_timeout_s = 10;
+  o.secret = testing::kTestSecret;
   return o;
+}
+
+// A raw connection to the rendezvous that proved the test's secret.
+int proved_connection(const RendezvousOptions& o) {
+  const int fd = net::connect_to("127.0.0.1", o.port, 1000);
+  if (fd < 0) return -1;
+  if (!net::prove(fd, o.secret, "rendezvous", 3000).empty()) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The server's side of the handshake on an accepted connection: true when it proved `secret`.
+bool answer_handshake(int fd, const std::string& secret) {
+  net::Gate gate(secret, "rendezvous");
+  if (!net::send_all(fd, gate.hello())) return false;
+  std::string buf, reply;
+  const auto end = Clock::now() + std::chrono::seconds(3);
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, 100);
+    if (!net::read_available(fd, buf)) return false;
+    const auto v = gate.take(buf, &reply);
+    if (v == net::Gate::Verdict::kWaiting) continue;
+    return net::send_all(fd, reply) && v == net::Gate::Verdict::kPassed;
+  }
+  return false;
 }
 
 // Waits up to `seconds` for the client's round to end.
@@ -201,7 +232,7 @@ TEST(Rendezvous, ASilentNodeIsToldItWasDropped) {
   o.node_timeout_s = 1;
   auto server = RendezvousServer::try_host(o);
   ASSERT_TRUE(server);
-  const int fd = net::connect_to("127.0.0.1", o.port, 1000);  // a node that never beats
+  const int fd = proved_connection(o);  // a node that never beats
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(net::send_all(fd, "JOIN " + o.run_id + " 2 4001 silent:1 0\n"));
   std::string buf, dropped;
@@ -228,6 +259,7 @@ TEST(Rendezvous, ANodeToldItWasDroppedIsCutOff) {
     pollfd p{listener, POLLIN, 0};
     if (poll(&p, 1, 5000) != 1) return;
     const int fd = accept(listener, nullptr, nullptr);
+    if (!answer_handshake(fd, o.secret)) return;
     net::send_all(fd, "DROPPED no word from it for 4.0 s\n");
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     close(fd);
@@ -239,6 +271,67 @@ TEST(Rendezvous, ANodeToldItWasDroppedIsCutOff) {
             std::string::npos);
   host.get();
   close(listener);
+}
+
+// Regression DoneFromAnyoneStoppedTheElasticJob: a stranger's `DONE` made the host stop
+// forming rounds (a node that then died took the job down), and a phantom `JOIN` formed a world
+// with a node that did not exist. Nothing a connection says before it proves the job's secret
+// is read: the round still forms, of the real nodes alone.
+TEST(Rendezvous, AStrangersDoneAndJoinAreNeverRead) {
+  const auto o = options(2, 3);
+  auto server = RendezvousServer::try_host(o);
+  ASSERT_TRUE(server);
+  const int stranger = net::connect_to("127.0.0.1", o.port, 1000);
+  ASSERT_GE(stranger, 0);
+  net::send_all(stranger, "DONE\nJOIN " + o.run_id + " 2 4009 phantom:1 0\n");
+  RendezvousClient host(o, /*hosting=*/true);
+  auto b = std::make_unique<RendezvousClient>(o);
+  auto joined_b = std::async(std::launch::async, [&] { return b->join(2, 4002); });
+  const Round r = host.join(2, 4001);
+  joined_b.get();
+  EXPECT_EQ(r.kind, Round::kFormed) << r.reason;
+  EXPECT_EQ(r.nnodes, 2) << "no phantom node";
+  char c;
+  EXPECT_LE(recv(stranger, &c, 1, MSG_PEEK), 1);  // the challenge, then closed
+  close(stranger);
+}
+
+// Only a node of the running round may end the job: a launcher of the job that is not in it (a
+// spare, or one that joined late) saying DONE is ignored.
+TEST(Rendezvous, ADoneFromANodeOutsideTheRoundIsIgnored) {
+  const auto o = options(1, 1);
+  auto server = RendezvousServer::try_host(o);
+  ASSERT_TRUE(server);
+  RendezvousClient host(o, /*hosting=*/true);
+  ASSERT_EQ(host.join(2, 4001).kind, Round::kFormed);
+  const int outsider = proved_connection(o);
+  ASSERT_GE(outsider, 0);
+  net::send_all(outsider, "DONE\n");
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  EXPECT_FALSE(host.recalled());
+  EXPECT_EQ(server->rounds_formed(), 1);
+  close(outsider);
+  // The job is not closed: the member's own failure still restarts it.
+  host.report_failed();
+  EXPECT_TRUE(recalled_within(host, 3));
+  EXPECT_EQ(host.take_recall().rfind("RESTART", 0), 0u);
+}
+
+TEST(Rendezvous, ANodeWithAnotherSecretIsRefusedWithTheFix) {
+  const auto o = options(1, 2);
+  auto server = RendezvousServer::try_host(o);
+  ASSERT_TRUE(server);
+  auto other = o;
+  other.secret = "another-secret-0123456789";
+  try {
+    RendezvousClient b(other);
+    ADD_FAILURE() << "joined with another secret";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("refused this process: wrong secret: every node of a "
+                                         "job needs the same secret"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Rendezvous, NoServerToReachFailsNamingTheAddress) {

@@ -22,6 +22,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/fault_tolerance.h"
+#include "scaletrain/secret.h"
 #include "suites_internal.h"
 
 namespace scaletrain::bench {
@@ -150,14 +151,19 @@ Job run_job(const std::vector<std::string>& commands, int64_t kill_at, const fs:
 }
 
 // The lighthouse of the replicas' jobs, in this process; quorum changes with their time.
+// Its secret is the one in `secret_file`, which the replicas' launchers read
+// (SCALETRAIN_SECRET_FILE: never on a command line).
 struct Lighthouse {
   mutable std::mutex mu;
   std::vector<std::pair<Clock::time_point, std::string>> events;
+  std::string secret_file;
   LighthouseThread lighthouse;
   int port;
-  Lighthouse() : lighthouse(options(this)), port(lighthouse.port()) {}
+  explicit Lighthouse(const std::string& secret_file)
+      : secret_file(secret_file), lighthouse(options(this)), port(lighthouse.port()) {}
   static LighthouseOptions options(Lighthouse* self) {
     LighthouseOptions o;
+    o.secret = read_secret_file(self->secret_file, /*create=*/true);
     o.host = "127.0.0.1";
     o.port = 0;
     o.join_timeout = std::chrono::seconds(3);
@@ -208,8 +214,9 @@ SuiteResult run_resilience(const SuiteOptions& o) {
   auto replicas = [&](const std::string& tag, const Lighthouse& lighthouse) {
     std::vector<std::string> cmds;
     for (int id : {0, 1}) {
-      cmds.push_back("OMP_NUM_THREADS=1 " + exe + " run --nproc-per-node 1 --master-port 0 " +
-                     "--max-restarts 10 -- " + exe + common + " --batch-size 64 --fault-tolerant " +
+      cmds.push_back("OMP_NUM_THREADS=1 SCALETRAIN_SECRET_FILE=" + lighthouse.secret_file + " " +
+                     exe + " run --nproc-per-node 1 --master-port 0 " + "--max-restarts 10 -- " +
+                     exe + common + " --batch-size 64 --fault-tolerant " +
                      "--lighthouse 127.0.0.1:" + std::to_string(lighthouse.port) +
                      " --replica-id " + std::to_string(id) + " --out " + dir + "/" + tag + " > " +
                      dir + "/" + tag + "-" + std::to_string(id) + ".log 2>&1");
@@ -232,10 +239,10 @@ SuiteResult run_resilience(const SuiteOptions& o) {
     const std::string n = std::to_string(rep);
     Job ft_calm;
     {
-      Lighthouse calm;  // one a job: a lighthouse remembers its job's end
+      Lighthouse calm(dir + "/secret");  // one a job: a lighthouse remembers its job's end
       ft_calm = run_job(replicas("ft-calm" + n, calm), 0, "", "", 0);
     }
-    Lighthouse lighthouse;
+    Lighthouse lighthouse(dir + "/secret");
     const auto t0 = Clock::now();
     const Job ft_kill = run_job(replicas("ft-kill" + n, lighthouse), kill_at,
                                 dir + "/ft-kill" + n + "/replica-1/metrics.jsonl",
@@ -262,7 +269,7 @@ SuiteResult run_resilience(const SuiteOptions& o) {
   const double samples = 2.0 * static_cast<double>(images);
   Job ft_loop, ddp_loop;
   {
-    Lighthouse loop_lighthouse;
+    Lighthouse loop_lighthouse(dir + "/secret");
     auto cmds = replicas("ft-loop", loop_lighthouse);
     for (auto& c : cmds) c.replace(c.find("--max-restarts 10"), 17, "--max-restarts 99");
     ft_loop = run_kill_loop(cmds, every, "--out " + dir + "/ft-loop", kill_for);

@@ -44,6 +44,11 @@ struct InitOptions {
   /// names the ranks that stopped answering (SIGSTOP, frozen, cut off) by rank, host and pid
   /// (Note [Heartbeats] in src/dist/heartbeat.h). 0: no heartbeat.
   std::chrono::milliseconds heartbeat_interval = std::chrono::seconds(1);
+  /// The job's secret (secret.h): rank 0 serves the store only to processes that prove it.
+  /// Empty: SCALETRAIN_WORLD_SECRET (`scaletrain run` gives it), else the user's
+  /// (SCALETRAIN_SECRET, SCALETRAIN_SECRET_FILE); with none, and under torchrun (whose agent
+  /// serves the store), PyTorch's TCPStore, which trusts whoever reaches MASTER_PORT.
+  std::string secret;
 };
 
 class Heartbeat;  // src/dist/heartbeat.h

@@ -31,8 +31,10 @@
 namespace scaletrain {
 
 struct LighthouseOptions {
-  std::string host = "0.0.0.0";  // where it listens
-  int port = 29510;              // 0: a free one (printed, and given to `on_listening`)
+  /// The interface it listens on: "0.0.0.0" every one, "127.0.0.1" this machine alone, or one
+  /// address of this machine.
+  std::string host = "0.0.0.0";
+  int port = 29510;  // 0: a free one (printed, and given to `on_listening`)
   /// A quorum needs this many replicas; fewer wait.
   int min_replicas = 1;
   /// A replica whose beats stopped this long ago is gone (killed, stopped, cut off).
@@ -48,10 +50,18 @@ struct LighthouseOptions {
   std::function<void(int)> on_listening;
   /// Each quorum that changes the membership, in words ("quorum 3: replicas 0, 1; ...").
   std::function<void(const std::string&)> on_quorum;
+  /// The job's secret (secret.h): a connection that does not prove it is closed before
+  /// anything it says is read. Empty: the user's (SCALETRAIN_SECRET, SCALETRAIN_SECRET_FILE);
+  /// with none, serve_lighthouse() throws UsageError.
+  std::string secret;
+  /// Refused connections, in a line every few seconds at most ("refused 3 connections, the
+  /// first from 10.0.0.7 (wrong secret)"). Unset: the library's log (warn).
+  std::function<void(const std::string&)> on_refused;
 };
 
-/// Serves the lighthouse until `stop` becomes true (or forever where it is null). Throws Error
-/// when the port cannot be had.
+/// Serves the lighthouse until `stop` becomes true (or forever where it is null; `stop` is read
+/// at least every 25 ms, so a signal handler that sets it is answered at once). Throws Error
+/// when the port cannot be had, UsageError without a secret.
 void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>* stop = nullptr);
 
 /// serve_lighthouse() on a thread of its own, for a program that hosts its replicas' lighthouse
@@ -91,6 +101,9 @@ struct ReplicaGroupOptions {
   std::string fingerprint;
   /// Rank 0 of each replica beats at the lighthouse this often.
   std::chrono::milliseconds beat_interval{100};
+  /// The job's secret, the lighthouse's (LighthouseOptions::secret). Empty: the user's
+  /// (SCALETRAIN_SECRET, SCALETRAIN_SECRET_FILE); with none, ReplicaGroup throws UsageError.
+  std::string secret;
 };
 
 /// One quorum: the live replicas of this step.
@@ -145,6 +158,8 @@ class ReplicaGroup {
   const ReplicaGroupOptions& options() const { return options_; }
 
  private:
+  std::string ask(int64_t step);
+  [[noreturn]] void refused(const std::string& answer) const;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   ReplicaGroupOptions options_;

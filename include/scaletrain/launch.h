@@ -32,9 +32,14 @@ struct LaunchOptions {
   double rdzv_last_call_s = 3;
   double node_timeout_s = 10;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;      // 0: pick a free port (single node only)
-  int max_restarts = 0;         // restart the failed group as a whole up to this many times
-  std::string run_id;           // empty: random on one node, "none" on several
+  int master_port = 29500;  // 0: pick a free port (single node only)
+  int max_restarts = 0;     // restart the failed group as a whole up to this many times
+  std::string run_id;       // empty: random on one node, "none" on several
+  // The job's secret (secret.h): the workers' store and the elastic rendezvous accept only
+  // processes that prove it, and the workers get it in SCALETRAIN_WORLD_SECRET. Empty: the
+  // user's (SCALETRAIN_SECRET, SCALETRAIN_SECRET_FILE), else a new one on a job of one node; the
+  // nodes of a job of several must share one, and are refused without it.
+  std::string secret;
   double rdzv_timeout_s = 300;  // passed to workers as SCALETRAIN_RDZV_TIMEOUT
   std::string log_dir;          // when set: <log_dir>/attempt_<k>/rank_<r>.{stdout,stderr}
   std::vector<int> show_ranks;  // ranks whose output reaches the terminal; empty: all
@@ -51,10 +56,11 @@ struct LaunchOptions {
 /// its guardian) and two pipes; a count past this is a typo, not a job.
 constexpr int kMaxWorkersPerNode = 1024;
 
-/// Checks the options and resolves the automatic ones (free port, run id). Throws UsageError
-/// naming the bad value and the fix: nproc < 1 or > kMaxWorkersPerNode, more workers than this
-/// process may open files or start processes for, node_rank >= nnodes, a busy port, a program
-/// that does not exist, a negative grace period... Starts nothing.
+/// Checks the options and resolves the automatic ones (free port, run id, secret). Throws
+/// UsageError naming the bad value and the fix: nproc < 1 or > kMaxWorkersPerNode, more workers
+/// than this process may open files or start processes for, node_rank >= nnodes, a busy port, a
+/// program that does not exist, a negative grace period, several nodes without a secret...
+/// Starts nothing.
 void validate(LaunchOptions& options);
 
 /// Runs the job (validate() first). Returns the launcher's exit status: 0 when every worker

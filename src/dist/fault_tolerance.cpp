@@ -2,17 +2,18 @@
 //
 // Note [Replica groups]: TorchFT's design, small. Each replica is a job of its own: its own
 // launcher, world, store and restarts. The lighthouse is a process outside every replica that
-// serves a TCP store and watches it:
+// serves a store (StoreServer: a connection proves the job's secret before anything it says is
+// read, Note [Authenticated connections]) and watches its keys; <r>/<n> below is replica r's
+// process with nonce n (rank 0 of the replica, a fresh nonce per process):
 //
-//   ft/nreg, ft/reg/<i>   replicas announce themselves (rank 0 of each, at its start)
-//   ft/beat/<r>           rank 0 of replica r adds 1 every beat_interval, from a thread
-//   ft/req/<r>            "<token> <step> <new> <settings>": replica r asks for the quorum of
-//                         its next step (token: a nonce of the process and a count)
-//   ft/nask, ft/ask/<n>   each request also counts itself and sets its key, which wakes the
-//                         lighthouse (a thread of it blocks on the next key)
+//   ft/reg/<r>/<n>        "<host> pid <pid>": the process announces itself, at its start
+//   ft/beat/<r>/<n>       it adds 1 every beat_interval, from a thread
+//   ft/req/<r>/<n>        "<token> <step> <new> <settings>": it asks for the quorum of its next
+//                         step (token: the nonce and a count)
 //   ft/ans/<token>        the answer, deleted once read: "<id> <max_step> <donor> <n> r0 s0 ...",
-//                         "done <step>" or "refused <the job's settings>"
-//   ft/done               the step the run ended at (the first replica to finish sets it)
+//                         "done <step>", or a refusal: "refused <the job's settings>",
+//                         "refused-duplicate <host pid>", "refused-step <the job's step>"
+//   ft/done/<r>/<n>       the step the run ended at, said by a replica that finished
 //
 // A quorum forms from the live replicas that asked, at least min_replicas of them, once every
 // member of the previous quorum that still beats has asked, or join_timeout after the first ask
@@ -28,27 +29,37 @@
 // sends its state to the ones behind (share_state()), over the same groups. So a replica that
 // dies is left out at the next step boundary (its peers' exchange with it fails at once, and its
 // beats stop), and one that comes back asks with the step of its checkpoint (or 0) and is healed
-// before its first step. A replica asking with other settings (seed, batch, data, epochs, ranks)
-// is refused by name. A replica behind once the run has ended (ft/done) is told so and stops
-// instead of training the rest alone.
+// before its first step.
 //
-// What it does not survive: the lighthouse's own death (every replica's quorum() fails within
-// quorum_timeout, naming it, and the launchers' restarts fail the same way).
+// What the lighthouse believes of what it is told: one process per replica id (Note [One
+// process per replica id] in lighthouse.cpp: a restart takes the id over once the old process's
+// beats stopped; a second live process is refused by name); a replica asking with other
+// settings is refused, and its error names each setting that differs; no replica asks ahead of
+// the job (a step past the last quorum's + 1 is refused: an honest replica's checkpoint is of a
+// step a quorum formed), so none becomes the donor by claiming a step; only the process that
+// holds a member's id of the last quorum ends the run (ft/done), at a step the job reached. A
+// replica behind once the run has ended is told so and stops instead of training the rest alone.
+//
+// What it does not survive: the lighthouse's own death (every replica's quorum() fails at once,
+// naming it and its address, and the launchers' restarts fail the same way).
 
 #include "scaletrain/fault_tolerance.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
 
+#include "dist/auth_store.h"
 #include "dist/lighthouse_client.h"
 #include "dist/text.h"
 #include "scaletrain/error.h"
+#include "scaletrain/secret.h"
 
 namespace scaletrain {
 namespace {
@@ -61,22 +72,63 @@ using dist_text::text;
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::TCPStore> lighthouse_client(const std::string& host, int port,
-                                                     milliseconds timeout) {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<uint16_t>(port);
-  o.isServer = false;
-  o.waitWorkers = false;
+c10::intrusive_ptr<AuthStore> lighthouse_client(const std::string& host, int port,
+                                                const std::string& secret, milliseconds timeout) {
+  AuthStoreOptions o;
+  o.host = host;
+  o.port = port;
+  o.secret = secret;
+  o.service = "lighthouse";
+  o.what = "the lighthouse";
   o.timeout = timeout;
   try {
-    return c10::make_intrusive<c10d::TCPStore>(host, o);
-  } catch (const std::exception& e) {
-    throw Error("the lighthouse at " + host + ":" + std::to_string(port) +
-                " cannot be reached within " + seconds(timeout) + ": " + e.what() +
-                "\nStart it first (scaletrain lighthouse --port " + std::to_string(port) +
-                ") and give its host and port to every replica (--lighthouse HOST:PORT).");
+    return c10::make_intrusive<AuthStore>(o);
+  } catch (const c10::Error& e) {
+    throw Error(std::string(e.what_without_backtrace()) +
+                ": start it first (scaletrain lighthouse --port " + std::to_string(port) +
+                ") and give its address to every replica (--lighthouse HOST:PORT)");
   }
 }
+
+namespace {
+
+// Each setting of `mine` that differs from `job`'s ("name=value|name=value"), in words.
+std::string differences(const std::string& job, const std::string& mine) {
+  auto split = [](const std::string& s) {
+    std::map<std::string, std::string> out;
+    std::istringstream in(s);
+    for (std::string item; std::getline(in, item, '|');) {
+      const auto eq = item.find('=');
+      out[item.substr(0, eq)] = eq == std::string::npos ? "" : item.substr(eq + 1);
+    }
+    return out;
+  };
+  const auto a = split(job), b = split(mine);
+  std::string out;
+  for (const auto& [k, v] : b) {
+    auto it = a.find(k);
+    const std::string theirs = it == a.end() ? "(none)" : it->second;
+    if (theirs != v)
+      out += (out.empty() ? "" : "; ") + k + " " + v + " here, " + theirs + " in the job";
+  }
+  for (const auto& [k, v] : a) {
+    if (b.count(k) == 0)
+      out += (out.empty() ? "" : "; ") + k + " (none) here, " + v + " in the job";
+  }
+  return out;
+}
+
+std::string this_process() {
+  char name[256] = {0};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0')
+    return "? pid " + std::to_string(getpid());
+  for (char* c = name; *c != '\0'; ++c) {
+    if (*c == ' ') *c = '_';
+  }
+  return std::string(name) + " pid " + std::to_string(getpid());
+}
+
+}  // namespace
 
 // The lighthouse's bookkeeping (Note [Replica groups]).
 
@@ -102,8 +154,9 @@ struct ReplicaGroup::Impl {
   Dist replica;
   std::string host;
   int port = 0;
-  c10::intrusive_ptr<c10d::TCPStore> store;  // the lighthouse's
-  std::optional<Dist> group;                 // rank k of each replica in the quorum
+  c10::intrusive_ptr<AuthStore> store;  // the lighthouse's
+  std::string secret;
+  std::optional<Dist> group;  // rank k of each replica in the quorum
   Quorum quorum;
   int64_t group_id = -1;
   bool broken = false;  // an exchange of this step failed
@@ -113,7 +166,7 @@ struct ReplicaGroup::Impl {
   // StalledHealHeldTheQuorum).
   bool fresh_group = true;
   int64_t asked = 0;
-  std::string nonce;        // this process's requests' (answers are keyed by it)
+  std::string nonce;        // this process's (its keys and its requests' tokens carry it)
   std::string fingerprint;  // the settings every replica of the job shares
   std::thread beater;
   std::mutex mu;
@@ -123,13 +176,13 @@ struct ReplicaGroup::Impl {
   // Rank 0's beats, on a connection of their own. A failed beat (the lighthouse busy or briefly
   // out of reach) connects again on the next one; quorum() reports a lighthouse that is gone.
   void beat(int replica_id, milliseconds every) {
-    c10::intrusive_ptr<c10d::TCPStore> own;
-    const std::string key = "ft/beat/" + std::to_string(replica_id);
+    c10::intrusive_ptr<AuthStore> own;
+    const std::string key = "ft/beat/" + std::to_string(replica_id) + "/" + nonce;
     std::unique_lock<std::mutex> lock(mu);
     while (!stopping) {
       lock.unlock();
       try {
-        if (!own) own = lighthouse_client(host, port, milliseconds(2000));
+        if (!own) own = lighthouse_client(host, port, secret, milliseconds(2000));
         own->add(key, 1);
       } catch (const std::exception&) {
         own.reset();
@@ -193,16 +246,31 @@ ReplicaGroup::ReplicaGroup(const Dist& replica, ReplicaGroupOptions options)
   impl_->replica = replica;
   impl_->host = host;
   impl_->port = port;
-  impl_->store = lighthouse_client(host, port, options_.quorum_timeout);
+  impl_->secret = options_.secret.empty() ? user_secret() : options_.secret;
+  if (impl_->secret.empty()) {
+    throw UsageError(
+        "replica " + std::to_string(options_.replica_id) + ": the lighthouse at " +
+        options_.lighthouse +
+        " hears only processes that prove the job's secret, and none was given: set "
+        "SCALETRAIN_SECRET_FILE=PATH (the lighthouse's) for every replica's launcher, or "
+        "SCALETRAIN_SECRET (ReplicaGroupOptions::secret in a program; docs/resilience.md)");
+  }
+  try {
+    impl_->store = lighthouse_client(host, port, impl_->secret, options_.timeout);
+  } catch (const UsageError& e) {
+    throw UsageError("replica " + std::to_string(options_.replica_id) + ": " + e.what());
+  } catch (const Error& e) {
+    throw Error("replica " + std::to_string(options_.replica_id) + ": " + e.what());
+  }
   std::random_device device;
   std::ostringstream nonce;
-  nonce << std::hex << device() << device() << "-r" << options_.replica_id;
+  nonce << std::hex << device() << device() << device();
   impl_->nonce = nonce.str();
   impl_->fingerprint = options_.fingerprint + "|ranks=" + std::to_string(replica.size());
   for (char& c : impl_->fingerprint) c = c == ' ' ? '_' : c;
   if (replica.rank() == 0) {
-    const int64_t i = impl_->store->add("ft/nreg", 1) - 1;
-    impl_->store->set("ft/reg/" + std::to_string(i), bytes(std::to_string(options_.replica_id)));
+    impl_->store->set("ft/reg/" + std::to_string(options_.replica_id) + "/" + impl_->nonce,
+                      bytes(this_process()));
     impl_->beater =
         std::thread([this] { impl_->beat(options_.replica_id, options_.beat_interval); });
   }
@@ -215,42 +283,66 @@ ReplicaGroup::~ReplicaGroup() {
   }
   impl_->cv.notify_all();
   if (impl_->beater.joinable()) impl_->beater.join();
+  // Goodbye: a new process of this replica (a restart) takes the id over at once, instead of
+  // after the heartbeat timeout (Note [One process per replica id]).
+  if (impl_->replica.rank() == 0) {
+    try {
+      impl_->store->deleteKey("ft/reg/" + std::to_string(options_.replica_id) + "/" + impl_->nonce);
+    } catch (const std::exception&) {  // the lighthouse is gone: nothing to tell
+    }
+  }
+}
+
+// Rank 0 asks the lighthouse; its answer, or why it gave none.
+std::string ReplicaGroup::ask(int64_t step) {
+  auto& m = *impl_;
+  const std::string me = "replica " + std::to_string(options_.replica_id);
+  const std::string token = m.nonce + "-" + std::to_string(++m.asked);
+  try {
+    m.store->set("ft/req/" + std::to_string(options_.replica_id) + "/" + m.nonce,
+                 bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0") +
+                       " " + m.fingerprint));
+    m.store->wait({"ft/ans/" + token}, options_.quorum_timeout);
+    const std::string answer = text(m.store->get("ft/ans/" + token));
+    m.store->deleteKey("ft/ans/" + token);  // the lighthouse's store does not grow by a step
+    return answer;
+  } catch (const c10::DistStoreError& e) {  // it answered nothing in time
+    throw Error(me + ": the lighthouse at " + options_.lighthouse + " gave no quorum within " +
+                seconds(options_.quorum_timeout) + " (fewer replicas than its --min-replicas are " +
+                "alive, or it is stalled)");
+  } catch (const c10::Error& e) {  // it is gone: one line, naming it
+    throw Error(me + ": " + e.what_without_backtrace());
+  }
+}
+
+// A refusal of the lighthouse, as the error this replica stops with.
+void ReplicaGroup::refused(const std::string& answer) const {
+  const std::string me = "replica " + std::to_string(options_.replica_id);
+  if (answer.rfind("refused-duplicate ", 0) == 0) {
+    throw UsageError(me + ": another live process already trains as " + me + " (" +
+                     answer.substr(18) +
+                     "): give each replica its own --replica-id "
+                     "(ReplicaGroupOptions::replica_id)");
+  }
+  if (answer.rfind("refused-step ", 0) == 0) {
+    throw Error(me + ": the lighthouse refused its step: the job is at step " + answer.substr(13) +
+                ", and a replica is never ahead of it (is this replica's --out another job's "
+                "folder?)");
+  }
+  throw UsageError(me + ": its settings differ from the job's (" +
+                   differences(answer.substr(8), impl_->fingerprint) +
+                   "): every replica of a job needs the same ones, or give it a lighthouse of its "
+                   "own. The job trains with: " +
+                   answer.substr(8));
 }
 
 Quorum ReplicaGroup::quorum(int64_t step) {
   auto& m = *impl_;
   std::string answer;
-  if (m.replica.rank() == 0 && m.store->check({"ft/done"})) {
-    const std::string done = text(m.store->get("ft/done"));
-    if (std::stoll(done) > step) answer = "done " + done;
-  }
-  if (m.replica.rank() == 0 && answer.empty()) {
-    const std::string token = m.nonce + "-" + std::to_string(++m.asked);
-    m.store->set("ft/req/" + std::to_string(options_.replica_id),
-                 bytes(token + " " + std::to_string(step) + " " + (m.fresh_group ? "1" : "0") +
-                       " " + m.fingerprint));
-    const int64_t ask = m.store->add("ft/nask", 1);  // wakes the lighthouse (AskWaker)
-    m.store->set("ft/ask/" + std::to_string(ask), bytes(""));
-    try {
-      m.store->wait({"ft/ans/" + token}, options_.quorum_timeout);
-      answer = text(m.store->get("ft/ans/" + token));
-      m.store->deleteKey("ft/ans/" + token);  // the lighthouse's store does not grow by a step
-    } catch (const std::exception& e) {
-      throw Error(
-          "replica " + std::to_string(options_.replica_id) + ": the lighthouse at " +
-          options_.lighthouse + " gave no quorum within " + seconds(options_.quorum_timeout) +
-          " (it is gone, or fewer replicas than its --min-replicas are alive): " + e.what());
-    }
-  }
+  if (m.replica.rank() == 0) answer = ask(step);
   answer = dist_text::broadcast_text(m.replica, answer, "the quorum");
   Quorum q;
-  if (answer.rfind("refused ", 0) == 0) {
-    throw UsageError("replica " + std::to_string(options_.replica_id) +
-                     ": the lighthouse's job trains with other settings (" + answer.substr(8) +
-                     ") than this replica (" + m.fingerprint +
-                     "); every replica of a job needs the same ones, or give it a lighthouse of "
-                     "its own");
-  }
+  if (answer.rfind("refused", 0) == 0) refused(answer);
   if (answer.rfind("done ", 0) == 0) {
     q.finished_at = std::stoll(answer.substr(5));
     q.replicas = {options_.replica_id};
@@ -321,7 +413,10 @@ bool ReplicaGroup::all_reduce(at::Tensor& tensor) {
 bool ReplicaGroup::commit(bool mine) { return impl_->agree(mine); }
 
 void ReplicaGroup::finished(int64_t step) {
-  if (impl_->replica.rank() == 0) impl_->store->set("ft/done", bytes(std::to_string(step)));
+  if (impl_->replica.rank() == 0) {
+    impl_->store->set("ft/done/" + std::to_string(options_.replica_id) + "/" + impl_->nonce,
+                      bytes(std::to_string(step)));
+  }
 }
 
 int ReplicaGroup::live() const { return std::max(impl_->quorum.size(), 1); }

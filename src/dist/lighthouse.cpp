@@ -1,21 +1,19 @@
-// The lighthouse (fault_tolerance.h): the process or thread that forms the replicas' quorums
-// over a c10d TCPStore. Its keys and rules are in Note [Replica groups] (fault_tolerance.cpp).
-
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+// The lighthouse (fault_tolerance.h): the process or thread that forms the replicas' quorums.
+// It owns the store the replicas talk through (StoreServer: only processes that prove the job's
+// secret get in) and reads its keys in process. Its keys and rules are in Note [Replica groups]
+// (fault_tolerance.cpp).
 
 #include <algorithm>
-#include <condition_variable>
 #include <future>
 #include <map>
-#include <mutex>
 #include <set>
 #include <sstream>
 #include <thread>
 
-#include "dist/lighthouse_client.h"
-#include "dist/text.h"
+#include "dist/store_server.h"
 #include "scaletrain/error.h"
 #include "scaletrain/fault_tolerance.h"
+#include "scaletrain/secret.h"
 
 namespace scaletrain {
 namespace {
@@ -23,22 +21,34 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-using dist_text::bytes;
-using dist_text::seconds;
-using dist_text::text;
+// "ft/<what>/<replica>/<nonce>" → (replica, nonce); false for anything else.
+bool parse_process_key(const std::string& key, const std::string& what, int* replica,
+                       std::string* nonce) {
+  const std::string prefix = "ft/" + what + "/";
+  if (key.compare(0, prefix.size(), prefix) != 0) return false;
+  const auto slash = key.find('/', prefix.size());
+  if (slash == std::string::npos) return false;
+  try {
+    size_t used = 0;
+    *replica = std::stoi(key.substr(prefix.size(), slash - prefix.size()), &used);
+    if (used != slash - prefix.size() || *replica < 0) return false;
+  } catch (const std::exception&) {
+    return false;
+  }
+  *nonce = key.substr(slash + 1);
+  return !nonce->empty();
+}
 
 class Lighthouse {
  public:
-  Lighthouse(const LighthouseOptions& o, c10d::Store& store) : o_(o), store_(store) {}
+  Lighthouse(const LighthouseOptions& o, StoreServer& store) : o_(o), store_(store) {}
 
   // One look at the store; forms a quorum where one is due. Returns whether it did anything.
   bool poll() {
     const auto now = Clock::now();
-    if (now - looked_ >= milliseconds(25)) {  // beats and newcomers: every 25 ms is enough
-      looked_ = now;
-      discover(now);
-      if (done_ < 0 && store_.check({"ft/done"})) done_ = std::stoll(text(store_.get("ft/done")));
-    }
+    discover(now);
+    settle_owners(now);
+    read_done();
     read_requests(now);
     answer_the_late();
     for (auto it = pending_.begin(); it != pending_.end();) {  // asked, then died
@@ -66,10 +76,15 @@ class Lighthouse {
   }
 
  private:
-  struct Known {
+  // One process that registered as a replica (rank 0 of it).
+  struct Process {
+    int replica = 0;
+    std::string nonce, where;  // where: "host pid"
     int64_t beat = -1;
-    Clock::time_point seen;
+    Clock::time_point seen, registered;
     std::string answered;  // the token of the last answer
+    std::string refusal;   // set: every request of it is answered so, and nothing else
+    bool left = false;     // it said goodbye (its registration is gone)
   };
   struct Ask {
     std::string token;
@@ -77,53 +92,126 @@ class Lighthouse {
     bool fresh_group = false;
   };
 
-  bool alive(int r, Clock::time_point now) const {
-    auto it = known_.find(r);
-    return it != known_.end() && now - it->second.seen < o_.heartbeat_timeout;
+  static std::string id(int r, const std::string& nonce) { return std::to_string(r) + "/" + nonce; }
+  Process* owner_of(int r) {
+    auto o = owner_.find(r);
+    return o == owner_.end() ? nullptr : &procs_.at(o->second);
+  }
+  bool alive(const Process& p, Clock::time_point now) const {
+    return !p.left && now - p.seen < o_.heartbeat_timeout;
+  }
+  bool alive(int r, Clock::time_point now) {
+    const Process* p = owner_of(r);
+    return p != nullptr && alive(*p, now);
   }
 
   void discover(Clock::time_point now) {
-    const int64_t n = store_.add("ft/nreg", 0);
-    for (int64_t i = registered_; i < n; ++i) {
-      const std::string key = "ft/reg/" + std::to_string(i);
-      if (named_.count(i) || !store_.check({key})) continue;  // its name may be on the way
-      named_.insert(i);
-      known_[std::stoi(text(store_.get(key)))].seen = now;
+    int r = 0;
+    std::string nonce;
+    for (const auto& key : store_.keys("ft/reg/")) {
+      if (!parse_process_key(key, "reg", &r, &nonce) || procs_.count(id(r, nonce))) continue;
+      Process p;
+      p.replica = r;
+      p.nonce = nonce;
+      p.where = store_.get(key).value_or("?");
+      p.seen = p.registered = now;
+      procs_.emplace(id(r, nonce), p);
+      if (owner_.count(r) == 0) owner_[r] = id(r, nonce);
     }
-    while (named_.count(registered_)) named_.erase(registered_++);
-    for (auto& [r, k] : known_) {
-      const int64_t beat = store_.add("ft/beat/" + std::to_string(r), 0);
-      if (beat != k.beat) k.beat = beat, k.seen = now;
+    for (auto& [key, p] : procs_) {
+      if (!store_.get("ft/reg/" + key)) {  // it left (ReplicaGroup's destructor): gone now
+        p.left = true;
+        continue;
+      }
+      const auto beat = store_.get("ft/beat/" + key);
+      const int64_t b = beat ? std::stoll(*beat) : -1;
+      if (b != p.beat) p.beat = b, p.seen = now;
+    }
+  }
+
+  // Note [One process per replica id]: a replica's new process (a restart) takes the id over
+  // once the old one's beats have stopped; a second live process with the id is refused by name
+  // once the old one has beaten on for twice the heartbeat timeout after it came.
+  void settle_owners(Clock::time_point now) {
+    std::vector<std::string> gone;
+    for (auto& [key, p] : procs_) {
+      if (!p.refusal.empty() || owner_.at(p.replica) == key) continue;
+      const std::string holder = owner_.at(p.replica);
+      if (!alive(procs_.at(holder), now)) {
+        gone.push_back(holder);
+        owner_[p.replica] = key;
+        pending_.erase(p.replica);  // the dead one's ask
+      } else if (now - p.registered > 2 * o_.heartbeat_timeout) {
+        p.refusal = "duplicate " + procs_.at(holder).where;
+      }
+    }
+    for (const auto& key : gone) retire(key);
+  }
+
+  // A dead process's keys go, and the process with them: the store does not grow with restarts.
+  void retire(const std::string& key) {
+    for (const char* what : {"ft/reg/", "ft/beat/", "ft/req/", "ft/done/"}) {
+      store_.erase(what + key);
+    }
+    procs_.erase(key);
+  }
+
+  // A replica that finished says so (ReplicaGroup::finished); only a member of the last quorum,
+  // at a step it could have reached, ends the run.
+  void read_done() {
+    int r = 0;
+    std::string nonce;
+    for (const auto& key : store_.keys("ft/done/")) {
+      if (!parse_process_key(key, "done", &r, &nonce)) continue;
+      const auto value = store_.get(key);
+      int64_t step = -1;
+      try {
+        step = value ? std::stoll(*value) : -1;
+      } catch (const std::exception&) {
+      }
+      const bool member = std::find(members_.begin(), members_.end(), r) != members_.end();
+      const bool owner = owner_.count(r) && owner_.at(r) == id(r, nonce);
+      if (member && owner && step >= 0 && step <= last_max_ + 1) done_ = std::max(done_, step);
     }
   }
 
   void read_requests(Clock::time_point now) {
-    for (auto& [r, k] : known_) {
-      const std::string key = "ft/req/" + std::to_string(r);
-      if (!store_.check({key})) continue;
-      std::istringstream in(text(store_.get(key)));
+    for (auto& [key, p] : procs_) {
+      const auto req = store_.get("ft/req/" + key);
+      if (!req) continue;
+      std::istringstream in(*req);
       Ask a;
       int fresh = 0;
       std::string fingerprint;
       in >> a.token >> a.step >> fresh >> fingerprint;
       a.fresh_group = fresh != 0;
-      if (a.token == k.answered) continue;
-      auto p = pending_.find(r);
-      if (p != pending_.end() && p->second.token == a.token) continue;
-      k.seen = now;  // it asked: it lives
+      if (a.token.empty() || a.token == p.answered) continue;
+      if (!p.refusal.empty()) {
+        answer(p, a.token, "refused-" + p.refusal);
+        continue;
+      }
+      if (owner_.at(p.replica) != key) continue;  // waits for the id (settle_owners)
+      auto pending = pending_.find(p.replica);
+      if (pending != pending_.end() && pending->second.token == a.token) continue;
+      p.seen = now;  // it asked: it lives
       if (job_.empty()) job_ = fingerprint;
       if (fingerprint != job_) {  // another job's settings: the replica stops, naming both
-        answer(r, a.token, "refused " + job_);
+        answer(p, a.token, "refused " + job_);
+        continue;
+      }
+      // No honest replica is ahead of the job: its checkpoints are of steps a quorum formed.
+      if (!members_.empty() && a.step > last_max_ + 1) {
+        answer(p, a.token, "refused-step " + std::to_string(last_max_));
         continue;
       }
       if (pending_.empty()) first_ask_ = now;
-      pending_[r] = a;
+      pending_[p.replica] = a;
     }
   }
 
-  void answer(int r, const std::string& token, const std::string& what) {
-    store_.set("ft/ans/" + token, bytes(what));
-    known_[r].answered = token;
+  void answer(Process& p, const std::string& token, const std::string& what) {
+    store_.set("ft/ans/" + token, what);
+    p.answered = token;
   }
 
   // The run ended at step done_: a replica behind has no peer left to heal it.
@@ -134,7 +222,7 @@ class Lighthouse {
         ++it;
         continue;
       }
-      answer(it->first, it->second.token, "done " + std::to_string(done_));
+      answer(*owner_of(it->first), it->second.token, "done " + std::to_string(done_));
       it = pending_.erase(it);
     }
   }
@@ -162,7 +250,7 @@ class Lighthouse {
     std::ostringstream out;
     out << id_ << " " << max_step << " " << donor << " " << members.size();
     for (int r : members) out << " " << r << " " << pending_[r].step;
-    for (int r : members) answer(r, pending_[r].token, out.str());
+    for (int r : members) answer(*owner_of(r), pending_[r].token, out.str());
     if (changed && o_.on_quorum) o_.on_quorum(describe(members, max_step, donor));
     members_ = members;
     last_max_ = max_step;
@@ -187,60 +275,33 @@ class Lighthouse {
   }
 
   const LighthouseOptions o_;
-  c10d::Store& store_;
-  int64_t registered_ = 0;    // registrations read up to here
-  std::set<int64_t> named_;   // read beyond it (a replica killed before naming itself leaves a gap)
-  Clock::time_point looked_;  // the last look at beats and registrations
-  int64_t done_ = -1;         // the step the run ended at (ft/done)
-  std::string job_;           // the job's settings (the first request's fingerprint)
-  int64_t last_max_ = -1;     // the last quorum's step
-  std::map<int, Known> known_;
+  StoreServer& store_;
+  std::map<std::string, Process> procs_;  // by "<replica>/<nonce>"
+  std::map<int, std::string> owner_;      // replica id -> the process that holds it
+  int64_t done_ = -1;                     // the step the run ended at
+  std::string job_;                       // the job's settings (the first request's)
+  int64_t last_max_ = -1;                 // the last quorum's step
   std::map<int, Ask> pending_;
   Clock::time_point first_ask_;
   std::vector<int> members_;
   int64_t id_ = 0;
 };
 
-// A string from rank 0 of `d` on each of its ranks (through the device NCCL needs).
-
-// The lighthouse's wake-up on asks (serve_lighthouse): a replica asking adds to ft/nask and sets
-// ft/ask/<its count>; this waits for each in turn on a connection of its own.
-struct AskWaker {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool woken = false;
-  std::atomic<int64_t> next{1};
-  std::atomic<bool> stop{false};
-
-  void run(const std::string& host, int port) {
-    c10::intrusive_ptr<c10d::TCPStore> client;
-    try {
-      client = lighthouse_client(host, port, std::chrono::seconds(60));
-    } catch (const std::exception&) {
-      return;  // the loop still looks every 20 ms
-    }
-    while (!stop) {
-      const std::string key = "ft/ask/" + std::to_string(next.load());
-      try {
-        client->wait({key}, std::chrono::seconds(60));
-        client->deleteKey(key);
-        ++next;
-      } catch (const std::exception&) {
-        if (stop) break;
-        try {  // a replica killed between its count and its key: that key never comes
-          if (client->add("ft/nask", 0) >= next) ++next;
-        } catch (const std::exception&) {
-          return;
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        woken = true;
-      }
-      cv.notify_all();
-    }
+std::string lighthouse_secret(const LighthouseOptions& o) {
+  std::string secret = o.secret.empty() ? user_secret() : o.secret;
+  if (secret.empty()) {
+    throw UsageError(
+        "the lighthouse needs the job's secret, which every replica proves before it is heard: "
+        "set SCALETRAIN_SECRET_FILE=PATH (a file only you may read; made with a new secret where "
+        "missing) for the lighthouse and every replica's launcher, or SCALETRAIN_SECRET "
+        "(LighthouseOptions::secret in a program; docs/resilience.md)");
   }
-};
+  if (secret.size() < kMinSecretLength) {
+    throw UsageError("LighthouseOptions::secret holds " + std::to_string(secret.size()) +
+                     " characters, fewer than " + std::to_string(kMinSecretLength));
+  }
+  return secret;
+}
 
 }  // namespace
 
@@ -249,36 +310,29 @@ void serve_lighthouse(const LighthouseOptions& options, const std::atomic<bool>*
     throw UsageError("the lighthouse's minimum of replicas " +
                      std::to_string(options.min_replicas) + " must be at least 1");
   }
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(options.port);
-  so.isServer = true;
-  so.waitWorkers = false;
-  so.timeout = milliseconds(30000);
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  StoreServerOptions so;
+  so.host = options.host;
+  so.port = options.port;
+  so.secret = lighthouse_secret(options);
+  so.service = "lighthouse";
+  so.log = options.on_refused;
+  std::unique_ptr<StoreServer> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(options.host, so);
-  } catch (const std::exception& e) {
-    throw Error("the lighthouse cannot listen on " + options.host + ":" +
-                std::to_string(options.port) + ": " + e.what() +
-                "\nThe port may be taken: choose another --port (0: a free one).");
+    store = std::make_unique<StoreServer>(so);
+  } catch (const Error& e) {
+    throw Error("the lighthouse " + std::string(e.what()) +
+                "\nThe port may be taken: choose another --port (0: a free one); --host must be "
+                "an address of this machine.");
   }
-  const int port = static_cast<int>(store->getPort());
-  if (options.on_listening) options.on_listening(port);
+  if (options.on_listening) options.on_listening(store->port());
   Lighthouse lighthouse(options, *store);
-  // A thread blocks on the next ask's key (ft/ask/<n>) and wakes the loop the moment one comes;
-  // the loop looks at the store at least every 20 ms anyway (beats, timeouts).
-  auto waker = std::make_shared<AskWaker>();
-  const std::string self = options.host == "0.0.0.0" ? "127.0.0.1" : options.host;
-  std::thread waiter([waker, self, port] { waker->run(self, port); });
+  // A change of any key wakes the loop (an ask, a beat, a registration); it looks every 25 ms
+  // anyway, for the timeouts.
   while (stop == nullptr || !stop->load()) {
+    const uint64_t seen = store->changes();
     if (lighthouse.poll()) continue;
-    std::unique_lock<std::mutex> lock(waker->mu);
-    waker->cv.wait_for(lock, milliseconds(20), [&] { return waker->woken; });
-    waker->woken = false;
+    store->wait_for_change(seen, milliseconds(25));
   }
-  waker->stop = true;
-  store->set("ft/ask/" + std::to_string(waker->next.load()), bytes(""));  // wakes the waiter
-  waiter.join();
 }
 
 LighthouseThread::LighthouseThread(LighthouseOptions options) : host_(options.host) {

@@ -13,12 +13,14 @@
 #include <sstream>
 #include <thread>
 
+#include "dist/auth_store.h"
 #include "dist/heartbeat.h"
 #include "dist/nccl_module.h"
 #include "dist/text.h"
 #include "launch/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
+#include "scaletrain/secret.h"
 #include "scaletrain/version.h"
 
 namespace scaletrain {
@@ -81,13 +83,59 @@ int listen_on_loopback(int port) {
   return net::bind_tcp(port, /*loopback_only=*/true, /*listen=*/true);
 }
 
-c10::intrusive_ptr<c10d::Store> connect_store(const World& w, milliseconds timeout) {
+// The secret of the world's store (Note [Job secret]): the launcher's, else the user's.
+std::string world_secret(const InitOptions& o) {
+  if (!o.secret.empty()) return o.secret;
+  if (const char* s = std::getenv(kWorldSecretEnv); s != nullptr && *s != '\0') return s;
+  return user_secret();
+}
+
+// Rank 0 serves the store on MASTER_ADDR's interface (loopback stays loopback), to processes
+// that prove the job's secret; every rank, rank 0 included, is a client.
+c10::intrusive_ptr<c10d::Store> connect_auth_store(const World& w, const std::string& secret,
+                                                   milliseconds timeout) {
+  std::shared_ptr<StoreServer> server;
+  if (w.rank == 0) {
+    StoreServerOptions so;
+    so.host = w.master_addr;
+    so.port = w.master_port;
+    so.secret = secret;
+    try {
+      server = std::make_shared<StoreServer>(so);
+    } catch (const Error& e) {
+      throw Error("rank 0 could not serve the rendezvous store: " + std::string(e.what()) +
+                  "\nThe port may be taken by another job: choose another --master-port "
+                  "(MASTER_PORT), or 0 to let `scaletrain run` pick a free one; MASTER_ADDR "
+                  "must be an address of rank 0's machine.");
+    }
+  }
+  AuthStoreOptions co;
+  co.host = w.master_addr;
+  co.port = w.master_port;
+  co.secret = secret;
+  co.what = "the store of run '" + w.run_id + "'";
+  co.timeout = timeout;
+  try {
+    return c10::make_intrusive<AuthStore>(co, server);
+  } catch (const c10::Error& e) {
+    throw Error("rank " + std::to_string(w.rank) + ": " + e.what_without_backtrace() +
+                "\nCheck that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it.");
+  }
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const World& w, const InitOptions& options,
+                                              milliseconds timeout) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(w.master_port);
   // Under torchrun the agent already serves a store on MASTER_PORT
   // (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, is then a client.
   const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
   const bool agent_store = agent != nullptr && std::string(agent) == "True";
+  if (!agent_store) {
+    if (const std::string secret = world_secret(options); !secret.empty()) {
+      return connect_auth_store(w, secret, timeout);
+    }
+  }
   o.isServer = w.rank == 0 && !agent_store;
   o.waitWorkers = false;
   o.timeout = timeout;
@@ -375,7 +423,7 @@ Dist init_process_group(const InitOptions& options) {
     throw UsageError("unknown backend '" + options.backend + "'; use 'gloo', 'nccl' or 'auto'");
   }
   auto timeout = rendezvous_timeout(options);
-  d.store = connect_store(d.world, timeout);
+  d.store = connect_store(d.world, options, timeout);
   rendezvous(*d.store, d.world, timeout);
   d.backend = new_backend(d, d.backend_name, "default_pg/" + std::to_string(d.world.restart_count),
                           options.timeout);

@@ -24,6 +24,7 @@ RendezvousOptions rendezvous_options(const LaunchOptions& o) {
   r.last_call_s = o.rdzv_last_call_s;
   r.node_timeout_s = o.node_timeout_s;
   r.join_timeout_s = o.rdzv_timeout_s;
+  r.secret = o.secret;
   return r;
 }
 

@@ -79,6 +79,7 @@ std::vector<std::string> Group::worker_env(const Worker& w) const {
       {"GROUP_WORLD_SIZE", std::to_string(w_.nnodes)},
       {"SCALETRAIN_NNODES", std::to_string(w_.nnodes)},
       {"SCALETRAIN_RDZV_TIMEOUT", fmt::format("{}", o_.rdzv_timeout_s)},
+      {"SCALETRAIN_WORLD_SECRET", o_.secret},  // Note [Job secret]: in the environment only
   };
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) {

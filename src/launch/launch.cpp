@@ -20,6 +20,7 @@
 #include "launch/net.h"
 #include "launch/proc_tree.h"
 #include "scaletrain/error.h"
+#include "scaletrain/secret.h"
 
 namespace scaletrain {
 namespace {
@@ -160,6 +161,30 @@ void validate_elastic(const LaunchOptions& o) {
   }
 }
 
+// Note [Job secret]: a job of one node makes its own; the nodes of a job of several must share
+// one, which none of them can make for the others.
+void resolve_secret(LaunchOptions& o) {
+  if (o.secret.empty()) o.secret = user_secret();
+  if (!o.secret.empty()) {
+    if (o.secret.size() < kMinSecretLength) {
+      throw UsageError(fmt::format("LaunchOptions::secret holds {} characters, fewer than {}",
+                                   o.secret.size(), kMinSecretLength));
+    }
+    return;
+  }
+  if (o.nnodes > 1) {
+    throw UsageError(fmt::format(
+        "--nnodes {}: the nodes of a job prove to each other that they belong to it with a "
+        "shared secret, and none was given. Set {}=PATH on every node (a file only you may "
+        "read; made with a new secret where missing, so on a shared file system one path is "
+        "enough), or {} (docs/launcher.md, \"Threat model\")",
+        o.min_nodes > 0 && o.min_nodes < o.nnodes ? fmt::format("{}:{}", o.min_nodes, o.nnodes)
+                                                  : std::to_string(o.nnodes),
+        kSecretFileEnv, kSecretEnv));
+  }
+  o.secret = generate_secret();
+}
+
 void validate(LaunchOptions& o) {
   if (o.command.empty()) {
     throw UsageError("no program to run: give it after '--', e.g. `scaletrain run -- ./train`");
@@ -216,6 +241,7 @@ void validate(LaunchOptions& o) {
                     o.command[0]));
   }
   if (o.run_id.empty()) o.run_id = o.nnodes == 1 ? random_run_id() : "none";
+  resolve_secret(o);
   for (int r : o.show_ranks) {
     if (r < 0 || r >= o.nproc_per_node * o.nnodes) {
       throw UsageError(fmt::format("rank {} given to show is outside the world of {} ranks", r,

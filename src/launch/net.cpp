@@ -36,29 +36,54 @@ int bound_port(int fd) {
   return ntohs(a.sin_port);
 }
 
+bool is_loopback_name(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+namespace {
+
+// A listening socket on exactly `a` (port set by the caller), or -1 with errno set.
+int listen_at(sockaddr_in a) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 1024) != 0) {
+    const int err = errno;
+    close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
+
 int listen_on(const std::string& host, int port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  if (host.empty() || host == "0.0.0.0") {
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    return listen_at(a);
+  }
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) {
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) {
     errno = EADDRNOTAVAIL;
     return -1;
   }
-  // `host` is this machine's when one of its addresses can be bound (on a port of the kernel's).
-  bool ours = false;
-  for (addrinfo* a = found; a != nullptr && !ours; a = a->ai_next) {
-    const int probe = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (probe < 0) break;
-    ours = bind(probe, a->ai_addr, a->ai_addrlen) == 0;
-    close(probe);
-  }
+  a.sin_addr = reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr;
   freeaddrinfo(found);
-  if (!ours) {
-    errno = EADDRNOTAVAIL;
-    return -1;
+  const bool loopback_address = (ntohl(a.sin_addr.s_addr) >> 24) == 127;
+  if (loopback_address && !is_loopback_name(host)) {
+    // This machine's own name, mapped to 127.0.1.1 here and to its real address elsewhere: the
+    // name must be this machine's (it resolves to a loopback address), so every interface.
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
   }
-  return bind_tcp(port, /*loopback_only=*/false, /*listen=*/true);
+  return listen_at(a);  // EADDRNOTAVAIL when the address is another machine's
 }
 
 int connect_to(const std::string& host, int port, int timeout_ms) {

@@ -14,11 +14,18 @@ int bind_tcp(int port, bool loopback_only, bool listen);
 /// The local port a bound socket holds, or -1.
 int bound_port(int fd);
 
-/// When `host` names an address of this machine: a TCP socket listening on `port` of every
-/// interface (a name that this machine's /etc/hosts maps to 127.0.1.1 is still reached by the
-/// others through their own resolution), close-on-exec. -1 with errno set when `host` is another
-/// machine's (EADDRNOTAVAIL), the port is taken (EADDRINUSE) or the name does not resolve.
+/// A TCP socket listening on `port` of the interface `host` names, close-on-exec, with
+/// SO_REUSEADDR: a loopback address stays loopback (no other machine can even connect), an
+/// address of this machine is that interface alone, and "" or "0.0.0.0" is every interface. A
+/// name that this machine resolves to a loopback address but is not itself a loopback name
+/// (Debian's /etc/hosts maps the machine's own name to 127.0.1.1, while the other machines
+/// resolve it to its real address) listens on every interface. -1 with errno set when `host` is
+/// another machine's (EADDRNOTAVAIL), the port is taken (EADDRINUSE) or the name does not
+/// resolve.
 int listen_on(const std::string& host, int port);
+
+/// Whether `host` is a loopback name or address ("localhost", "127.x.y.z", "::1").
+bool is_loopback_name(const std::string& host);
 
 /// A TCP connection to host:port within `timeout_ms` (non-blocking, close-on-exec); -1 when
 /// there is none.

@@ -15,6 +15,7 @@
 #include <optional>
 #include <sstream>
 
+#include "launch/auth.h"
 #include "launch/net.h"
 #include "scaletrain/error.h"
 
@@ -22,9 +23,12 @@ namespace scaletrain::launch_detail {
 
 // Note [Elastic rendezvous]: torchrun's `--nnodes MIN:MAX`, without a store in LibTorch. The
 // launchers of an elastic job all connect to one address (--master-addr:--master-port); the one
-// whose machine holds that address binds it first and hosts the server, as torchrun's c10d
-// rendezvous does (its host must stay for the job's length: when it goes, the others say so and
-// stop). The protocol is lines over TCP:
+// whose machine holds that address binds it first (that interface alone: loopback stays
+// loopback) and hosts the server, as torchrun's c10d rendezvous does (its host must stay for the
+// job's length: when it goes, the others say so and stop). Every connection first proves the
+// job's secret (Note [Authenticated connections] in auth.cpp); nothing a connection says before
+// is read. Only a member of the running round may end the job (DONE). The protocol is lines over
+// TCP:
 //   launcher -> server: JOIN <run id> <nproc> <port> <host:pid> <hosting 0|1>  (join)
 //                       FAILED                                (this node's workers failed)
 //                       DONE                                  (this node's workers all exited 0)
@@ -72,9 +76,12 @@ struct RendezvousServer::State {
     }
   };
 
-  explicit State(const RendezvousOptions& options) : o(options) {}
+  State(const RendezvousOptions& options, int listener)
+      : o(options),
+        door(listener, options.secret, "rendezvous", net::GateLimits{},
+             [](const auto& m) { spdlog::warn("scaletrain run: rendezvous: {}", m); }) {}
 
-  void accept_from(int listener);
+  void admit();
   void read_all();
   void drop_closed();
   void settle_failure();
@@ -83,6 +90,7 @@ struct RendezvousServer::State {
   int members_busy() const;
 
   RendezvousOptions o;
+  net::Doorman door;
   std::vector<Conn> conns;
   int next_id = 0;
   int round = 0;
@@ -110,7 +118,7 @@ std::unique_ptr<RendezvousServer> RendezvousServer::try_host(const RendezvousOpt
 }
 
 RendezvousServer::RendezvousServer(const RendezvousOptions& options, int listener)
-    : listener_(listener), state_(std::make_unique<State>(options)) {
+    : listener_(listener), state_(std::make_unique<State>(options, listener)) {
   if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
     close(listener_);
     throw Error(fmt::format("cannot create the rendezvous's wake pipe: {}", strerror(errno)));
@@ -139,10 +147,11 @@ void RendezvousServer::wait_for_members(double timeout_s, const std::atomic<int>
 void RendezvousServer::serve() {
   State& s = *state_;
   while (!stop_) {
-    std::vector<pollfd> fds{{listener_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+    std::vector<pollfd> fds{{wake_[0], POLLIN, 0}};
+    s.door.add_pollfds(fds);
     for (auto& c : s.conns) fds.push_back({c.fd, POLLIN, 0});
     poll(fds.data(), fds.size(), 100);
-    if (fds[0].revents & POLLIN) s.accept_from(listener_);
+    s.admit();
     s.read_all();
     s.drop_closed();
     s.settle_failure();
@@ -157,14 +166,16 @@ void RendezvousServer::serve() {
   }
 }
 
-void RendezvousServer::State::accept_from(int listener) {
-  const int fd = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) return;
-  Conn c;
-  c.fd = fd;
-  c.id = next_id++;
-  c.addr = net::peer_address(fd);
-  conns.push_back(std::move(c));
+// The connections that proved the job's secret join the conversation (Doorman).
+void RendezvousServer::State::admit() {
+  for (auto& p : door.step()) {
+    Conn c;
+    c.fd = p.fd;
+    c.id = next_id++;
+    c.addr = p.peer;
+    c.buf = std::move(p.buf);
+    conns.push_back(std::move(c));
+  }
 }
 
 void RendezvousServer::State::read_all() {
@@ -217,6 +228,11 @@ void RendezvousServer::State::handle(Conn& c, const std::string& line) {
       recall("the workers of " + c.name() + " failed");
     }
   } else if (verb == "DONE") {
+    if (!c.member) {  // only a node of the running round can know the job is done
+      spdlog::warn("scaletrain run: rendezvous: {} said DONE without being in the round; ignored",
+                   c.name());
+      return;
+    }
     c.done = true;
     c.member = false;
     if (!finished) {

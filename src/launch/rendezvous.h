@@ -34,6 +34,7 @@ struct RendezvousOptions {
   double last_call_s = 3;       // once min_nodes are there, wait this long for more (up to max)
   double node_timeout_s = 10;   // a launcher silent this long has left (beats every 0.5 s)
   double join_timeout_s = 300;  // a join that forms no round within this long fails
+  std::string secret;           // the job's: every launcher proves it (Note [Job secret])
 };
 
 /// The server, on a thread of its own. Contract: a round is formed from the nodes that have
@@ -65,7 +66,7 @@ class RendezvousServer {
   void serve();
   int listener_ = -1;
   int wake_[2] = {-1, -1};
-  std::unique_ptr<State> state_;
+  std::unique_ptr<State> state_;  // holds the Doorman of listener_
   std::atomic<bool> stop_{false};
   std::atomic<int> rounds_{0};
   std::atomic<int> members_busy_{0};
@@ -115,9 +116,11 @@ class RendezvousClient {
   bool cut_off() const { return cut_off_; }
 
  private:
+  int connect_proved(std::string* why);
   void run();
   void send_line(const std::string& line);
   RendezvousOptions o_;
+  std::string early_;  // what the host sent right after its proof (run() reads it first)
   bool hosting_;
   const std::atomic<int>* stop_signal_;
   int fd_ = -1;

@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 
+#include "launch/auth.h"
 #include "launch/net.h"
 #include "scaletrain/error.h"
 
@@ -40,7 +41,8 @@ RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hostin
                                    const std::atomic<int>* stop_signal, bool refused_is_final)
     : o_(options), hosting_(hosting), stop_signal_(stop_signal) {
   const auto start = Clock::now();
-  while ((fd_ = net::connect_to(o_.host, o_.port, 1000)) < 0) {
+  std::string unproved;  // why the last connection's handshake failed
+  while ((fd_ = connect_proved(&unproved)) < 0) {
     if (stop_signal_ && stop_signal_->load() != 0) {
       throw Error("scaletrain run: interrupted while waiting for the rendezvous");
     }
@@ -53,10 +55,12 @@ RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hostin
     }
     if (seconds_since(start) > o_.join_timeout_s) {
       throw Error(fmt::format(
-          "cannot reach the rendezvous at {}:{} for {:.0f} s (--rdzv-timeout): start the "
+          "cannot reach the rendezvous at {}:{} for {:.0f} s (--rdzv-timeout){}: start the "
           "launcher of the machine that has address {} (it hosts the rendezvous), or check "
           "--master-addr/--master-port",
-          o_.host, o_.port, o_.join_timeout_s, o_.host));
+          o_.host, o_.port, o_.join_timeout_s,
+          unproved.empty() ? "" : "; the last connection's handshake failed: " + unproved,
+          o_.host));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -65,6 +69,25 @@ RendezvousClient::RendezvousClient(const RendezvousOptions& options, bool hostin
     throw Error(fmt::format("cannot create the rendezvous's wake pipe: {}", strerror(errno)));
   }
   thread_ = std::thread([this] { run(); });
+}
+
+// A connection that proved the job's secret (Note [Authenticated connections]), or -1: errno
+// set where no connection was made, `why` where the handshake failed. A host that holds another
+// secret is an error at once: waiting would not change it.
+int RendezvousClient::connect_proved(std::string* why) {
+  const int fd = net::connect_to(o_.host, o_.port, 1000);
+  if (fd < 0) return -1;
+  *why = net::prove(fd, o_.secret, "rendezvous", 5000, &early_);
+  if (why->empty()) return fd;
+  close(fd);
+  errno = 0;
+  if (net::is_wrong_secret(*why)) {
+    throw UsageError(
+        fmt::format("the rendezvous at {}:{} {}: every node of a job needs the same secret "
+                    "(SCALETRAIN_SECRET_FILE or SCALETRAIN_SECRET; docs/launcher.md)",
+                    o_.host, o_.port, *why));
+  }
+  return -1;
 }
 
 RendezvousClient::~RendezvousClient() {
@@ -84,7 +107,7 @@ void RendezvousClient::send_line(const std::string& line) {
 }
 
 void RendezvousClient::run() {
-  std::string buf;
+  std::string buf = std::move(early_);
   auto heard = Clock::now(), next_beat = Clock::now();
   auto lost = [&](const std::string& why) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -37,6 +37,7 @@
 #include "scaletrain/flops.h"
 #include "scaletrain/rng.h"
 #include "scaletrain/sampler.h"
+#include "train/replica_settings.h"
 #include "train/report.h"
 #include "train/run.h"
 #include "train/run_folder.h"
@@ -145,9 +146,11 @@ void Run::setup() {
           "unset (--lr-schedule none)");
     }
     ReplicaGroupOptions ro = *o_.fault_tolerant;
-    ro.fingerprint = "seed=" + std::to_string(o_.seed) + "|batch=" + std::to_string(o_.batch_size) +
-                     "|samples=" + std::to_string(task_.train_data.size) +
-                     "|epochs=" + std::to_string(o_.epochs) + "|model=" + model_.name;
+    // Note [Replica settings]: a program's own settings first, then everything that changes
+    // the arithmetic.
+    const std::string mine =
+        replica_settings(o_, model_.name, *model_.module, *opt_, task_.train_data.size);
+    ro.fingerprint = ro.fingerprint.empty() ? mine : ro.fingerprint + "|" + mine;
     replicas_ = std::make_unique<ReplicaGroup>(d_, ro);
   }
   so.seed = seed_;

@@ -9,6 +9,8 @@
 #   wait_for 'CONDITION'                 evaluated again every 0.1 s, for up to 120 s
 #   checkpoints                          how many checkpoints $out/run holds
 # The job trains $ELASTIC_EPOCHS epochs (3 by default).
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib/netns.sh"
 train="train --device cpu --dataset synthetic --limit-train 4096 --limit-test 256 --epochs ${ELASTIC_EPOCHS:-3} --batch-size 32 --log-every 1 --no-progress --timeout 20 --checkpoint-every 8 --keep 1000"
 

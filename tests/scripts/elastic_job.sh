@@ -8,6 +8,8 @@
 # Prints both hosts' logs ("== a ==", "== b ==", "== b again ==", "== ref ==") and
 # "a exit S", "b exit S", "ref exit S"; exits 77 when the sandbox refuses namespaces.
 # usage: elastic_job.sh SCALETRAIN OUT_DIR
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
 cli=$1; out=$2
 source "$(dirname "$0")/elastic_hosts.sh"

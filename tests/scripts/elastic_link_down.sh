@@ -6,6 +6,8 @@
 # logs ("== a ==", "== b =="), "a exit S", "b exit S" and what is left on each host; exits 77
 # when the sandbox refuses namespaces.
 # usage: elastic_link_down.sh SCALETRAIN OUT_DIR [DOWN]
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
 cli=$1; out=$2; down=${3:-}
 # Long enough to outlast a link that comes back: b rejoins a running job.

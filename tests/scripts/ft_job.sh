@@ -11,6 +11,8 @@
 # sees it gone before its new process beats, so the other replica goes on alone meanwhile
 # whatever the machine's load.
 #   ft_job.sh CLI DIR PORT none|KILL|STOP [train flags...]
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 cli=$1 dir=$2 port=$3 sig=$4
 shift 4
 here=$(cd "$(dirname "$0")" && pwd)

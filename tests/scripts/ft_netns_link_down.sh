@@ -7,6 +7,8 @@
 # replica 1 came back to a finished run). Prints the lighthouse's and both replicas' output and "replica R exit S";
 # exits 77 when the sandbox refuses namespaces.
 # usage: ft_netns_link_down.sh SCALETRAIN OUT_DIR
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
 cli=$1; out=$2
 source "$(dirname "$0")/../../scripts/lib/netns.sh"

@@ -4,6 +4,8 @@
 # link goes down. Prints each node's output ("== node0 ==", "== node1 ==") and exits 0 once both
 # launchers ended (with whatever status), 77 when the sandbox refuses namespaces.
 # usage: netns_link_down.sh SCALETRAIN OUT_DIR
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
 cli=$1; out=$2
 source "$(dirname "$0")/../../scripts/lib/netns.sh"

@@ -4,6 +4,8 @@
 # host gets a /dev/shm of its own, as two machines have: then nothing but the veth pair joins
 # them. Exit 77 when the sandbox refuses namespaces (the test then skips and says so).
 # usage: netns_world.sh SCALETRAIN NPROC [shared|private]
+# The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
+export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
 cli=$1; nproc=${2:-1}; shm=${3:-shared}
 source "$(dirname "$0")/../../scripts/lib/netns.sh"

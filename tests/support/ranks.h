@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "scaletrain/dist.h"
+#include "support/secret.h"
 #include "support/subprocess.h"
 
 namespace scaletrain::testing {
@@ -44,6 +45,7 @@ inline std::vector<std::string> run_ranks(
         o.timeout = timeout;
         o.backend = backend;  // Gloo unless a test asks for NCCL, also on a machine with GPUs
         o.rendezvous_timeout = std::chrono::seconds(30);
+        o.secret = kTestSecret;  // the world's store proves it (Note [Job secret])
         Dist d = init_process_group(o);
         body(d);
       } catch (const std::exception& e) {

@@ -233,7 +233,8 @@ void add_model_flags(CLI::App* cmd, Args& a) {
                   "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). grid: bf16 autocast. "
                   "zero1, zero2, fsdp: bf16 parameters over fp32 master shards")
       ->capture_default_str();
-  cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
+  cmd->add_option("--workers", o.workers, "Loader threads per process, 0 to 256 (0: none)")
+      ->capture_default_str();
   cmd->add_flag("--data-on-device", o.data_on_device,
                 "Hold fashion-mnist or synthetic on the training device and gather each batch "
                 "there (no loader threads, no copy per step; the same batches)");

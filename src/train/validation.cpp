@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "scaletrain/loader.h"
 #include "scaletrain/version.h"
 #include "train/run_folder.h"
 
@@ -25,7 +26,12 @@ void validate_trainer_numbers(const TrainerOptions& o) {
           "0 (at the end of each epoch) or more steps");
   require(o.log_every >= 0, "TrainerOptions::log_every", int64_t{o.log_every},
           "0 (no step lines) or more");
-  require(o.workers >= 0, "TrainerOptions::workers", int64_t{o.workers}, "0 or more");
+  // Regression (WorkersOfAHundredThousandAbortedBothRanks): every rank started threads until the
+  // system refused one, and aborted.
+  static_assert(kMaxLoaderWorkers == 256, "the message below names the limit");
+  require(o.workers >= 0 && o.workers <= kMaxLoaderWorkers, "TrainerOptions::workers",
+          int64_t{o.workers},
+          "from 0 (load on the training thread) to 256 loader threads per rank, e.g. 1 to 8");
   require(o.pipeline.chunks >= 0, "TrainerOptions::pipeline.chunks", int64_t{o.pipeline.chunks},
           "1 or more (0: twice the stages)");
   require(o.pipeline.split_size >= 0, "TrainerOptions::pipeline.split_size", o.pipeline.split_size,

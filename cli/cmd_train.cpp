@@ -390,6 +390,14 @@ void add_process_flags(CLI::App* cmd, Args& a) {
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
 }
 
+// Each rank's process group: CPU tensors need Gloo even where NCCL could be had.
+InitOptions init_options(const Args& a) {
+  InitOptions io;
+  io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
+  io.backend = train_backend(a.o, a.backend, cuda_device_count());
+  return io;
+}
+
 // Started by hand: become the launcher of this node's ranks.
 int launch_ranks(Args& a) {
   LaunchOptions lo;
@@ -409,6 +417,9 @@ int launch_ranks(Args& a) {
   }
   require_free_output_folder(a.o);  // a live run there is the first thing to say
   validate(a.o, lo.nproc_per_node);
+  // Regression (BackendDeviceAndDataDirWereFoundInTheWorkers): a backend no rank can join
+  // failed in every rank, after they had been started.
+  scaletrain::validate(init_options(a));
   lo.master_port = 0;
   lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
   std::error_code ec;
@@ -430,13 +441,8 @@ int launch_ranks(Args& a) {
 
 // One rank of a job: join the process group, train, and report on rank 0.
 int train_rank(Args& a) {
-  InitOptions io;
-  io.backend = a.backend;
   validate(a.o, discover_world().world_size);  // before any rendezvous
-  io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
-  // CPU tensors need Gloo even where NCCL could be had.
-  io.backend = train_backend(a.o, a.backend, cuda_device_count());
-  Dist d = init_process_group(io);
+  Dist d = init_process_group(init_options(a));
   TrainResult r = train(a.o, d);
   if (d.rank() == 0 && !r.left_behind) print_summary(a.o, r, d);
   return 0;

@@ -70,5 +70,18 @@ TEST(Hardening, WorkersOfAHundredThousandAbortedBothRanks) {
   }
 }
 
+TEST(Hardening, BackendDeviceAndDataDirWereFoundInTheWorkers) {
+  TempDir dir("found_in_workers");
+  const std::string train = small_train((dir.path / "run").string());
+  expect_refused_before_start(run_command(train + " --backend mpi"), "unknown backend 'mpi'");
+  expect_refused_before_start(run_command(train + " --device cuda:99"),
+                              "--device cuda:99: this machine has ");
+  const std::string missing = (dir.path / "nowhere").string();
+  expect_refused_before_start(
+      run_command(cli_path() + " train --nproc-per-node 2 --epochs 1 --out " +
+                  (dir.path / "run").string() + " --data-dir " + missing),
+      "--dataset fashion-mnist needs '" + missing + "/train-images-idx3-ubyte.gz'");
+}
+
 }  // namespace
 }  // namespace scaletrain

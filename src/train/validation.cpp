@@ -80,6 +80,16 @@ void refuse(const std::string& what) { throw UsageError(what); }
 // backtrace).
 void validate_devices(const TrainerOptions& o) {
   const int gpus = cuda_device_count();
+  // Regression (BackendDeviceAndDataDirWereFoundInTheWorkers): a GPU this machine lacks failed
+  // in every rank, after the launcher had started them, instead of here.
+  if (o.device && o.device->is_cuda() && std::max<int>(o.device->index(), 0) >= gpus) {
+    refuse("TrainerOptions::device " + o.device->str() + ": this machine has " +
+           (gpus == 0 ? std::string("no GPU that CUDA can see; use cpu")
+                      : std::to_string(gpus) +
+                            " GPU(s); use cuda (each rank its own) or cuda:0 "
+                            "to cuda:" +
+                            std::to_string(gpus - 1)));
+  }
   for (const auto& dev : o.devices) {
     if (!dev.is_cpu() && !dev.is_cuda()) {
       refuse("TrainerOptions::devices lists " + dev.str() +

@@ -49,8 +49,10 @@ std::string in_flag_names(const std::string& message) {
       {"TrainerOptions::workers", "--workers"},
       {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
       {"ReplicaGroupOptions::replica_id", "--replica-id"},
+      {"TokenWindowOptions::vocab_size", "--vocab-size"},
   };
-  static const std::regex name(R"((TrainerOptions|ReplicaGroupOptions)::[a-z_]+(\.[a-z_]+)?)");
+  static const std::regex name(
+      R"((TrainerOptions|ReplicaGroupOptions|TokenWindowOptions)::[a-z_]+(\.[a-z_]+)?)");
   std::string out;
   auto from = message.cbegin();
   for (std::sregex_iterator it(message.begin(), message.end(), name), end; it != end; ++it) {

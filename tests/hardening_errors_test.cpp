@@ -83,5 +83,64 @@ TEST(Hardening, BackendDeviceAndDataDirWereFoundInTheWorkers) {
       "--dataset fashion-mnist needs '" + missing + "/train-images-idx3-ubyte.gz'");
 }
 
+// n little-endian uint16 ids: byte values, but `bad` at position `at`.
+std::string ids_with(int64_t n, int64_t at, int bad) {
+  std::string bytes(static_cast<size_t>(2 * n), '\0');
+  for (int64_t i = 0; i < n; ++i) {
+    const int id = i == at ? bad : static_cast<int>(i * 7 % 251);
+    bytes[static_cast<size_t>(2 * i)] = static_cast<char>(id & 0xff);
+    bytes[static_cast<size_t>(2 * i + 1)] = static_cast<char>(id >> 8);
+  }
+  return bytes;
+}
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << bytes;
+}
+
+// An id at or past the vocabulary in the middle of a text file met the embedding at tp 1:
+// "index out of range in self" and a 30-frame backtrace. The windows name the file, the id and
+// its position, whatever reads them.
+TEST(Hardening, TokenPastTheVocabularyInTheMiddleOfAFileGaveABacktrace) {
+  TempDir dir("vocabulary");
+  const std::string path = (dir.path / "val.bin").string();
+  write_bytes(path, ids_with(2000, 1500, 300));
+  TokenWindowOptions w;
+  w.block_size = 64;
+  w.mode = TokenWindowOptions::Mode::kStrided;
+  w.vocab_size = 256;
+  const DataSource windows = token_windows(path, w);
+  EXPECT_NO_THROW(windows.batch({0, 1, 2}, 0)) << "the first windows hold byte ids only";
+  try {
+    windows.batch({3, 1500 / 64}, 0);  // the second window holds token 1500
+    ADD_FAILURE() << "id 300 passed a vocabulary of 256";
+  } catch (const UsageError& e) {
+    EXPECT_TRUE(holds(e.what(), "token file '" + path + "' holds id 300 at token 1500"))
+        << e.what();
+    EXPECT_TRUE(holds(e.what(), "vocabulary of 256 ids: give a vocabulary of at least 301"))
+        << e.what();
+  }
+  w.vocab_size = 301;
+  std::vector<int64_t> all(static_cast<size_t>(token_windows(path, w).size));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  EXPECT_NO_THROW(token_windows(path, w).batch(all, 0));
+
+  // The trainer at tp 1: evaluation reads val.bin's windows past the first ones.
+  write_bytes(dir.path / "data" / "train.bin", ids_with(4000, -1, 0));
+  write_bytes(dir.path / "data" / "val.bin", ids_with(2000, 1500, 300));
+  auto r = run_command(cli_path() + " train --device cpu --model gpt-tiny --dataset text " +
+                           "--data-dir " + (dir.path / "data").string() + " --out " +
+                           (dir.path / "run").string() +
+                           " --nproc-per-node 1 --epochs 1 --limit-train 32 --batch-size 16 "
+                           "--no-progress --no-tensorboard",
+                       180);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(holds(r.output, "data/val.bin' holds id 300 at token 1500")) << r.output;
+  EXPECT_TRUE(holds(r.output, "give a vocabulary of at least 301 (--vocab-size)")) << r.output;
+  EXPECT_FALSE(holds(r.output, "index out of range")) << r.output;
+  EXPECT_FALSE(holds(r.output, "frame #")) << r.output;
+}
+
 }  // namespace
 }  // namespace scaletrain

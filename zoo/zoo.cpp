@@ -170,6 +170,8 @@ Data load_text(const TrainOptions& o) {
   w.block_size = o.context > 0 ? o.context : gpt_config(o.model).block_size;
   w.samples = o.limit_train;
   w.seed = o.seed;
+  // The embedding's rows: an id past them is named with its file and place (tokens.h).
+  w.vocab_size = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
   d.train = token_windows(o.data_dir + "/train.bin", w);
   w.mode = TokenWindowOptions::Mode::kStrided;
   w.samples = 0;

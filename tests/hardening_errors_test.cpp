@@ -142,5 +142,121 @@ TEST(Hardening, TokenPastTheVocabularyInTheMiddleOfAFileGaveABacktrace) {
   EXPECT_FALSE(holds(r.output, "frame #")) << r.output;
 }
 
+// ---- The run folder at the end: no stale temporaries, no replaced shards ---------------------
+
+TrainerOptions zero1_options(const std::string& out, CheckpointFormat format) {
+  TrainerOptions o;
+  o.strategy = Strategy::kZero1;
+  o.checkpoint_format = format;
+  o.epochs = 1;
+  o.batch_size = 12;
+  o.checkpoint_every = 1;
+  o.keep = 10;
+  o.out_dir = out;
+  o.progress = false;
+  o.tensorboard = false;
+  o.log_every = 0;
+  o.workers = 0;
+  o.channels_last = false;
+  o.device = at::kCPU;
+  return o;
+}
+
+TrainTask task_of_48(std::mutex& mu) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  Dataset data;
+  data.inputs = at::randn({48, 6}, gen);
+  data.targets = at::randint(3, {48}, gen, at::kLong);
+  data.num_classes = 3;
+  TrainTask task;
+  task.train_data = in_memory(data);
+  task.model = [&mu] { return testing::net_model(mu); };
+  return task;
+}
+
+// zero1 over 2 rank threads, sharded checkpoints, stopped right after the checkpoint of step 2.
+void sharded_run_stopped_at_step_2(const std::string& out, std::mutex& mu) {
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    TrainTask task = task_of_48(mu);
+    task.on_step = [](const StepReport& r) {
+      if (r.global_step == 2) throw std::runtime_error("stopped at step 2");
+    };
+    train(task, zero1_options(out, CheckpointFormat::kSharded), d);
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "stopped at step 2");
+  ASSERT_TRUE(fs::exists(fs::path(out) / "world-2" / "rank-1" / "ckpt-2.st"));
+}
+
+pid_t a_dead_pid() {
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  waitpid(child, nullptr, 0);
+  return child;
+}
+
+std::vector<std::string> temporaries_under(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.path().extension() == ".tmp") out.push_back(fs::relative(e.path(), dir).string());
+  }
+  return out;
+}
+
+// Background writes killed mid-write left their temporaries, seconds old, in folders no later
+// checkpoint wrote (the shards of the world before a resume at another size): the finished
+// run's folder kept them. A temporary of a live process (this one) is left alone.
+TEST(Hardening, StaleTemporariesStayedInAFinishedFolder) {
+  TempDir dir("stale_temporaries");
+  const std::string out = (dir.path / "run").string();
+  std::mutex mu;
+  sharded_run_stopped_at_step_2(out, mu);
+  const std::string dead = std::to_string(a_dead_pid()), live = std::to_string(getpid());
+  for (const std::string& f : std::vector<std::string>{
+           "world-2/rank-1/ckpt-3.st." + dead + "-0.tmp", "ckpt-3.st." + dead + "-1.tmp",
+           "model.pt." + dead + "-2.tmp", "run.json.tmp"}) {
+    write_bytes(fs::path(out) / f, "half a file");
+  }
+  write_bytes(fs::path(out) / "world-2" / "rank-0" / ("ckpt-3.st." + live + "-7.tmp"), "live");
+  auto errors = testing::run_ranks(1, [&](Dist& d) {
+    train(task_of_48(mu), zero1_options(out, CheckpointFormat::kSharded), d);
+  });
+  ASSERT_EQ(errors[0], "");
+  EXPECT_TRUE(fs::exists(fs::path(out) / "world-1" / "rank-0" / "ckpt-4.st"));
+  EXPECT_EQ(temporaries_under(out),
+            std::vector<std::string>{"world-2/rank-0/ckpt-3.st." + live + "-7.tmp"});
+}
+
+// A run that resumed from sharded checkpoints and went on in the full format left every shard
+// behind. They go once a full checkpoint is on disk, never before (a full write that fails
+// leaves them), and another run's shards stay.
+TEST(Hardening, OldShardsStayedAfterASwitchBackToTheFullFormat) {
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "sync");
+    TempDir dir(async ? "format_switch_async" : "format_switch");
+    const fs::path out = dir.path / "run";
+    std::mutex mu;
+    sharded_run_stopped_at_step_2(out.string(), mu);
+    TrainingState other;
+    other.run_id = "another-run";
+    other.global_step = 1;
+    torch::nn::Linear lonely(2, 2);
+    save_checkpoint((out / "world-3" / "rank-0").string(), other, *lonely, nullptr, 1);
+    TrainerOptions full = zero1_options(out.string(), CheckpointFormat::kFull);
+    full.async_checkpoint = async;
+    // A full checkpoint that cannot be written (a folder holds its name): the shards stay.
+    fs::create_directories(out / "ckpt-3.st" / "in-the-way");
+    auto failed = testing::run_ranks(2, [&](Dist& d) { train(task_of_48(mu), full, d); });
+    EXPECT_TRUE(holds(failed[0], "ckpt-3.st")) << failed[0];
+    EXPECT_TRUE(fs::exists(out / "world-2" / "rank-1" / "ckpt-2.st"));
+    fs::remove_all(out / "ckpt-3.st");
+    auto errors = testing::run_ranks(2, [&](Dist& d) { train(task_of_48(mu), full, d); });
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    EXPECT_TRUE(fs::exists(out / "ckpt-4.st"));
+    EXPECT_FALSE(fs::exists(out / "world-2")) << "the replaced shards and their folders";
+    EXPECT_TRUE(fs::exists(out / "world-3" / "rank-0" / "ckpt-1.st")) << "another run's shard";
+  }
+}
+
 }  // namespace
 }  // namespace scaletrain

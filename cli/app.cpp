@@ -1,9 +1,18 @@
 // What the front and the full tool share (Note [Front] in commands.h): the app's frame, and
 // parsing with one exit status for each kind of outcome.
 
+#include <cxxabi.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <regex>
+#include <typeinfo>
 
 #include "commands.h"
 #include "scaletrain/error.h"
@@ -49,8 +58,10 @@ std::string in_flag_names(const std::string& message) {
       {"TrainerOptions::workers", "--workers"},
       {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
       {"ReplicaGroupOptions::replica_id", "--replica-id"},
+      {"TokenWindowOptions::vocab_size", "--vocab-size"},
   };
-  static const std::regex name(R"((TrainerOptions|ReplicaGroupOptions)::[a-z_]+(\.[a-z_]+)?)");
+  static const std::regex name(
+      R"((TrainerOptions|ReplicaGroupOptions|TokenWindowOptions)::[a-z_]+(\.[a-z_]+)?)");
   std::string out;
   auto from = message.cbegin();
   for (std::sregex_iterator it(message.begin(), message.end(), name), end; it != end; ++it) {
@@ -80,6 +91,47 @@ bool check_first_argument(CLI::App& app, int argc, char** argv) {
   std::cerr << "scaletrain: unknown " << (first[0] == '-' ? "option '" : "subcommand '") << first
             << "'; subcommands are: " << names << "\nRun 'scaletrain --help' for usage.\n";
   return false;
+}
+
+// An exception without a message is named by its type, so that its line says which part failed.
+std::string described(const std::exception& e) {
+  const std::string what = e.what();
+  if (what.find_first_not_of(" \t\r\n") != std::string::npos) return what;
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> name(
+      abi::__cxa_demangle(typeid(e).name(), nullptr, nullptr, &status), std::free);
+  return std::string(status == 0 && name ? name.get() : typeid(e).name()) +
+         " without a message (a peer, or the store it served, may be gone: see the other ranks' "
+         "errors)";
+}
+
+std::atomic<int> g_held_signal{0};
+void hold_signal(int sig) { g_held_signal = sig; }
+
+// Regression (EmptyErrorLineWhenTheRendezvousHostDied): a rank whose peer vanished failed and
+// was stopped by its launcher (SIGTERM) at the same moment; it had written "scaletrain: error: "
+// and died before the message, which went out in a second write. The line goes out whole, in one
+// write (a pipe takes up to PIPE_BUF bytes at once or waits), and a SIGTERM or SIGINT that comes
+// meanwhile, on any thread, is held until it is out and then takes effect as it would have.
+void say_whole_line(const std::string& text) {
+  const std::string line = text + "\n";
+  struct sigaction hold {};
+  hold.sa_handler = hold_signal;
+  sigemptyset(&hold.sa_mask);
+  hold.sa_flags = SA_RESTART;
+  struct sigaction old_term = hold, old_int = hold;
+  sigaction(SIGTERM, &hold, &old_term);
+  sigaction(SIGINT, &hold, &old_int);
+  std::cerr.flush();
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  sigaction(SIGTERM, &old_term, nullptr);
+  sigaction(SIGINT, &old_int, nullptr);
+  if (const int sig = g_held_signal.exchange(0)) ::raise(sig);
 }
 
 }  // namespace
@@ -115,10 +167,10 @@ int parse_and_run(CLI::App& app, const Action& action, int argc, char** argv) {
   try {
     return action ? action() : 0;
   } catch (const UsageError& e) {
-    std::cerr << "scaletrain: " << in_flag_names(e.what()) << "\n";
+    say_whole_line("scaletrain: " + in_flag_names(e.what()));
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "scaletrain: error: " << in_flag_names(e.what()) << "\n";
+    say_whole_line("scaletrain: error: " + in_flag_names(described(e)));
     return 1;
   }
 }

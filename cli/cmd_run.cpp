@@ -125,6 +125,10 @@ void add_run_command(CLI::App& app, Action& action) {
                   "Seconds a worker may stay stopped by a signal (SIGSTOP, a debugger) before "
                   "its group counts as failed")
       ->capture_default_str();
+  cmd->add_option("--exit-barrier-timeout", o.exit_barrier_timeout_s,
+                  "Seconds the other workers may run once one has exited 0; then they are "
+                  "stopped and the group fails, naming them (0: wait for ever)")
+      ->capture_default_str();
   cmd->add_option("command", o.command, "The program and its arguments (after --)")->required();
   cmd->callback([args, &action] {
     action = [args] {

@@ -246,7 +246,8 @@ void add_model_flags(CLI::App* cmd, Args& a) {
                   "Mixed precision: none, bf16 or fp16 (loss scaling; ddp). grid: bf16 autocast. "
                   "zero1, zero2, fsdp: bf16 parameters over fp32 master shards")
       ->capture_default_str();
-  cmd->add_option("--workers", o.workers, "Loader threads per process")->capture_default_str();
+  cmd->add_option("--workers", o.workers, "Loader threads per process, 0 to 256 (0: none)")
+      ->capture_default_str();
   cmd->add_flag("--data-on-device", o.data_on_device,
                 "Hold fashion-mnist or synthetic on the training device and gather each batch "
                 "there (no loader threads, no copy per step; the same batches)");
@@ -402,6 +403,14 @@ void add_process_flags(CLI::App* cmd, Args& a) {
   cmd->add_flag("!--no-progress", o.progress, "No progress bar");
 }
 
+// Each rank's process group: CPU tensors need Gloo even where NCCL could be had.
+InitOptions init_options(const Args& a) {
+  InitOptions io;
+  io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
+  io.backend = train_backend(a.o, a.backend, cuda_device_count());
+  return io;
+}
+
 // Started by hand: become the launcher of this node's ranks.
 int launch_ranks(Args& a) {
   LaunchOptions lo;
@@ -421,6 +430,9 @@ int launch_ranks(Args& a) {
   }
   require_free_output_folder(a.o);  // a live run there is the first thing to say
   validate(a.o, lo.nproc_per_node);
+  // Regression (BackendDeviceAndDataDirWereFoundInTheWorkers): a backend no rank can join
+  // failed in every rank, after they had been started.
+  scaletrain::validate(init_options(a));
   lo.master_port = 0;
   lo.show_ranks = {0};  // rank 0 reports; the others' logs stay quiet
   std::error_code ec;
@@ -442,13 +454,8 @@ int launch_ranks(Args& a) {
 
 // One rank of a job: join the process group, train, and report on rank 0.
 int train_rank(Args& a) {
-  InitOptions io;
-  io.backend = a.backend;
   validate(a.o, discover_world().world_size);  // before any rendezvous
-  io.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.o.timeout_s * 1000));
-  // CPU tensors need Gloo even where NCCL could be had.
-  io.backend = train_backend(a.o, a.backend, cuda_device_count());
-  Dist d = init_process_group(io);
+  Dist d = init_process_group(init_options(a));
   TrainResult r = train(a.o, d);
   if (d.rank() == 0 && !r.left_behind) print_summary(a.o, r, d);
   return 0;

@@ -511,7 +511,7 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--device tpu",
             "unknown --device 'tpu'; give cpu, cuda or cuda:N, or auto (a GPU when there is one)"},
         Bad{"--amp fp8", "unknown --amp 'fp8'"},
-        Bad{"--workers -1", "--workers -1 must be 0 or more"},
+        Bad{"--workers -1", "--workers -1 must be from 0 (load on the training thread) to 256"},
         Bad{"--dataset folder --data-dir /nonexistent", "needs '/nonexistent/train'"},
         Bad{"--init-weights /nonexistent.pt", "--init-weights '/nonexistent.pt': no such file"},
         // Regression (NegativeSeedWrapsAround).

@@ -141,24 +141,6 @@ void validate_zoo_names(const TrainOptions& o) {
                      "'; use fashion-mnist, synthetic, folder (--data-dir with train/ and val/) "
                      "or text (--data-dir with train.bin and val.bin)");
   }
-  if (o.dataset == "text") {
-    for (const char* split : {"/train.bin", "/val.bin"}) {
-      if (!fs::is_regular_file(o.data_dir + split)) {
-        throw UsageError("--dataset text needs '" + o.data_dir + split +
-                         "': point --data-dir at the folder of train.bin and val.bin (`scaletrain "
-                         "data text --input TEXT --out DIR` writes them)");
-      }
-    }
-  }
-  if (o.dataset == "folder") {
-    for (const char* split : {"/train", "/val"}) {
-      if (!fs::is_directory(o.data_dir + split)) {
-        throw UsageError("--dataset folder needs '" + o.data_dir + split +
-                         "' (one sub-folder per class); point --data-dir at the folder that "
-                         "holds train/ and val/");
-      }
-    }
-  }
   if (o.optimizer != "sgd" && o.optimizer != "adam") {
     throw UsageError("unknown optimizer '" + o.optimizer + "'; use sgd or adam");
   }
@@ -188,6 +170,8 @@ Data load_text(const TrainOptions& o) {
   w.block_size = o.context > 0 ? o.context : gpt_config(o.model).block_size;
   w.samples = o.limit_train;
   w.seed = o.seed;
+  // The embedding's rows: an id past them is named with its file and place (tokens.h).
+  w.vocab_size = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
   d.train = token_windows(o.data_dir + "/train.bin", w);
   w.mode = TokenWindowOptions::Mode::kStrided;
   w.samples = 0;
@@ -229,6 +213,42 @@ Data load(const TrainOptions& o) {
   return d;
 }
 
+// The data set's files, before the launcher starts any worker (each would fail on the same
+// missing file) and before the output folder is made.
+void validate_zoo_data(const TrainOptions& o) {
+  if (o.dataset == "text") {
+    for (const char* split : {"/train.bin", "/val.bin"}) {
+      if (!fs::is_regular_file(o.data_dir + split)) {
+        throw UsageError("--dataset text needs '" + o.data_dir + split +
+                         "': point --data-dir at the folder of train.bin and val.bin (`scaletrain "
+                         "data text --input TEXT --out DIR` writes them)");
+      }
+    }
+  }
+  // Regression (BackendDeviceAndDataDirWereFoundInTheWorkers): Fashion-MNIST's files were first
+  // looked for by the workers, after the launcher had started them (load_fashion_mnist reads these
+  // four).
+  if (o.dataset == "fashion-mnist") {
+    for (const char* file : {"/train-images-idx3-ubyte.gz", "/train-labels-idx1-ubyte.gz",
+                             "/t10k-images-idx3-ubyte.gz", "/t10k-labels-idx1-ubyte.gz"}) {
+      if (!fs::is_regular_file(o.data_dir + file)) {
+        throw UsageError("--dataset fashion-mnist needs '" + o.data_dir + file +
+                         "': point --data-dir at the folder of its four IDX .gz files, or "
+                         "install Debian's dataset-fashion-mnist (or use --dataset synthetic)");
+      }
+    }
+  }
+  if (o.dataset == "folder") {
+    for (const char* split : {"/train", "/val"}) {
+      if (!fs::is_directory(o.data_dir + split)) {
+        throw UsageError("--dataset folder needs '" + o.data_dir + split +
+                         "' (one sub-folder per class); point --data-dir at the folder that "
+                         "holds train/ and val/");
+      }
+    }
+  }
+}
+
 // An explicit --balance against the zoo model's chain (the trainer checks the list's length).
 void validate_zoo_balance(const TrainOptions& o) {
   if (o.pipeline.balance.by != Balance::By::kLayers) return;
@@ -264,6 +284,7 @@ std::string train_backend(const TrainOptions& o, const std::string& requested, i
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
+  validate_zoo_data(o);
   validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);
   validate_vocabulary(o);  // after the degree against the world, which comes first

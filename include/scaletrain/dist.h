@@ -168,6 +168,12 @@ struct Dist {
 /// Dist): every wrapper checks its Dist with it before the first collective.
 void require_joined(const Dist& dist, const std::string& who);
 
+/// Checks `options` before any process of the job starts, as a launcher of its own ranks needs
+/// (init_process_group() refuses the same later, in every rank): a backend other than "gloo",
+/// "nccl" or "auto", "nccl" where no GPU is visible or the library has no CUDA, a timeout that is
+/// not positive, a negative heartbeat interval. Throws UsageError naming the value and the fix.
+void validate(const InitOptions& options);
+
 /// Joins the job's process group. Throws Error (run id mismatch, missing ranks after the
 /// rendezvous timeout, duplicate rank, unknown backend, NCCL without CUDA) with the rank and
 /// the fix in the message.

@@ -50,6 +50,11 @@ struct LaunchOptions {
   // to rank 0, which serves the store), and with every worker stopped nothing times out at all.
   double stopped_timeout_s = 300;
   int tail_lines = 20;  // error-output lines quoted in the failure summary (512 B each)
+  // Once a worker has exited 0, the others get this long to exit too; those still running then
+  // are stopped (SIGTERM, SIGKILL after grace_period_s) and the group fails, naming them (Note
+  // [Exit barrier] in src/launch/group_exit.cpp). A rank that hangs after its peers finished
+  // would otherwise hold the job for good. 0: wait for them for ever (torchrun's behaviour).
+  double exit_barrier_timeout_s = 300;
 };
 
 /// The most workers one launcher starts on a node. Each worker is two processes (the program and
@@ -59,8 +64,8 @@ constexpr int kMaxWorkersPerNode = 1024;
 /// Checks the options and resolves the automatic ones (free port, run id, secret). Throws
 /// UsageError naming the bad value and the fix: nproc < 1 or > kMaxWorkersPerNode, more workers
 /// than this process may open files or start processes for, node_rank >= nnodes, a busy port, a
-/// program that does not exist, a negative grace period, several nodes without a secret...
-/// Starts nothing.
+/// program that does not exist, a negative grace period or exit barrier timeout, several nodes
+/// without a secret... Starts nothing.
 void validate(LaunchOptions& options);
 
 /// Runs the job (validate() first). Returns the launcher's exit status: 0 when every worker

@@ -41,9 +41,14 @@ BatchFn batches_of(std::shared_ptr<const Dataset> dataset);
 /// Decoded, transformed images of a folder.
 BatchFn batches_of(std::shared_ptr<const ImageFolder> folder);
 
+/// The most background threads one Loader starts. A batch needs one thread at most, and a
+/// machine's cores bound what helps: a count past this is a typo, not a setting (100000 made
+/// every rank start threads until the process could start no more).
+constexpr int kMaxLoaderWorkers = 256;
+
 struct LoaderOptions {
   int64_t batch_size = 64;
-  int workers = 1;   // background threads; 0: build batches on the caller's thread
+  int workers = 1;   // background threads, 0 to kMaxLoaderWorkers; 0: on the caller's thread
   int prefetch = 2;  // batches each worker may hold ready
   bool drop_last = false;
   bool pin_memory = false;  // needs CUDA; ignored without it
@@ -54,6 +59,9 @@ struct LoaderOptions {
 
 class Loader {
  public:
+  /// Throws UsageError naming the value for batch_size < 1, workers outside [0,
+  /// kMaxLoaderWorkers] or prefetch < 1, and Error when the system refuses a thread (the ones
+  /// already started are stopped first).
   Loader(BatchFn build, std::vector<int64_t> indices, LoaderOptions options);
   ~Loader();
   Loader(const Loader&) = delete;

@@ -76,13 +76,18 @@ struct TokenWindowOptions {
   /// takes the first that many.
   int64_t samples = 0;
   uint64_t seed = 0;  // kRandom: which windows (a different seed, other windows)
+  /// The model's vocabulary: every id of a window read must lie below it, else the batch throws
+  /// UsageError naming the file, the id and its position (an embedding's own error names
+  /// neither). 0: any uint16 id. Each window is checked as it is copied: no pass over the file.
+  int64_t vocab_size = 0;
 };
 
 /// The windows of the token file `path` as the trainer's data source (trainer.h): sample i is
 /// (x = tokens[s, s+T), y = tokens[s+1, s+T+1)) with s as options.mode says. The file stays
 /// mapped while the source (or a copy of its batch function) lives. Throws UsageError naming
 /// the path for a file TokenFile refuses or one shorter than block_size + 1 tokens, and naming
-/// the value for block_size < 1, samples < 0, or more strided samples than the file holds.
+/// the value for block_size < 1, samples < 0, vocab_size < 0, or more strided samples than the
+/// file holds. Its batches throw UsageError for an id at or past options.vocab_size.
 DataSource token_windows(const std::string& path, const TokenWindowOptions& options = {});
 
 /// What write_byte_tokens() wrote.

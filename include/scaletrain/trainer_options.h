@@ -145,7 +145,7 @@ struct TrainerOptions {
   int log_every = 50;       // steps between metric lines
   bool progress = true;     // progress bar / lines on rank 0
   bool tensorboard = true;  // events.out.tfevents.* in out_dir (rank 0)
-  int workers = 1;          // loader threads per rank (0: load on the training thread)
+  int workers = 1;          // loader threads per rank, 0 to 256 (0: on the training thread)
   // In-memory splits (DataSource::rows: Fashion-MNIST, synthetic, a user's in_memory() tensors)
   // held on this rank's device, each batch gathered there: no loader thread and no copy per
   // step (Note [Data on the device] in src/train/run_steps.cpp). The batches are the loader's.

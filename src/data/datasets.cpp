@@ -11,9 +11,9 @@ namespace scaletrain {
 
 at::Tensor read_idx(const std::string& path) {
   if (!std::filesystem::exists(path)) {
-    throw Error("data file '" + path +
-                "' does not exist; install Debian's dataset-fashion-mnist "
-                "or point --data-dir at a folder holding the IDX files");
+    throw UsageError("data file '" + path +
+                     "' does not exist; install Debian's dataset-fashion-mnist "
+                     "or point --data-dir at a folder holding the IDX files");
   }
   std::unique_ptr<gzFile_s, int (*)(gzFile)> f(gzopen(path.c_str(), "rb"), gzclose);
   if (!f) throw Error("cannot open data file '" + path + "'");

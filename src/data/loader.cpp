@@ -66,6 +66,16 @@ struct Loader::State {
     return out;
   }
 
+  void stop_threads() {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    for (auto& t : threads) t.join();
+    threads.clear();
+  }
+
   void work(int64_t first, int64_t step) {
     const int64_t window = static_cast<int64_t>(o.prefetch) * step;
     for (int64_t b = first; b < batches; b += step) {
@@ -93,31 +103,35 @@ Loader::Loader(BatchFn build, std::vector<int64_t> indices, LoaderOptions o)
   if (o.batch_size < 1) {
     throw UsageError("loader batch size " + std::to_string(o.batch_size) + " must be at least 1");
   }
-  if (o.workers < 0 || o.prefetch < 1) {
-    throw UsageError("loader workers (" + std::to_string(o.workers) + ") must be >= 0 and " +
-                     "prefetch (" + std::to_string(o.prefetch) + ") >= 1");
+  if (o.workers < 0 || o.workers > kMaxLoaderWorkers || o.prefetch < 1) {
+    throw UsageError("loader workers " + std::to_string(o.workers) + " must be from 0 to " +
+                     std::to_string(kMaxLoaderWorkers) + " threads (e.g. 1 to 8), and prefetch " +
+                     std::to_string(o.prefetch) + " at least 1");
   }
   s_->build = std::move(build);
   s_->indices = std::move(indices);
   s_->o = o;
   const auto n = static_cast<int64_t>(s_->indices.size());
   s_->batches = o.drop_last ? n / o.batch_size : (n + o.batch_size - 1) / o.batch_size;
-  for (int w = 0; w < o.workers; ++w) {
-    s_->threads.emplace_back([st = s_.get(), w] {
-      at::init_num_threads();  // the process's intra-op thread count, not OpenMP's default
-      st->work(w, st->o.workers);
-    });
+  // Regression (WorkersOfAHundredThousandAbortedBothRanks): a thread the system refused threw
+  // out of here with the started ones still joinable, and their destructor aborted the process.
+  try {
+    for (int w = 0; w < o.workers; ++w) {
+      s_->threads.emplace_back([st = s_.get(), w] {
+        at::init_num_threads();  // the process's intra-op thread count, not OpenMP's default
+        st->work(w, st->o.workers);
+      });
+    }
+  } catch (const std::exception& e) {  // std::system_error, or std::bad_alloc
+    const auto started = s_->threads.size();
+    s_->stop_threads();
+    throw Error("the loader could start " + std::to_string(started) + " of its " +
+                std::to_string(o.workers) + " worker threads (" + e.what() +
+                "): give fewer loader workers, or raise the process limit (ulimit -u)");
   }
 }
 
-Loader::~Loader() {
-  {
-    std::lock_guard lock(s_->mu);
-    s_->stop = true;
-  }
-  s_->cv.notify_all();
-  for (auto& t : s_->threads) t.join();
-}
+Loader::~Loader() { s_->stop_threads(); }
 
 int64_t Loader::num_batches() const { return s_->batches; }
 

@@ -116,6 +116,25 @@ std::string byte_ids(const std::string& text, size_t begin, size_t end) {
   return out;
 }
 
+// Regression (TokenPastTheVocabularyInTheMiddleOfAFileGaveABacktrace): an id at or past the model's
+// vocabulary met the embedding as "index out of range in self" with a backtrace at tp 1 (tp 2's
+// vocabulary-parallel loss named the token, but not the file). Tokens [start, start + len) of
+// `f` are checked as a window is read: one max over ids the copy reads anyway.
+void check_vocabulary(const TokenFile& f, int64_t start, int64_t len, int64_t vocab) {
+  if (vocab <= 0 || vocab > 65535) return;  // 0: unchecked; uint16 ids are all below 65536
+  const uint16_t* t = f.data() + start;
+  uint16_t top = 0;
+  for (int64_t k = 0; k < len; ++k) top = std::max(top, t[k]);
+  if (top < vocab) return;
+  const int64_t at = std::find_if(t, t + len, [&](uint16_t id) { return id >= vocab; }) - t;
+  throw UsageError("token file '" + f.path() + "' holds id " + std::to_string(t[at]) +
+                   " at token " + std::to_string(start + at) +
+                   " (counted from 0), outside the model's vocabulary of " + std::to_string(vocab) +
+                   " ids: give a vocabulary of at least " + std::to_string(t[at] + 1) +
+                   " (TokenWindowOptions::vocab_size), or write the file again with the "
+                   "model's tokenizer");
+}
+
 }  // namespace
 
 TokenFile::TokenFile(const std::string& path) : path_(path) {
@@ -188,6 +207,10 @@ DataSource token_windows(const std::string& path, const TokenWindowOptions& o) {
   if (o.samples < 0) {
     throw UsageError("samples " + std::to_string(o.samples) + ": give 0 (one pass) or more");
   }
+  if (o.vocab_size < 0) {
+    throw UsageError("vocab_size " + std::to_string(o.vocab_size) +
+                     ": give the model's vocabulary, or 0 to take any id");
+  }
   auto file = std::make_shared<const TokenFile>(path);
   const int64_t n = file->size(), T = o.block_size;
   if (n < T + 1) {
@@ -207,7 +230,9 @@ DataSource token_windows(const std::string& path, const TokenWindowOptions& o) {
   s.size = o.samples > 0 ? o.samples : side_by_side;
   const int64_t size = s.size;
   const uint64_t seed = o.seed;
-  s.batch = [file, T, n, size, strided, seed](const std::vector<int64_t>& indices, uint64_t) {
+  const int64_t vocab = o.vocab_size;
+  s.batch = [file, T, n, size, strided, seed, vocab](const std::vector<int64_t>& indices,
+                                                     uint64_t) {
     const auto B = static_cast<int64_t>(indices.size());
     auto x = at::empty({B, T}, at::kLong), y = at::empty({B, T}, at::kLong);
     int64_t* xp = x.data_ptr<int64_t>();
@@ -224,6 +249,7 @@ DataSource token_windows(const std::string& path, const TokenWindowOptions& o) {
                                 ? i * T
                                 : static_cast<int64_t>(splitmix(seed, static_cast<uint64_t>(i)) %
                                                        static_cast<uint64_t>(n - T));
+      check_vocabulary(*file, start, T + 1, vocab);
       std::copy(t + start, t + start + T, xp + b * T);
       std::copy(t + start + 1, t + start + T + 1, yp + b * T);
     }

@@ -287,6 +287,10 @@ void Group::reap() {
       // Regression (LeftoverSegmentOfAKilledRank): shared-memory segments the program made and
       // had no time to unlink (SIGKILL) stayed in /dev/shm until the machine restarted.
       shm::remove_segments_of(w.program_pid);
+      if (!w.failed() && phase_ == Phase::kRunning && first_done_rank_ < 0) {
+        first_done_rank_ = w.rank;  // Note [Exit barrier]: the others' time starts now
+        first_done_ = w.exit_time;
+      }
       if (w.failed() && phase_ == Phase::kRunning) {
         // Note [Root cause]: the others get a moment to exit on their own before SIGTERM.
         phase_ = Phase::kSettling;
@@ -394,6 +398,7 @@ int Group::supervise() {
   while (true) {
     reap();
     watch_stops();
+    watch_exit_barrier();
     advance_teardown();
     bool all_exited = true;
     for (auto& w : workers_) all_exited = all_exited && w.exited;
@@ -410,6 +415,7 @@ int Group::supervise() {
     [[maybe_unused]] auto n = write(STDERR_FILENO, msg.data(), msg.size());
     return 1;
   }
+  if (stragglers_stopped_) return report_stragglers();
   if (const Worker* root = root_cause()) {
     report_failure(*root);
     return 1;

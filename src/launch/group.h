@@ -29,6 +29,10 @@ extern int g_signal_pipe[2];
 extern std::atomic<int> g_stop_signal;
 
 std::string signal_name(int sig);
+// How a worker's process ended, for a summary: "exited with code 3", "was killed by SIGSEGV".
+std::string how_it_ended(int status);
+// A worker's last non-blank error line that is not a backtrace, as ": <line>" ("" if none).
+std::string last_words(const std::deque<std::string>& tail);
 
 /// The guardian (Note [Guardian] in guardian.cpp), in the child of the launcher's fork: leads the
 /// worker's own process group, dies with the launcher, starts the program with `out_fd`/`err_fd`
@@ -69,6 +73,7 @@ struct Worker {
   int status = 0;
   Clock::time_point exit_time{};
   bool stopped = false;         // still running when the launcher signalled the group
+  bool straggler = false;       // still running past the exit barrier (Note [Exit barrier])
   bool signal_stopped = false;  // the program is stopped by a signal (SIGSTOP...), last we looked
   Clock::time_point stopped_since{};  // since when, if so
   bool shown = true;
@@ -112,6 +117,8 @@ class Group {
   void close_stream(Worker& w, Stream& s);
   void reap();
   void watch_stops();
+  void watch_exit_barrier();
+  int report_stragglers() const;
   void advance_teardown();
   void stop_running(int sig);
   void finish_output();
@@ -132,6 +139,10 @@ class Group {
   Clock::time_point settle_deadline_{}, kill_deadline_{};
   Clock::time_point next_stop_check_{};
   std::string stopped_out_;  // failed by --stopped-timeout: which worker, for the report
+  // Note [Exit barrier]: the first worker that exited 0 (-1: none yet) and when.
+  int first_done_rank_ = -1;
+  Clock::time_point first_done_{};
+  bool stragglers_stopped_ = false;
 };
 
 // Installs the launcher's signal handlers for one launch() and restores the old ones after.

@@ -63,8 +63,7 @@ const Worker* Group::root_cause() const {
   return first_own != nullptr ? first_own : first;
 }
 
-// A worker's last non-blank error line that is not a backtrace, for a one-line mention.
-static std::string last_words(const std::deque<std::string>& tail) {
+std::string last_words(const std::deque<std::string>& tail) {
   for (auto it = tail.rbegin(); it != tail.rend(); ++it) {
     if (it->find_first_not_of(" \t") == std::string::npos || (*it)[0] == '[') continue;
     return ": " + it->substr(0, 200);
@@ -72,7 +71,7 @@ static std::string last_words(const std::deque<std::string>& tail) {
   return "";
 }
 
-static std::string how_it_ended(int status) {
+std::string how_it_ended(int status) {
   return WIFSIGNALED(status) ? fmt::format("was killed by {}", signal_name(WTERMSIG(status)))
                              : fmt::format("exited with code {}", WEXITSTATUS(status));
 }

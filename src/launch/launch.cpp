@@ -218,6 +218,12 @@ void validate(LaunchOptions& o) {
     throw UsageError(fmt::format("--stopped-timeout {} must be a positive number of seconds",
                                  o.stopped_timeout_s));
   }
+  if (!(o.exit_barrier_timeout_s >= 0) || !std::isfinite(o.exit_barrier_timeout_s)) {
+    throw UsageError(fmt::format(
+        "--exit-barrier-timeout {} must be 0 (wait for ever) or more seconds: how long the "
+        "other workers may run once one has exited 0",
+        o.exit_barrier_timeout_s));
+  }
   if (o.master_port < 0 || o.master_port > 65535) {
     throw UsageError(fmt::format("--master-port {} is not a TCP port (0-65535)", o.master_port));
   }

@@ -73,6 +73,7 @@ class Run {
   std::map<std::string, double> evaluate();
   void save(int64_t epoch, int64_t step_in_epoch);
   void save_now(int64_t epoch, int64_t step_in_epoch);
+  void drop_replaced_shards();
   void restore_rank_state();
   void check_model_takes(const Batch& sample);
   void report_differences(const TrainingState& saved);
@@ -114,6 +115,10 @@ class Run {
   double reported_mean_ = std::numeric_limits<double>::quiet_NaN();  // running_loss()
   std::unique_ptr<ReplicaGroup> replicas_;                           // --fault-tolerant
   bool left_behind_ = false;  // the other replicas finished while this one was away
+  // Note [Format switch] in run_folder.cpp, rank 0: the folder held shards when the run began,
+  // and the step of the full checkpoint that replaces them once on disk (-1: none written yet).
+  bool shards_left_ = false;
+  int64_t replacing_step_ = -1;
   // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
   std::unique_ptr<AsyncCheckpointer> writer_;
 };

@@ -96,7 +96,11 @@ void Run::resume() {
   }
   state_.model_name = model_.name;
   record_options();
-  if (d_.rank() == 0) begin_run(o_, start_, state_.run_id, model_.name);
+  if (d_.rank() == 0) {
+    begin_run(o_, start_, state_.run_id, model_.name);
+    shards_left_ =
+        o_.checkpoint_format == CheckpointFormat::kFull && holds_sharded_checkpoints(o_.out_dir);
+  }
   reporter_ = std::make_unique<Reporter>(o_, d_.rank() == 0);
 }
 
@@ -198,13 +202,27 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
   if (d_.rank() == 0) {
-    if (writer_) {  // --async-checkpoint
+    drop_replaced_shards();  // an earlier background write's, once it is on disk
+    if (writer_) {           // --async-checkpoint
       writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
     } else {
       save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
     }
+    if (shards_left_) replacing_step_ = state_.global_step;
+    if (!writer_) drop_replaced_shards();
   }
   r_.last_checkpoint = checkpoint_path(o_.out_dir, state_.global_step);
+}
+
+// Note [Format switch] in run_folder.cpp: the shards go once the full checkpoint of
+// replacing_step_ is on disk: after a synchronous save, or once the background write is waited
+// for (which throws its failure instead, and the shards stay).
+void Run::drop_replaced_shards() {
+  if (replacing_step_ < 0) return;
+  if (writer_) writer_->wait();
+  remove_replaced_shards(o_.out_dir, state_.run_id, replacing_step_);
+  replacing_step_ = -1;
+  shards_left_ = false;
 }
 
 }  // namespace scaletrain

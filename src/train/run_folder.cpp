@@ -51,6 +51,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "scaletrain/zero.h"
+#include "train/atomic_file.h"
 
 namespace scaletrain {
 namespace {
@@ -315,6 +316,8 @@ void begin_run(const TrainerOptions& o, const RunStart& start, const std::string
                const std::string& model_name) {
   std::error_code ec;
   for (const auto& f : start.stale) fs::remove_all(f, ec);
+  // Regression (StaleTemporariesStayedInAFinishedFolder): Note [Folder cleanup].
+  remove_dead_temporaries(o.out_dir);
   if (!start.run_id.empty() || !fs::exists(o.out_dir + "/run.json")) {
     const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
     char when[32];
@@ -326,6 +329,96 @@ void begin_run(const TrainerOptions& o, const RunStart& start, const std::string
     const std::string tmp = o.out_dir + "/run.json.tmp";
     std::ofstream(tmp) << record.dump(2) << "\n";
     fs::rename(tmp, o.out_dir + "/run.json", ec);
+  }
+}
+
+// Note [Folder cleanup]
+// ~~~~~~~~~~~~~~~~~~~~~
+// A write killed before its rename (a checkpoint in the background when its process died) leaves
+// its temporary, `<file>.<pid>-<n>.tmp`. A later checkpoint in the same folder removes those a
+// minute old whose writer is gone (checkpoint.cpp), but not in a folder no later checkpoint
+// writes (the shards of another world size), nor one that young: a finished run's folder kept
+// them. Rank 0 of a run therefore clears them at two moments when no rank of the run writes and
+// it holds the folder (Note [Folder owner]): when the run starts, before any checkpoint, and
+// when it ends, once every rank's last write is on disk. The writers of what is left then are
+// gone, so a pid that is no live process here is enough (no minute's wait); a temporary whose pid
+// is some live process here is kept, in doubt.
+namespace {
+
+bool is_world_folder(const fs::directory_entry& e) {
+  std::error_code ec;
+  return e.is_directory(ec) && e.path().filename().string().rfind("world-", 0) == 0;
+}
+
+// The rank-<r> folders of sharded checkpoints in `dir`: world-<N>/rank-<r>, and the same under
+// each slice's tp<T>-<t>/ (Note [Sharded checkpoints per slice]).
+std::vector<fs::path> shard_folders(const std::string& dir) {
+  std::vector<fs::path> worlds, out;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(dir, ec)) {
+    if (is_world_folder(e)) worlds.push_back(e.path());
+    if (!e.is_directory(ec) || !slice_of_folder(e.path().filename().string())) continue;
+    for (auto& w : fs::directory_iterator(e.path(), ec)) {
+      if (is_world_folder(w)) worlds.push_back(w.path());
+    }
+  }
+  for (const auto& w : worlds) {
+    for (auto& r : fs::directory_iterator(w, ec)) {
+      if (r.is_directory(ec) && r.path().filename().string().rfind("rank-", 0) == 0) {
+        out.push_back(r.path());
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int remove_dead_temporaries(const std::string& dir) {
+  const std::chrono::seconds now(0);
+  int removed =
+      remove_stale_temporaries(dir, "ckpt-", now) + remove_stale_temporaries(dir, "model.pt.", now);
+  std::error_code ec;
+  for (const char* fixed : {"/run.json.tmp", "/metrics.jsonl.tmp"}) {  // rank 0's own alone
+    removed += fs::remove(dir + fixed, ec) ? 1 : 0;
+  }
+  for (const auto& folder : shard_folders(dir)) {
+    removed += remove_stale_temporaries(folder.string(), "ckpt-", now);
+  }
+  return removed;
+}
+
+bool holds_sharded_checkpoints(const std::string& dir) { return !shard_folders(dir).empty(); }
+
+// Note [Format switch]: a run that resumed from sharded checkpoints and goes on with full ones
+// (TrainerOptions::checkpoint_format full) left every shard behind: a folder of the one-file
+// format holding a world's worth of stale shards, which --resume auto would even prefer over an
+// older full file. Once a full checkpoint is on disk (renamed and synced, never before: until
+// then the shards are what a resume needs), its run's shards of that step and earlier are
+// removed. Another run's shards are not this run's to delete (Note [Run identity]).
+void remove_replaced_shards(const std::string& dir, const std::string& run_id, int64_t step) {
+  std::error_code ec;
+  std::set<fs::path> touched;
+  for (const auto& folder : shard_folders(dir)) {
+    for (auto& e : fs::directory_iterator(folder, ec)) {
+      const auto& f = e.path();
+      if (f.extension() != ".st" || f.filename().string().rfind("ckpt-", 0) != 0) continue;
+      const int64_t s = step_of(f.string());
+      if (s < 0 || s > step || checkpoint_run(f.string()) != run_id) continue;
+      fs::remove(f, ec);
+    }
+    touched.insert(folder);
+  }
+  // Folders left empty, from rank-<r> up to world-<N> and tp<T>-<t>, never above them.
+  auto shard_level = [](const fs::path& p) {
+    const std::string name = p.filename().string();
+    return name.rfind("rank-", 0) == 0 || name.rfind("world-", 0) == 0 ||
+           slice_of_folder(name).has_value();
+  };
+  for (const auto& folder : touched) {
+    for (fs::path p = folder; shard_level(p); p = p.parent_path()) {
+      if (!fs::is_empty(p, ec) || ec || !fs::remove(p, ec)) break;
+    }
   }
 }
 

@@ -68,6 +68,19 @@ RunStart plan_run_start(const TrainerOptions& o);
 void begin_run(const TrainerOptions& o, const RunStart& start, const std::string& run_id,
                const std::string& model_name);
 
+/// Rank 0 of the run that owns `dir`, while no rank of it writes (Note [Folder cleanup] in
+/// run_folder.cpp): removes the temporaries of run files (checkpoints, shards, model.pt,
+/// run.json, metrics.jsonl) whose writer is no live process here, one killed mid-write. Returns
+/// how many it removed.
+int remove_dead_temporaries(const std::string& dir);
+
+/// Whether `dir` holds sharded checkpoint folders (world-<N>/, tp<T>-<t>/).
+bool holds_sharded_checkpoints(const std::string& dir);
+
+/// Once a full checkpoint of `step` is on disk: removes run `run_id`'s sharded checkpoints of
+/// steps up to `step` from `dir`, and the folders that leaves empty (Note [Format switch]).
+void remove_replaced_shards(const std::string& dir, const std::string& run_id, int64_t step);
+
 /// Keeps the metrics lines of steps up to `step` (a resumed run redoes the later ones).
 void drop_metrics_after(const std::string& path, int64_t step);
 

@@ -336,6 +336,10 @@ void Run::settle_peak() {
 
 void Run::finish() {
   if (writer_) writer_->wait();  // the last checkpoint is on disk (or its failure thrown)
+  if (d_.rank() == 0) drop_replaced_shards();
+  // Every rank's shards are on disk before rank 0 clears the folder (Note [Folder cleanup]).
+  const bool shards = o_.checkpoint_format == CheckpointFormat::kSharded;
+  if (shards && d_.size() > 1) d_.barrier("the last shards' writes");
   strategy_->end_epoch();
   strategy_->gather_weights();
   if (!all_finite(model_.module->parameters())) {
@@ -344,6 +348,7 @@ void Run::finish() {
   if (d_.rank() == 0) {
     r_.weights_path = o_.out_dir + "/model.pt";
     save_weights(r_.weights_path, *model_.module);
+    remove_dead_temporaries(o_.out_dir);  // Note [Folder cleanup]
   }
   r_.devices = strategy_->devices();
   r_.device = r_.devices.empty() ? "" : r_.devices[0].device;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "scaletrain/loader.h"
 #include "scaletrain/version.h"
 #include "train/run_folder.h"
 
@@ -25,7 +26,12 @@ void validate_trainer_numbers(const TrainerOptions& o) {
           "0 (at the end of each epoch) or more steps");
   require(o.log_every >= 0, "TrainerOptions::log_every", int64_t{o.log_every},
           "0 (no step lines) or more");
-  require(o.workers >= 0, "TrainerOptions::workers", int64_t{o.workers}, "0 or more");
+  // Regression (WorkersOfAHundredThousandAbortedBothRanks): every rank started threads until the
+  // system refused one, and aborted.
+  static_assert(kMaxLoaderWorkers == 256, "the message below names the limit");
+  require(o.workers >= 0 && o.workers <= kMaxLoaderWorkers, "TrainerOptions::workers",
+          int64_t{o.workers},
+          "from 0 (load on the training thread) to 256 loader threads per rank, e.g. 1 to 8");
   require(o.pipeline.chunks >= 0, "TrainerOptions::pipeline.chunks", int64_t{o.pipeline.chunks},
           "1 or more (0: twice the stages)");
   require(o.pipeline.split_size >= 0, "TrainerOptions::pipeline.split_size", o.pipeline.split_size,
@@ -74,6 +80,16 @@ void refuse(const std::string& what) { throw UsageError(what); }
 // backtrace).
 void validate_devices(const TrainerOptions& o) {
   const int gpus = cuda_device_count();
+  // Regression (BackendDeviceAndDataDirWereFoundInTheWorkers): a GPU this machine lacks failed
+  // in every rank, after the launcher had started them, instead of here.
+  if (o.device && o.device->is_cuda() && std::max<int>(o.device->index(), 0) >= gpus) {
+    refuse("TrainerOptions::device " + o.device->str() + ": this machine has " +
+           (gpus == 0 ? std::string("no GPU that CUDA can see; use cpu")
+                      : std::to_string(gpus) +
+                            " GPU(s); use cuda (each rank its own) or cuda:0 "
+                            "to cuda:" +
+                            std::to_string(gpus - 1)));
+  }
   for (const auto& dev : o.devices) {
     if (!dev.is_cpu() && !dev.is_cuda()) {
       refuse("TrainerOptions::devices lists " + dev.str() +

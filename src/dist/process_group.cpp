@@ -146,13 +146,15 @@ c10::intrusive_ptr<c10d::Store> connect_store(const World& w, const InitOptions&
   try {
     return c10::make_intrusive<c10d::TCPStore>(w.master_addr, o);
   } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);  // its words, not a backtrace
+    const std::string why = c10_error ? c10_error->what_without_backtrace() : e.what();
     if (w.rank == 0) {
-      throw Error("rank 0 could not serve the rendezvous store on " + where(w) + ": " + e.what() +
+      throw Error("rank 0 could not serve the rendezvous store on " + where(w) + ": " + why +
                   "\nThe port may be taken by another job: choose another --master-port "
                   "(MASTER_PORT), or 0 to let `scaletrain run` pick a free one.");
     }
     throw Error("rank " + std::to_string(w.rank) + " could not reach the rendezvous store at " +
-                where(w) + " within " + seconds(timeout) + ": " + e.what() +
+                where(w) + " within " + seconds(timeout) + ": " + why +
                 "\nCheck that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it.");
   }
 }
@@ -415,6 +417,7 @@ std::string resolve_backend(const std::string& backend, int gpus, int local_worl
 }
 
 Dist init_process_group(const InitOptions& options) {
+  validate(options);
   Dist d;
   d.world = options.world ? *options.world : discover_world();
   d.backend_name = options.backend;

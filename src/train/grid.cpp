@@ -132,7 +132,7 @@ class GridStrategy : public TrainStrategy {
     auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
     // Once per step, after its last backward: over what the step accumulated.
     if (sync && split_.after_backward) split_.after_backward();
-    return out;
+    return out.defined() && weight != 1 ? out / weight : out;  // the batch's own loss
   }
 
   at::Tensor predict(const at::Tensor& x) override {
@@ -177,11 +177,8 @@ class GridStrategy : public TrainStrategy {
     if (degree_ > 1) load_full_state(*split_.module, tp(), named_values(*whole_.module));
   }
 
-  double reported_loss(double local) override {  // from replica 0's last stage
-    auto t = at::full({1}, last() ? local : 0.0, at::kDouble).to(dev_);
-    dist_.broadcast(t, mesh_.rank_at({0, stages_ - 1, 0}));
-    return t.item<double>();
-  }
+  // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
+  bool counts_loss() const override { return last() && mesh_.coordinate(dist_.rank(), "tp") == 0; }
 
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {

@@ -160,7 +160,7 @@ class DpStrategy : public TrainStrategy {
   int data_replicas() const override { return 1; }
   at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
-    return dp_->train_step(x, y, weighted(loss_, weight));
+    return dp_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
   at::Tensor predict(const at::Tensor& x) override { return dp_->forward(x); }
   void train_mode(bool on) override {
@@ -206,7 +206,7 @@ class PipelineStrategy : public TrainStrategy {
   int data_replicas() const override { return 1; }
   at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
-    return pipe_->train_step(x, y, weighted(loss_, weight));
+    return pipe_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
   at::Tensor predict(const at::Tensor& x) override { return pipe_->forward(x); }
   void train_mode(bool on) override { model_.module->train(on); }

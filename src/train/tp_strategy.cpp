@@ -10,9 +10,10 @@
 // checkpoint saved at one degree resumes at another. The optimizer steps the split parameters:
 // its state goes into the checkpoint per rank, and comes back when the mesh is the same (at
 // another mesh the weights go on and the optimizer starts afresh, as between strategies).
-// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics and loss sums
-// are counted once per rank, so each replica's are counted t times, numerators and denominators
-// alike: their ratios are the replicas' means.
+// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
+// once per rank, so each replica's are counted t times, numerators and denominators alike: their
+// ratios are the replicas' means. The training loss is counted once per replica, on its tp rank
+// 0 (Note [Global losses] in loss_sums.cpp), so that its sums mean the same at every layout.
 //
 // zero1, zero2 and fsdp (2D, ZeRO × TP and FSDP × TP): ShardedDataParallel over dp takes DDP's
 // place, over the split model (fsdp: over its chain of blocks, each block's slices gathered over
@@ -96,6 +97,8 @@ class TensorParallelStrategy : public TrainStrategy {
   int data_rank() const override { return mesh_.coordinate(dist_.rank(), "dp"); }
   int data_replicas() const override { return mesh_.size("dp"); }
   at::Device device() const override { return dev_; }
+  // The group's ranks compute the same loss of their replica's batch (Note [Global losses]).
+  bool counts_loss() const override { return tp().rank() == 0; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;

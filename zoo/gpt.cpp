@@ -284,8 +284,4 @@ void GPTImpl::set_dropout_generator(at::Generator generator) {
   dropout_->generator = std::move(generator);
 }
 
-void GPTImpl::finish_gradients() {
-  if (tp_ && sequence_parallel_) sync_sequence_parallel_grads(replicated_parameters(*this), *tp_);
-}
-
 }  // namespace scaletrain

@@ -22,11 +22,12 @@
 // differ only in the tp coordinate), so the split layers' collectives meet; activations go from
 // a stage's tp rank k to the next stage's tp rank k. The last stage takes the model's parallel
 // loss (vocabulary-parallel cross entropy). Sequence parallelism's sum of the replicated
-// gradients over tp runs after the step's last backward: it commutes with DDP's average over
-// dp. gather_weights() assembles each stage's slices over tp and broadcasts them from replica
-// 0; weights_loaded() cuts a checkpoint's whole weights again, so a checkpoint moves between
-// any grid, tp degree and strategy. The optimizer state is per (stage, tp rank), and is reused
-// at the same stages, balance and degree only.
+// gradients over tp is the plan's, in each backward (Note [Partial gradients summed in
+// backward] in src/tp/sequence_parallel.cpp), before DDP averages them over dp. gather_weights()
+// assembles each stage's slices over tp and broadcasts them from replica 0; weights_loaded() cuts a
+// checkpoint's whole weights again, so a checkpoint moves between any grid, tp degree and strategy.
+// The optimizer state is per (stage, tp rank), and is reused at the same stages, balance and degree
+// only.
 
 #include <map>
 #include <optional>

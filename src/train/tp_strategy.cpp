@@ -19,10 +19,12 @@
 // place, over the split model (fsdp: over its chain of blocks, each block's slices gathered over
 // dp for its forward and backward); the optimizer steps its shards of the split parameters (each
 // tp rank's shards are of its own slices). The gradient norm is taken on the shards: an element
-// of a replicated parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's
-// sum of the replicated gradients over tp (Model::after_backward on the whole gradients) runs
-// on the shards instead, after the step's last backward: by then ZeRO has reduce-scattered the
-// gradients over dp into the shards, and the two sums commute.
+// of a replicated parameter is on every tp rank, and counts 1/t on each.
+//
+// Sequence parallelism's sum of the replicated gradients over tp is the plan's, in every
+// backward before the gradients accumulate (Note [Partial gradients summed in backward] in
+// src/tp/sequence_parallel.cpp): DDP and ZeRO find them whole, and a program's own model does
+// nothing for it (Model::after_backward, if it gives one, runs after the step's last backward).
 
 #include <algorithm>
 #include <optional>
@@ -66,8 +68,7 @@ class TensorParallelStrategy : public TrainStrategy {
           so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
           so.agree_over = &d;                // the ranks hold different slices: they skip together
           return so;
-        }()),
-        sequence_parallel_(o.tensor_parallel.sequence_parallel) {
+        }()) {
     split_ =
         split_build(task, whole_, dist_, tp(), o.tensor_parallel.sequence_parallel, collective());
     split_.module->to(dev_);
@@ -115,13 +116,9 @@ class TensorParallelStrategy : public TrainStrategy {
     }
     at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
     scaler_.scale(weight != 1 ? loss * weight : loss).backward();
-    // Once per step, after its last backward: over what the step accumulated (ZeRO: in its
-    // gradient shards, where the gradients are by then).
-    if (sync && zero_ && sequence_parallel_) {
-      sum_replicated_shards_over_tp();
-    } else if (sync && !zero_ && split_.after_backward) {
-      split_.after_backward();
-    }
+    // Once per step, after its last backward: over what the step accumulated (not under ZeRO,
+    // whose gradients are in its shards by then).
+    if (sync && !zero_ && split_.after_backward) split_.after_backward();
     return loss.detach();
   }
 
@@ -252,25 +249,6 @@ class TensorParallelStrategy : public TrainStrategy {
     return weighted_square_sum(params, shard_parts(params));
   }
 
-  // Sequence parallelism under ZeRO (Note [Tensor-parallel strategy]): the replicated
-  // parameters' parts of this rank's gradient shards, summed over tp. The tp ranks' split
-  // models have the same shapes, so their units and shards line up part for part.
-  void sum_replicated_shards_over_tp() const {
-    const auto params = zero_parameters();
-    const auto parts = shard_parts(params);
-    std::vector<at::Tensor> replicated;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (parts[i].defined() && replicated_.count(params[i].unsafeGetTensorImpl())) {
-        replicated.push_back(parts[i]);
-      }
-    }
-    if (replicated.empty()) return;
-    auto flat = flat_copy(replicated, collective());
-    tp().all_reduce(flat);
-    torch::NoGradGuard no_grad;
-    copy_from_flat(flat, replicated);  // the parts are views of the shards' gradients
-  }
-
   // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
   std::vector<at::Tensor> zero_parameters() const {
     return chain_ ? chain_->parameters() : split_.module->parameters();
@@ -311,7 +289,6 @@ class TensorParallelStrategy : public TrainStrategy {
   at::Device dev_;
   std::optional<at::ScalarType> amp_;  // autocast's dtype: bf16 or fp16
   GradScaler scaler_;                  // fp16 (ddp): loss scaling, one verdict for all ranks
-  bool sequence_parallel_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2, fsdp: over dp instead of ddp_

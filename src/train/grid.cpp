@@ -80,8 +80,8 @@ class GridStrategy : public TrainStrategy {
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
     const int v = v_ = o.pipeline.stages_per_device;
-    const auto balance =
-        resolve_balance(o.pipeline.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
+    const auto balance = resolve_balance(o.pipeline.balance, chain_of(whole_, Strategy::kGrid),
+                                         stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
     if (degree_ > 1) split(task, o.tensor_parallel.sequence_parallel);
     stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
@@ -254,7 +254,7 @@ class GridStrategy : public TrainStrategy {
   // chunks in the model's order, into `mine` where given.
   std::vector<std::vector<at::Tensor>> stage_parameters(
       const Model& model, std::vector<torch::nn::Sequential>* mine) const {
-    torch::nn::Sequential chain = chain_of(model);
+    torch::nn::Sequential chain = chain_of(model, Strategy::kGrid);
     std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(stages_));
     size_t begin = 0;
     for (size_t k = 0; k < balance_.size(); ++k) {

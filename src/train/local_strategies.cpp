@@ -187,7 +187,7 @@ class PipelineStrategy : public TrainStrategy {
         loss_(task.loss),
         devices_(local_devices(o)),
         threads_(share_cores(devices_)) {
-    torch::nn::Sequential chain = chain_of(model);
+    torch::nn::Sequential chain = chain_of(model, Strategy::kPipeline);
     PipelineOptions po;
     po.devices = devices_;
     po.stages_per_device = o.pipeline.stages_per_device;

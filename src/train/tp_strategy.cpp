@@ -80,7 +80,7 @@ class TensorParallelStrategy : public TrainStrategy {
       so.stage = o.strategy == Strategy::kZero1 ? 1 : o.strategy == Strategy::kZero2 ? 2 : 3;
       so.shared_memory = false;  // a dp group is not every rank of its machine
       if (so.stage == 3) {       // FSDP gathers the split model's blocks one unit at a time
-        chain_ = chain_of(split_);
+        chain_ = chain_of(split_, Strategy::kFsdp);
         zero_ = std::make_unique<ShardedDataParallel>(chain_, groups_.at("dp"), so);
       } else {
         zero_ = std::make_unique<ShardedDataParallel>(split_.module, groups_.at("dp"), so);

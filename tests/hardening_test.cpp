@@ -386,6 +386,26 @@ TEST(Misuse, SequenceOutputsTakeTheirClassesFromTheLastDimension) {
   EXPECT_NEAR(first, expected, 1e-5 * std::abs(expected));
 }
 
+// Regression (FsdpWithoutBlocksWasCalledAPipelineStrategy): fsdp on a model without a chain of
+// blocks said "the pipeline strategies split the model" and offered ddp or dp only. It names
+// fsdp, what it needs the chain for, and the sharded strategies that need none.
+TEST(Misuse, FsdpWithoutBlocksWasCalledAPipelineStrategy) {
+  std::mutex mu;
+  TempDir dir("fsdp_blocks");
+  TrainTask task = small_task(mu);
+  task.model = [] { return model_of(std::make_shared<NetImpl>(), "net"); };  // no blocks
+  auto errors = testing::run_ranks(
+      1, [&](Dist& d) { train(task, options_for(Strategy::kFsdp, dir.path.string()), d); });
+  EXPECT_NE(errors[0].find("TrainerOptions::strategy fsdp shards the model in units, one per "
+                           "block of its chain"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("model 'net' has none: give Model::blocks"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("or train with zero1 or zero2"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[0].find("pipeline"), std::string::npos) << errors[0];
+}
+
 // ---- Checkpoint files --------------------------------------------------------------------------
 
 // Regression (SaveOnEveryRankCollides): save_checkpoint() called on every rank died with "cannot

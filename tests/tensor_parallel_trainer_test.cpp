@@ -583,6 +583,9 @@ TEST(TrainTensorParallel, GridTimesTensorParallelEqualsTheSingleRank) {
     o.pipeline.schedule = c.schedule;
     o.pipeline.stages_per_device = c.stages_per_device;
     o.pipeline.chunks = 4;
+    // By size, not by measured time: under load the timed split could give stage 0 more than
+    // half the model, and the check on rank 0's parameters below failed (51392 against 51328).
+    o.pipeline.balance = Balance::size();
     o.max_grad_norm = 0.05;
     ASSERT_NO_THROW(validate(o, c.world)) << c.name;
     const Normed r = run_with_norms(c.world, data.task(), o);

@@ -2,7 +2,6 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
@@ -17,22 +16,23 @@
 
 #include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/blocks.h"
+#include "scaletrain/coordinated_dropout.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
 
 // Note [Coordinated dropout]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Under a tensor-parallel plan every rank of the group draws the mask of the whole tensor, from a
+// The GPT's dropouts are the library's coordinated_dropout() (coordinated_dropout.h): under a
+// tensor-parallel plan every rank of the group draws the mask of the whole tensor, from a
 // generator in the same state on each (the trainer seeds a group's ranks alike, Note [Rank
 // streams] in src/train/rng.cpp), and keeps the part its slice holds: its heads of the attention
 // probabilities, its slice of the sequence in the sequence-parallel regions (embeddings and
 // residual branches), all of it where the tensor is replicated. So the masks are the unsplit
-// model's whatever the degree, the group's generators stay in step (each draws as many numbers),
-// and a split GPT with dropout trains as the single process does. The price: each rank draws
-// t times the numbers it keeps. With dropout the attention runs as its three products (the
-// probabilities' mask drawn here) instead of scaled_dot_product_attention, at every degree, so
-// that degree 1 draws the same masks too.
+// model's whatever the degree, and a split GPT with dropout trains as the single process does.
+// With dropout the attention runs as its three products (the probabilities' mask drawn here)
+// instead of scaled_dot_product_attention, at every degree, so that degree 1 draws the same
+// masks too.
 
 // What a GPT's dropouts need: the probability, the generator (unset: the device's default), and
 // the rank's place in the tensor-parallel group.
@@ -43,14 +43,10 @@ struct DropoutContext {
   bool sequence_parallel = false;
 
   bool active(bool training) const { return training && p > 0; }
-  // x's mask: the whole tensor's, drawn alike on every rank of the group, cut to x's part along
-  // `dim`: part `rank` of `parts` (1: x is the whole tensor).
+  // x's mask: the whole tensor's, cut to x's part along `dim`: part `rank` of `parts` (1: x is
+  // the whole tensor).
   at::Tensor apply(const at::Tensor& x, int64_t dim, int64_t parts) const {
-    auto shape = x.sizes().vec();
-    shape[static_cast<size_t>(dim)] *= parts;
-    auto mask = at::empty(shape, x.options()).bernoulli_(1 - p, generator);
-    if (parts > 1) mask = mask.narrow(dim, rank * x.size(dim), x.size(dim));
-    return x * mask / (1 - p);
+    return coordinated_dropout(x, {p, {dim, parts, parts > 1 ? rank : 0}, generator});
   }
   // A residual branch's or the embeddings' output [B, T, C]: a slice of the sequence under
   // sequence parallelism, else whole on every rank.
@@ -286,10 +282,6 @@ void GPTImpl::parallelize(const Dist& tp, bool sp) {
 
 void GPTImpl::set_dropout_generator(at::Generator generator) {
   dropout_->generator = std::move(generator);
-}
-
-void GPTImpl::finish_gradients() {
-  if (tp_ && sequence_parallel_) sync_sequence_parallel_grads(replicated_parameters(*this), *tp_);
 }
 
 }  // namespace scaletrain

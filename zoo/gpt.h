@@ -69,9 +69,11 @@ class GPTImpl : public torch::nn::Module {
   /// `sequence_parallel` the LayerNorms, residuals and position embeddings hold a slice of the
   /// sequence.
   TensorParallelPlan plan(bool sequence_parallel) const;
-  /// Applies plan() over `tp`. Throws UsageError when the heads, width or vocabulary do not
-  /// divide by tp.size(). With dropout, every rank of `tp` must draw from a generator in the same
-  /// state (Note [Coordinated dropout] in gpt.cpp): the masks are then the unsplit model's.
+  /// Applies plan() over `tp` (with sequence parallelism the plan sums the replicated parameters'
+  /// gradients over the group in backward: nothing to call after it). Throws UsageError when the
+  /// heads, width or vocabulary do not divide by tp.size(). With dropout, every rank of `tp` must
+  /// draw from a generator in the same state (coordinated_dropout.h): the masks are then the
+  /// unsplit model's.
   void parallelize(const Dist& tp, bool sequence_parallel);
   /// The generator the dropout masks are drawn from (by default the device's own), e.g. one per
   /// rank where ranks are threads of one process, which share the default one. Not replayed by
@@ -83,9 +85,6 @@ class GPTImpl : public torch::nn::Module {
   /// UsageError for a tied head (one weight in two blocks, which stages on two devices cannot
   /// share): build it with tied_head = false.
   torch::nn::Sequential blocks();
-  /// After backward, with sequence parallelism: the replicated parameters' gradients summed over
-  /// the group (sync_sequence_parallel_grads); nothing otherwise.
-  void finish_gradients();
   const GPTConfig& config() const { return config_; }
 
  private:

@@ -317,7 +317,6 @@ Model make_model(const std::string& name, const ModelOptions& o) {
     model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) {
       return m->loss(out, y);
     };
-    model.after_backward = [m] { m->finish_gradients(); };
     model.output_split = true;
     model.flops_per_sample = gpt_flops_per_token(c) * c.block_size;
     return model;

@@ -204,8 +204,7 @@ int run_transformer_worker(const std::vector<std::string>& args) {
                   : fsdp ? fsdp->forward(x)
                          : m->forward(x);
     auto loss = m->loss(logits, y);
-    loss.backward();
-    m->finish_gradients();  // sequence parallelism: the replicated parameters' gradients summed
+    loss.backward();  // sequence parallelism: the plan sums the replicated gradients in it
     if (fsdp) {
       fsdp->step(opt);
     } else {

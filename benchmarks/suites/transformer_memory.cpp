@@ -62,7 +62,6 @@ void rank_step(const Case& c, const GPTConfig& base, int64_t batch, int rank, in
   auto step = [&] {
     m->zero_grad(/*set_to_none=*/false);
     m->loss(m->forward(x), y).backward();
-    m->finish_gradients();
   };
   step();  // the gradients exist from here on
   d.barrier("transformer-memory warm-up");

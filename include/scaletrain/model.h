@@ -30,10 +30,11 @@ struct Model {
   /// the group holds the same weights before. Null: the model cannot be split.
   std::function<void(const Dist& tp, bool sequence_parallel)> parallelize = nullptr;
   /// Once split: the loss of forward's outputs (a vocabulary-parallel cross entropy where the
-  /// last dimension is split), what runs after the last backward of an optimizer step (sequence
-  /// parallelism's sum of the replicated gradients, over what the step accumulated; under the
-  /// trainer's zero1, zero2 and fsdp it is not called, and that sum runs on the gradient shards
-  /// instead), and whether the outputs' last dimension is split over the group.
+  /// last dimension is split), what runs after the last backward of an optimizer step, over what
+  /// the step accumulated (not under the trainer's zero1, zero2 and fsdp, whose gradients are
+  /// in shards by then; sequence parallelism needs nothing here: its plan sums the replicated
+  /// gradients in backward, tensor_parallel.h), and whether the outputs' last dimension is split
+  /// over the group.
   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> parallel_loss =
       nullptr;
   std::function<void()> after_backward = nullptr;

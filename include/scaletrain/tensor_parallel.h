@@ -31,17 +31,38 @@
 // dropout, the residual) hold a slice of the sequence instead of all of it: f becomes an
 // all-gather along the sequence (reduce-scatter of the gradient) and g a reduce-scatter (all-gather
 // of the gradient), which move the same bytes as the two all-reduces they replace, and the
-// activations there shrink by the degree. A replicated parameter used in a sequence-parallel
-// region (a LayerNorm's) then gets a partial gradient on each rank: sync_sequence_parallel_grads()
-// sums them.
+// activations there shrink by the degree. A parameter that the plan leaves whole and that a
+// sequence-parallel region uses (a LayerNorm's, a rowwise layer's bias, a position table) then
+// gets from each rank only the part of its gradient that this rank's positions give. A
+// sequence-parallel plan registers their sum: every backward sums each such gradient over the
+// group as it arrives, before it accumulates into .grad, so nothing is called after backward and
+// nothing can be forgotten (sum_partial_gradients(); Note [Partial gradients summed in backward]
+// in src/tp/sequence_parallel.cpp).
+//
+// Sequence parallelism in a model of your own. The plan takes every parameter it leaves whole to
+// be used on this rank's slice of the sequence ([batch, T/t, features], t = tp.size()):
+//   - the residual stream, LayerNorms and dropout between the split layers hold this rank's
+//     slice: a colwise() layer gathers it (f), a rowwise() layer reduce-scatters into it (g);
+//   - a replicated embedding (a position table, or a token embedding left whole) looks up this
+//     rank's positions only: ids.narrow(1, tp.rank() * T/t, T/t). Not the whole sequence and then
+//     scatter_to_sequence(): that backward gathers the whole gradient onto every rank, and the
+//     registered sum would count it t times;
+//   - a replicated head runs on this rank's positions, its logits gathered along the sequence
+//     with gather_from_region(logits, tp, 1) (backward: this rank's slice, nothing summed) before
+//     a loss over the whole sequence, the same on every rank. Or split it: a colwise() head with
+//     sequence parallelism gathers its input, and vocab_parallel_cross_entropy() takes its
+//     vocabulary slice (Megatron's, the zoo's GPT);
+//   - dropout there draws the unsplit model's masks with coordinated_dropout()
+//     (coordinated_dropout.h), from generators in the same state on every rank of the group.
+// A parameter used whole on the whole sequence on every rank would have its gradient counted t
+// times: keep such layers out of the module a sequence-parallel plan is applied to, or split them.
 //
 // Meshes. The tensor-parallel group is one dimension of a DeviceMesh; the others compose as they
-// are: DistributedDataParallel or ShardedDataParallel (ZeRO stages 1 and 2) over the "dp" group
-// of a split model average each slice over its replicas (tests/tensor_parallel_test.cpp checks
-// both against the single process). With sequence parallelism under DDP, call
-// sync_sequence_parallel_grads() after backward as usual; under ZeRO the replicated gradients
-// would have to be summed over tp before the shards' reduction, which ShardedDataParallel does
-// not do yet: use sequence parallelism with DDP.
+// are: DistributedDataParallel or ShardedDataParallel (ZeRO stages 1 to 3) over the "dp" group of
+// a split model average each slice over its replicas, with sequence parallelism too (the
+// registered sums have made the gradients whole before DDP's or ZeRO's hooks read them; sums
+// over dp and over tp commute). tests/tensor_parallel_test.cpp checks them against the single
+// process; the trainer composes them (docs/tensor_parallel.md).
 //
 // The plan changes a layer's parameters to its slice (set_data, so optimizers made afterwards and
 // references to the module see the slice); the state dict then holds slices under the full
@@ -182,21 +203,33 @@ TORCH_MODULE(ParallelEmbedding);
 using TensorParallelPlan = std::map<std::string, ParallelStyle>;
 
 /// Applies `plan` to `module`'s ParallelLinear and ParallelEmbedding submodules (see the top of
-/// this header). Throws UsageError naming the entry for a name that is not a submodule, a
-/// submodule that is not a ParallelLinear or ParallelEmbedding (the fix: declare it as one), a
-/// style that does not fit it, or a size that does not divide by tp.size().
+/// this header). With a sequence-parallel plan (an entry with sequence_parallel), it registers
+/// sum_partial_gradients() on the parameters it leaves whole (replicated_parameters()). Throws
+/// UsageError naming the entry for a name that is not a submodule, a submodule that is not a
+/// ParallelLinear or ParallelEmbedding (the fix: declare it as one), a style that does not fit
+/// it, or a size that does not divide by tp.size().
 void parallelize_module(torch::nn::Module& module, const Dist& tp, const TensorParallelPlan& plan);
 
-/// After the last backward of an optimizer step (with gradient accumulation: once, over what the
-/// step accumulated, never after each batch — an earlier batch's share would be summed again):
-/// sums over `tp` the gradients of the parameters that every rank holds whole but that
-/// sequence-parallel regions use on a slice of the sequence (LayerNorm's): `params` are those
-/// (replicated_parameters() finds them for a planned module).
+/// Registers sequence parallelism's sum on `params` (parameters whole on every rank, used on this
+/// rank's slice of the sequence): from now on every backward sums each one's incoming gradient
+/// over `tp` before it accumulates into .grad, so .grad is whole whatever reads it (Note [Partial
+/// gradients summed in backward]). parallelize_module() calls it for a sequence-parallel plan;
+/// call it only for such parameters of a module split by hand with the operators above. Every
+/// rank of `tp` registers the same parameters and runs the same backward (each sum is a
+/// collective). Registering a parameter again does nothing; a later plan that splits it turns
+/// its sum off. Nothing for a group of one rank.
+void sum_partial_gradients(const std::vector<at::Tensor>& params, const Dist& tp);
+
+/// The explicit form of that sum, after the last backward of an optimizer step (with gradient
+/// accumulation: once, over what the step accumulated, never after each batch): sums over `tp`
+/// the gradients of those of `params` that carry no registered sum. Those that do (a plan's, or
+/// sum_partial_gradients()'s) are whole already and left alone, so a program that still calls it
+/// after a plan sums nothing twice.
 void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const Dist& tp);
 
 /// The parameters of `module` that no plan entry split: with a sequence-parallel plan these are
-/// the ones sync_sequence_parallel_grads() sums (a tensor-parallel model's replicated
-/// parameters otherwise need nothing: every rank computes the same gradient).
+/// the ones whose gradients the plan sums (a tensor-parallel model's replicated parameters
+/// otherwise need nothing: every rank computes the same gradient).
 std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module);
 
 /// The whole model's state dict, collective over `tp`: every split parameter gathered back into

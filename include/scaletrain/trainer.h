@@ -156,8 +156,9 @@ void check_class_shapes(const at::Tensor& output, const at::Tensor& target, cons
 struct EpochReport {
   int64_t epoch = 0;  // 1-based
   int64_t global_step = 0;
-  double loss = 0;  // mean training loss of the epoch over every replica's batches (a resumed
-                    // epoch's included: the running sums are in the checkpoint)
+  double loss = 0;  // mean training loss of the epoch: every step's global-batch loss weighted
+                    // by its targets (tokens for text, samples for classes), a resumed epoch's
+                    // steps before the resume included whatever layout ran them
   std::map<std::string, double> metrics;
   double seconds = 0;
 };
@@ -167,7 +168,9 @@ struct StepReport {
   int64_t epoch = 0;          // 1-based
   int64_t step_in_epoch = 0;  // batches of the epoch done, this one included
   int64_t global_step = 0;
-  double loss = 0;            // this rank's loss of the batch (NaN where it computes none)
+  double loss = 0;            // the global batch's loss, the same on every rank and at every
+                              // layout (docs/training.md, "Output"); with uneven inputs
+                              // (ddp.uneven_inputs join) this rank's own
   bool checkpointed = false;  // a checkpoint of this step was just written
   double grad_norm = 0;       // with TrainerOptions::max_grad_norm: the norm before clipping
 };

@@ -11,4 +11,9 @@ namespace scaletrain {
 /// parts (q, k and v of a fused projection), each part split evenly over the ranks.
 at::Tensor split_of(const at::Tensor& full, int64_t dim, int64_t chunks, int rank, int ranks);
 
+/// A parameter that a plan now splits: if an earlier sequence-parallel plan left it whole and
+/// registered its gradient's sum, the sum is turned off (a slice's gradient is whole already;
+/// Note [Partial gradients summed in backward] in sequence_parallel.cpp).
+void stop_summing_partial_gradients(const at::Tensor& param);
+
 }  // namespace scaletrain

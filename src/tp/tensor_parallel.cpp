@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -332,11 +333,16 @@ void ParallelLinearImpl::parallelize(const Dist& tp, const ParallelStyle& style,
     require_divides(options.out_features, style.chunks * n, "output features", name,
                     "make them a multiple of the degree (times the chunks)");
     weight.set_data(split_of(weight.detach(), 0, style.chunks, r, n));
-    if (bias.defined()) bias.set_data(split_of(bias.detach(), 0, style.chunks, r, n));
+    stop_summing_partial_gradients(weight);
+    if (bias.defined()) {
+      bias.set_data(split_of(bias.detach(), 0, style.chunks, r, n));
+      stop_summing_partial_gradients(bias);
+    }
   } else {
     require_divides(options.in_features, n, "input features", name,
                     "make them a multiple of the degree");
     weight.set_data(split_of(weight.detach(), 1, 1, r, n));
+    stop_summing_partial_gradients(weight);
   }
   tp_ = std::make_shared<const Dist>(tp);
 }
@@ -378,6 +384,7 @@ void ParallelEmbeddingImpl::parallelize(const Dist& tp, const ParallelStyle& sty
   torch::NoGradGuard no_grad;
   first_id_ = num_embeddings / tp.size() * tp.rank();
   weight.set_data(split_of(weight.detach(), 0, 1, tp.rank(), tp.size()));
+  stop_summing_partial_gradients(weight);
   tp_ = std::make_shared<const Dist>(tp);
 }
 
@@ -404,24 +411,10 @@ void parallelize_module(torch::nn::Module& module, const Dist& tp, const TensorP
                        "(declare it as one: same parameters, same function)");
     }
   }
-}
-
-void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const Dist& tp) {
-  if (tp.size() == 1) return;
-  std::vector<at::Tensor> grads;  // one all-reduce: the gradients flattened together
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad().reshape({-1}));
-  }
-  if (grads.empty()) return;
-  at::Tensor flat = at::cat(grads);
-  tp.all_reduce(flat);
-  int64_t at = 0;
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    const int64_t n = p.grad().numel();
-    p.mutable_grad().copy_(flat.narrow(0, at, n).view_as(p.grad()));
-    at += n;
-  }
+  // Note [Partial gradients summed in backward] in sequence_parallel.cpp.
+  const bool sequence_parallel = std::any_of(
+      plan.begin(), plan.end(), [](const auto& entry) { return entry.second.sequence_parallel; });
+  if (sequence_parallel) sum_partial_gradients(replicated_parameters(module), tp);
 }
 
 }  // namespace scaletrain

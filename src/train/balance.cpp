@@ -10,14 +10,25 @@
 
 namespace scaletrain {
 
-torch::nn::Sequential chain_of(const Model& model) {
-  if (!model.blocks) {
-    throw UsageError("the pipeline strategies split the model as a chain of blocks, and model '" +
-                     model.name +
-                     "' has none: give Model::blocks (model_of(module, name, blocks) in "
-                     "trainer.h; scaletrain::Block in blocks.h), or train with ddp or dp");
+// Regression (FsdpWithoutBlocksWasCalledAPipelineStrategy): fsdp, which needs the chain for its
+// units, said "the pipeline strategies" and offered ddp or dp only.
+torch::nn::Sequential chain_of(const Model& model, Strategy strategy) {
+  if (model.blocks) return model.blocks();
+  const std::string give =
+      "' has none: give Model::blocks (model_of(module, name, blocks) in trainer.h; "
+      "scaletrain::Block in blocks.h), or train with ";
+  if (strategy == Strategy::kFsdp) {
+    throw UsageError(
+        "TrainerOptions::strategy fsdp shards the model in units, one per block of "
+        "its chain (each gathered for its forward and backward), and model '" +
+        model.name + give +
+        "zero1 or zero2 (which shard the optimizer state and gradients of any "
+        "model) or ddp");
   }
-  return model.blocks();
+  throw UsageError("TrainerOptions::strategy " + to_string(strategy) +
+                   " splits the model into pipeline stages along its chain of blocks, and "
+                   "model '" +
+                   model.name + give + "ddp or dp");
 }
 
 std::vector<int> parse_balance_list(const std::string& spec) {

@@ -10,8 +10,9 @@
 
 namespace scaletrain {
 
-/// The model's chain of blocks; UsageError when the model has none (Model::blocks).
-torch::nn::Sequential chain_of(const Model& model);
+/// The model's chain of blocks, for `strategy` (the pipeline strategies' stages, fsdp's units);
+/// UsageError naming the strategy and what it needs when the model has none (Model::blocks).
+torch::nn::Sequential chain_of(const Model& model, Strategy strategy);
 
 /// The blocks per stage of an "N,M,..." --balance list; UsageError for anything but positive
 /// whole numbers.

@@ -80,12 +80,14 @@ void Run::train_fault_tolerant() {
       ++state_.step_in_epoch;
       ++state_.global_step;
       samples_ += take;
-      if (std::isfinite(loss)) loss_sum_ += loss, ++loss_n_;
+      if (std::isfinite(loss) && strategy_->counts_loss()) {  // Note [Global losses]
+        loss_sum_.add(loss, loss_weight(b.targets).item<double>());
+      }
       const int64_t left = n - sampler_->state().position;
       reporter_->step(
           e, state_.step_in_epoch,
           state_.step_in_epoch + (left + ranks * per_replica_ - 1) / (ranks * per_replica_),
-          state_.global_step, loss, loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : loss, lr(),
+          state_.global_step, loss, loss_sum_.weight > 0 ? loss_sum_.mean() : loss, lr(),
           since(t0));
       StepReport report{e + 1, state_.step_in_epoch, state_.global_step, loss, false, grad_norm_};
       if (o_.checkpoint_every > 0 && state_.global_step % o_.checkpoint_every == 0) {
@@ -139,10 +141,11 @@ at::Tensor Run::replica_state() {
   TrainingState s = state_;
   s.sampler = sampler_->state();
   s.tensors.clear();
-  std::ostringstream sum;
-  sum << std::hexfloat << loss_sum_;
+  std::ostringstream sum, weight;
+  sum << std::hexfloat << loss_sum_.sum;
+  weight << std::hexfloat << loss_sum_.weight;
   s.values["replica/loss_sum"] = sum.str();
-  s.values["replica/loss_n"] = std::to_string(loss_n_);
+  s.values["replica/loss_weight"] = weight.str();
   const std::string payload = checkpoint_payload(s, named_parameters_of(*model_.module),
                                                  named_buffers_of(*model_.module), opt_.get());
   auto out = at::empty({static_cast<int64_t>(payload.size())}, at::kByte);
@@ -159,10 +162,10 @@ void Run::load_replica_state(const at::Tensor& bytes) {
   state_.run_id = run_id;
   strategy_->weights_loaded();
   sampler_->load_state(state_.sampler);
-  loss_sum_ = std::strtod(state_.values["replica/loss_sum"].c_str(), nullptr);
-  loss_n_ = std::stoll(state_.values["replica/loss_n"]);
+  loss_sum_.sum = std::strtod(state_.values["replica/loss_sum"].c_str(), nullptr);
+  loss_sum_.weight = std::strtod(state_.values["replica/loss_weight"].c_str(), nullptr);
   state_.values.erase("replica/loss_sum");
-  state_.values.erase("replica/loss_n");
+  state_.values.erase("replica/loss_weight");
   record_options();
 }
 

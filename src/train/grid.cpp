@@ -22,11 +22,12 @@
 // differ only in the tp coordinate), so the split layers' collectives meet; activations go from
 // a stage's tp rank k to the next stage's tp rank k. The last stage takes the model's parallel
 // loss (vocabulary-parallel cross entropy). Sequence parallelism's sum of the replicated
-// gradients over tp runs after the step's last backward: it commutes with DDP's average over
-// dp. gather_weights() assembles each stage's slices over tp and broadcasts them from replica
-// 0; weights_loaded() cuts a checkpoint's whole weights again, so a checkpoint moves between
-// any grid, tp degree and strategy. The optimizer state is per (stage, tp rank), and is reused
-// at the same stages, balance and degree only.
+// gradients over tp is the plan's, in each backward (Note [Partial gradients summed in
+// backward] in src/tp/sequence_parallel.cpp), before DDP averages them over dp. gather_weights()
+// assembles each stage's slices over tp and broadcasts them from replica 0; weights_loaded() cuts a
+// checkpoint's whole weights again, so a checkpoint moves between any grid, tp degree and strategy.
+// The optimizer state is per (stage, tp rank), and is reused at the same stages, balance and degree
+// only.
 
 #include <map>
 #include <optional>
@@ -79,8 +80,8 @@ class GridStrategy : public TrainStrategy {
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
     const int v = v_ = o.pipeline.stages_per_device;
-    const auto balance =
-        resolve_balance(o.pipeline.balance, chain_of(whole_), stages_ * v, sample, d, dev_);
+    const auto balance = resolve_balance(o.pipeline.balance, chain_of(whole_, Strategy::kGrid),
+                                         stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
     if (degree_ > 1) split(task, o.tensor_parallel.sequence_parallel);
     stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
@@ -132,7 +133,7 @@ class GridStrategy : public TrainStrategy {
     auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
     // Once per step, after its last backward: over what the step accumulated.
     if (sync && split_.after_backward) split_.after_backward();
-    return out;
+    return out.defined() && weight != 1 ? out / weight : out;  // the batch's own loss
   }
 
   at::Tensor predict(const at::Tensor& x) override {
@@ -177,11 +178,8 @@ class GridStrategy : public TrainStrategy {
     if (degree_ > 1) load_full_state(*split_.module, tp(), named_values(*whole_.module));
   }
 
-  double reported_loss(double local) override {  // from replica 0's last stage
-    auto t = at::full({1}, last() ? local : 0.0, at::kDouble).to(dev_);
-    dist_.broadcast(t, mesh_.rank_at({0, stages_ - 1, 0}));
-    return t.item<double>();
-  }
+  // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
+  bool counts_loss() const override { return last() && mesh_.coordinate(dist_.rank(), "tp") == 0; }
 
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
@@ -256,7 +254,7 @@ class GridStrategy : public TrainStrategy {
   // chunks in the model's order, into `mine` where given.
   std::vector<std::vector<at::Tensor>> stage_parameters(
       const Model& model, std::vector<torch::nn::Sequential>* mine) const {
-    torch::nn::Sequential chain = chain_of(model);
+    torch::nn::Sequential chain = chain_of(model, Strategy::kGrid);
     std::vector<std::vector<at::Tensor>> out(static_cast<size_t>(stages_));
     size_t begin = 0;
     for (size_t k = 0; k < balance_.size(); ++k) {

@@ -160,7 +160,7 @@ class DpStrategy : public TrainStrategy {
   int data_replicas() const override { return 1; }
   at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
-    return dp_->train_step(x, y, weighted(loss_, weight));
+    return dp_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
   at::Tensor predict(const at::Tensor& x) override { return dp_->forward(x); }
   void train_mode(bool on) override {
@@ -187,7 +187,7 @@ class PipelineStrategy : public TrainStrategy {
         loss_(task.loss),
         devices_(local_devices(o)),
         threads_(share_cores(devices_)) {
-    torch::nn::Sequential chain = chain_of(model);
+    torch::nn::Sequential chain = chain_of(model, Strategy::kPipeline);
     PipelineOptions po;
     po.devices = devices_;
     po.stages_per_device = o.pipeline.stages_per_device;
@@ -206,7 +206,7 @@ class PipelineStrategy : public TrainStrategy {
   int data_replicas() const override { return 1; }
   at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
-    return pipe_->train_step(x, y, weighted(loss_, weight));
+    return pipe_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
   at::Tensor predict(const at::Tensor& x) override { return pipe_->forward(x); }
   void train_mode(bool on) override { model_.module->train(on); }

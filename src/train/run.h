@@ -20,6 +20,7 @@
 #include "scaletrain/loader.h"
 #include "scaletrain/sampler.h"
 #include "scaletrain/trainer.h"
+#include "train/loss_sums.h"
 #include "train/report.h"
 #include "train/run_folder.h"
 #include "train/strategy.h"
@@ -47,9 +48,9 @@ class Run {
   void setup_device_side();
   void resume();
   void epoch(int64_t e);
-  // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
-  double running_loss(int64_t done, int64_t batches);
+  bool same_batches_everywhere(int64_t e, int64_t batches);
   int stream() const;
+  // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
   void end_epoch(int64_t e, double seconds);
   // Fault-tolerant replicas (fault_loop.cpp, Note [Fault-tolerant loop]).
   void train_fault_tolerant();
@@ -59,12 +60,14 @@ class Run {
   // A step whose results the host has not read yet (Note [Deferred reads] in run_steps.cpp).
   struct Pending {
     at::Tensor loss;    // on the device; undefined where this rank computes none
+    at::Tensor weight;  // the targets the loss averages over, where this rank counts it
     at::Tensor finite;  // the gradients' verdict on the device; undefined: checked already
     int64_t done = 0, global_step = 0;
     double lr = 0, seconds = 0;
   };
   Pending step(const Batch& b, bool last_micro, int64_t epoch);
   double settle(int64_t epoch, int64_t batches);
+  std::vector<double> over_world(const std::vector<double>& mine);
   bool settle_due(int64_t done, int64_t batches, bool checkpoint) const;
   using Batches = std::function<std::optional<Batch>()>;
   Batches batch_stream(const DataSource& source, const Dataset& rows, std::vector<int64_t> indices,
@@ -75,6 +78,7 @@ class Run {
   void save_now(int64_t epoch, int64_t step_in_epoch);
   void drop_replaced_shards();
   void restore_rank_state();
+  void restore_loss_sums();
   void check_model_takes(const Batch& sample);
   void report_differences(const TrainingState& saved);
   at::Device collective_device() const;
@@ -110,11 +114,11 @@ class Run {
   Dataset train_rows_, test_rows_;  // on the device, with data_on_device
   bool defer_reads_ = false;        // Note [Deferred reads]
   std::vector<Pending> pending_;
-  double loss_sum_ = 0;  // this rank's losses of the epoch so far (a resumed epoch's too)
-  int64_t loss_n_ = 0;
-  double reported_mean_ = std::numeric_limits<double>::quiet_NaN();  // running_loss()
-  std::unique_ptr<ReplicaGroup> replicas_;                           // --fault-tolerant
-  bool left_behind_ = false;  // the other replicas finished while this one was away
+  // This rank's part of the epoch's losses so far, a resumed epoch's too (Note [Global losses]).
+  LossSum loss_sum_;
+  bool global_reads_ = true;                // the ranks read the steps' losses together
+  std::unique_ptr<ReplicaGroup> replicas_;  // --fault-tolerant
+  bool left_behind_ = false;                // the other replicas finished while this one was away
   // Note [Format switch] in run_folder.cpp, rank 0: the folder held shards when the run began,
   // and the step of the full checkpoint that replaces them once on disk (-1: none written yet).
   bool shards_left_ = false;

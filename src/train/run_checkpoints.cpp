@@ -147,27 +147,38 @@ void Run::report_differences(const TrainingState& saved) {
 }
 
 // Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the
-// world they were saved at, each rank takes its own; at another, rank 0 carries the loss sums
-// and every rank starts a stream of its own from the step. So it does at the same world with
-// another tensor-parallel degree, whose groups share other streams.
+// world they were saved at, each rank takes its own generators; at another, every rank starts a
+// stream of its own from the step. So it does at the same world with another tensor-parallel
+// degree, whose groups share other streams.
 // Regression (ResumeAtAnotherDegreeSplitTheGroupsStreams): ddp on 2 ranks resumed at tp 2 gave
 // the two ranks of the tp group their two old streams, so a GPT's dropout drew different masks
 // on them and their replicated activations drifted apart.
 void Run::restore_rank_state() {
-  auto sums = state_.tensors.find("trainer/epoch_loss");
-  if (sums != state_.tensors.end() && state_.step_in_epoch > 0) {
-    const at::Tensor rows = sums->second.to(at::kDouble).reshape({-1, 2});
-    const at::Tensor mine =
-        rows.size(0) == d_.size() ? rows[d_.rank()] : (d_.rank() == 0 ? rows.sum(0) : rows[0] * 0);
-    loss_sum_ = mine[0].item<double>();
-    loss_n_ = static_cast<int64_t>(mine[1].item<double>());
-  }
+  restore_loss_sums();
   const auto saved = state_.values.find(kStreamsKey);  // absent: tp 1
   const bool same_streams = (saved == state_.values.end() ? std::string("1") : saved->second) ==
                             std::to_string(std::max(o_.tensor_parallel.size, 1));
   if (!same_streams || !restore_rng_states(state_.tensors, d_)) {
     torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), stream()));
   }
+}
+
+// The epoch's running loss sums (Note [Global losses] in loss_sums.cpp). A file written before
+// they were weighted holds each rank's unweighted sums: their mean stands for the steps before
+// the checkpoint, each a whole global batch of this run's targets.
+void Run::restore_loss_sums() {
+  if (state_.step_in_epoch == 0) return;
+  auto sums = state_.tensors.find(kEpochLossKey);
+  if (sums != state_.tensors.end()) {
+    loss_sum_ = restored_loss_sums(sums->second, d_.rank(), d_.size());
+    return;
+  }
+  sums = state_.tensors.find(kUnweightedEpochLossKey);
+  if (sums == state_.tensors.end()) return;
+  const double per_sample = static_cast<double>(std::max<int64_t>(targets_per_sample_, 1));
+  loss_sum_ = restored_unweighted_loss_sums(
+      sums->second, d_.rank(), state_.step_in_epoch,
+      static_cast<double>(per_replica_ * strategy_->data_replicas()) * per_sample);
 }
 
 void Run::save(int64_t epoch, int64_t step_in_epoch) {
@@ -190,9 +201,8 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
   state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel.size, 1));
-  auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
-  state_.tensors["trainer/epoch_loss"] =
-      at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
+  auto sums = at::tensor({loss_sum_.sum, loss_sum_.weight}, at::kDouble);
+  state_.tensors[kEpochLossKey] = at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
   if (auto* scaler = strategy_->scaler()) {
     for (const auto& [k, t] : scaler->state()) state_.tensors["scaler/" + k] = t;
   }

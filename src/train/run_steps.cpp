@@ -33,14 +33,16 @@ namespace scaletrain {
 // waits either way; the trainer defers there too, so that every test runs the one path.
 constexpr size_t kDeferredSteps = 32;
 
-// The steps at which running_loss() asks the strategy for the running mean (collective).
+// The steps at which the progress line (without a terminal) shows the running mean: a quarter
+// of the epoch.
 static bool mean_reported_at(int64_t done, int64_t batches) {
   return done == batches || done % std::max<int64_t>(1, batches / 4) == 0;
 }
 
 // Whether the pending steps are read after the epoch's `done`-th step. Every rank reads at the
-// steps whose reading is collective (reported_loss(): a metric line, the running mean), so that
-// the collectives meet in the same order with the steps' own, whichever rank defers.
+// same steps, as the reading is collective (Note [Global losses] in loss_sums.cpp: the steps'
+// losses summed over the world), so that the collectives meet in the same order with the steps'
+// own, whichever rank defers.
 bool Run::settle_due(int64_t done, int64_t batches, bool checkpoint) const {
   const int64_t step = state_.global_step;
   return !defer_reads_ || checkpoint || pending_.size() >= kDeferredSteps ||
@@ -55,6 +57,7 @@ Run::Pending Run::step(const Batch& b, bool last_micro, int64_t epoch) {
   const double weight = o_.accumulate > 1 ? 1.0 / o_.accumulate : 1.0;
   Pending p;
   p.loss = strategy_->step(x, y, last_micro, weight);
+  if (p.loss.defined() && strategy_->counts_loss()) p.weight = loss_weight(y);
   if (last_micro) {
     if (defer_reads_) p.finite = strategy_->gradients_finite_flag();
     if (!p.finite.defined() && !strategy_->gradients_finite()) {
@@ -69,25 +72,49 @@ Run::Pending Run::step(const Batch& b, bool last_micro, int64_t epoch) {
   return p;
 }
 
-// Reads the pending steps' results in their order (Note [Deferred reads]): the epoch's loss
-// sums, the divergence check, the metric lines and progress. Returns the last step's loss.
+// Reads the pending steps' results in their order (Note [Deferred reads]): the divergence check,
+// the epoch's loss sums, the metric lines and progress, each step's loss the global batch's
+// (Note [Global losses]: one all-reduce of every pending step's sums and the epoch's so far).
+// Every rank gets the same figures, a rank that computes no loss too (a grid's first stages,
+// rank 0 among them: Regression (GridProgressLineShowedNaN), its progress line said "loss nan").
+// Returns the last step's loss.
 double Run::settle(int64_t e, int64_t batches) {
+  const size_t n = pending_.size();
+  std::vector<double> mine(2 * n + 2), values(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Pending& p = pending_[i];
+    values[i] = p.loss.defined() ? p.loss.item<double>() : std::numeric_limits<double>::quiet_NaN();
+    const double w = p.weight.defined() ? p.weight.item<double>() : 0;
+    mine[2 * i] = w > 0 ? values[i] * w : 0;
+    mine[2 * i + 1] = w;
+  }
+  mine[2 * n] = loss_sum_.sum, mine[2 * n + 1] = loss_sum_.weight;
+  const std::vector<double> all = global_reads_ ? over_world(mine) : mine;
+  LossSum running{all[2 * n], all[2 * n + 1]};
   double value = std::numeric_limits<double>::quiet_NaN();
-  for (const Pending& p : pending_) {
-    value = p.loss.defined() ? p.loss.item<double>() : std::numeric_limits<double>::quiet_NaN();
+  for (size_t i = 0; i < n; ++i) {
+    const Pending& p = pending_[i];
     if (p.finite.defined() && !p.finite.item<bool>()) {
-      diverged("the gradients hold NaN or inf", p.global_step, e, value);
+      diverged("the gradients hold NaN or inf", p.global_step, e, values[i]);
     }
-    if (std::isfinite(value)) loss_sum_ += value, ++loss_n_;
-    double shown = value;
-    if (o_.log_every > 0 && p.global_step % o_.log_every == 0) {
-      shown = strategy_->reported_loss(value);
+    const LossSum step{all[2 * i], all[2 * i + 1]};
+    value = step.mean();
+    if (std::isfinite(value)) {  // an overflowing fp16 step, skipped, counts for nothing
+      running.sum += step.sum, running.weight += step.weight;
+      loss_sum_.sum += mine[2 * i], loss_sum_.weight += mine[2 * i + 1];
     }
-    reporter_->step(e, p.done, batches, p.global_step, shown, running_loss(p.done, batches), p.lr,
-                    p.seconds);
+    reporter_->step(e, p.done, batches, p.global_step, value, running.mean(), p.lr, p.seconds);
   }
   pending_.clear();
   return value;
+}
+
+// `mine` summed over the world, in float64, through the collectives' device.
+std::vector<double> Run::over_world(const std::vector<double>& mine) {
+  auto t = at::tensor(mine, at::kDouble).to(collective_device());
+  d_.all_reduce(t);
+  t = t.cpu();
+  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
 }
 
 // What lives on the strategy's device: the collectives' backend must carry it, the rows of
@@ -150,18 +177,6 @@ Run::Batches Run::batch_stream(const DataSource& source, const Dataset& rows,
             lo.first_batch + (*next)++};
     return b;
   };
-}
-
-// The epoch's running mean loss for the progress line: this rank's, or where it computes no
-// loss (a grid's first stages, rank 0 among them), the one the strategy reports, asked on the
-// steps whose line is printed without a terminal (every rank asks on the same steps: the
-// question is collective).
-// Regression (GridProgressLineShowedNaN): rank 0 of a grid printed "loss nan" there.
-double Run::running_loss(int64_t done, int64_t batches) {
-  const double mine =
-      loss_n_ ? loss_sum_ / static_cast<double>(loss_n_) : std::numeric_limits<double>::quiet_NaN();
-  if (mean_reported_at(done, batches)) reported_mean_ = strategy_->reported_loss(mine);
-  return loss_n_ ? mine : reported_mean_;
 }
 
 }  // namespace scaletrain

@@ -29,8 +29,9 @@ class TrainStrategy {
   /// Where the batch's inputs and targets go.
   virtual at::Device device() const = 0;
   /// One forward and backward of this rank's batch; gradients accumulate. `sync` is false for
-  /// the micro-steps of gradient accumulation but the last. `weight` scales the loss (1 /
-  /// accumulate). Returns the batch's loss where this rank computes it, undefined elsewhere.
+  /// the micro-steps of gradient accumulation but the last. `weight` scales the loss that is
+  /// differentiated (1 / accumulate). Returns the batch's loss, not scaled by `weight`, where
+  /// this rank computes it, undefined elsewhere.
   virtual at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) = 0;
   /// Outputs for evaluation (no grad) where this rank has them, undefined elsewhere.
   virtual at::Tensor predict(const at::Tensor& x) = 0;
@@ -65,8 +66,10 @@ class TrainStrategy {
   virtual void end_epoch() {}
   /// Collective: every rank's model holds the current weights (a grid gathers its stages).
   virtual void gather_weights() {}
-  /// Collective: rank 0's view of a loss some ranks computed (a grid's last stage).
-  virtual double reported_loss(double local) { return local; }
+  /// Whether step()'s loss on this rank is the one its data replica counts in the global
+  /// batch's loss (Note [Global losses] in loss_sums.cpp): one rank per replica. The ranks of a
+  /// tensor-parallel group each compute the same loss, and only a grid's last stage computes it.
+  virtual bool counts_loss() const { return true; }
   /// Checkpoints: the optimizer's state goes into the file's standard place (the strategies
   /// with one optimizer over the model's parameters), or into `state` (a grid's stages).
   virtual const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,

@@ -10,18 +10,21 @@
 // checkpoint saved at one degree resumes at another. The optimizer steps the split parameters:
 // its state goes into the checkpoint per rank, and comes back when the mesh is the same (at
 // another mesh the weights go on and the optimizer starts afresh, as between strategies).
-// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics and loss sums
-// are counted once per rank, so each replica's are counted t times, numerators and denominators
-// alike: their ratios are the replicas' means.
+// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
+// once per rank, so each replica's are counted t times, numerators and denominators alike: their
+// ratios are the replicas' means. The training loss is counted once per replica, on its tp rank
+// 0 (Note [Global losses] in loss_sums.cpp), so that its sums mean the same at every layout.
 //
 // zero1, zero2 and fsdp (2D, ZeRO × TP and FSDP × TP): ShardedDataParallel over dp takes DDP's
 // place, over the split model (fsdp: over its chain of blocks, each block's slices gathered over
 // dp for its forward and backward); the optimizer steps its shards of the split parameters (each
 // tp rank's shards are of its own slices). The gradient norm is taken on the shards: an element
-// of a replicated parameter is on every tp rank, and counts 1/t on each. Sequence parallelism's
-// sum of the replicated gradients over tp (Model::after_backward on the whole gradients) runs
-// on the shards instead, after the step's last backward: by then ZeRO has reduce-scattered the
-// gradients over dp into the shards, and the two sums commute.
+// of a replicated parameter is on every tp rank, and counts 1/t on each.
+//
+// Sequence parallelism's sum of the replicated gradients over tp is the plan's, in every
+// backward before the gradients accumulate (Note [Partial gradients summed in backward] in
+// src/tp/sequence_parallel.cpp): DDP and ZeRO find them whole, and a program's own model does
+// nothing for it (Model::after_backward, if it gives one, runs after the step's last backward).
 
 #include <algorithm>
 #include <optional>
@@ -65,8 +68,7 @@ class TensorParallelStrategy : public TrainStrategy {
           so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
           so.agree_over = &d;                // the ranks hold different slices: they skip together
           return so;
-        }()),
-        sequence_parallel_(o.tensor_parallel.sequence_parallel) {
+        }()) {
     split_ =
         split_build(task, whole_, dist_, tp(), o.tensor_parallel.sequence_parallel, collective());
     split_.module->to(dev_);
@@ -78,7 +80,7 @@ class TensorParallelStrategy : public TrainStrategy {
       so.stage = o.strategy == Strategy::kZero1 ? 1 : o.strategy == Strategy::kZero2 ? 2 : 3;
       so.shared_memory = false;  // a dp group is not every rank of its machine
       if (so.stage == 3) {       // FSDP gathers the split model's blocks one unit at a time
-        chain_ = chain_of(split_);
+        chain_ = chain_of(split_, Strategy::kFsdp);
         zero_ = std::make_unique<ShardedDataParallel>(chain_, groups_.at("dp"), so);
       } else {
         zero_ = std::make_unique<ShardedDataParallel>(split_.module, groups_.at("dp"), so);
@@ -96,6 +98,8 @@ class TensorParallelStrategy : public TrainStrategy {
   int data_rank() const override { return mesh_.coordinate(dist_.rank(), "dp"); }
   int data_replicas() const override { return mesh_.size("dp"); }
   at::Device device() const override { return dev_; }
+  // The group's ranks compute the same loss of their replica's batch (Note [Global losses]).
+  bool counts_loss() const override { return tp().rank() == 0; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
@@ -112,13 +116,9 @@ class TensorParallelStrategy : public TrainStrategy {
     }
     at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
     scaler_.scale(weight != 1 ? loss * weight : loss).backward();
-    // Once per step, after its last backward: over what the step accumulated (ZeRO: in its
-    // gradient shards, where the gradients are by then).
-    if (sync && zero_ && sequence_parallel_) {
-      sum_replicated_shards_over_tp();
-    } else if (sync && !zero_ && split_.after_backward) {
-      split_.after_backward();
-    }
+    // Once per step, after its last backward: over what the step accumulated (not under ZeRO,
+    // whose gradients are in its shards by then).
+    if (sync && !zero_ && split_.after_backward) split_.after_backward();
     return loss.detach();
   }
 
@@ -249,25 +249,6 @@ class TensorParallelStrategy : public TrainStrategy {
     return weighted_square_sum(params, shard_parts(params));
   }
 
-  // Sequence parallelism under ZeRO (Note [Tensor-parallel strategy]): the replicated
-  // parameters' parts of this rank's gradient shards, summed over tp. The tp ranks' split
-  // models have the same shapes, so their units and shards line up part for part.
-  void sum_replicated_shards_over_tp() const {
-    const auto params = zero_parameters();
-    const auto parts = shard_parts(params);
-    std::vector<at::Tensor> replicated;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (parts[i].defined() && replicated_.count(params[i].unsafeGetTensorImpl())) {
-        replicated.push_back(parts[i]);
-      }
-    }
-    if (replicated.empty()) return;
-    auto flat = flat_copy(replicated, collective());
-    tp().all_reduce(flat);
-    torch::NoGradGuard no_grad;
-    copy_from_flat(flat, replicated);  // the parts are views of the shards' gradients
-  }
-
   // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
   std::vector<at::Tensor> zero_parameters() const {
     return chain_ ? chain_->parameters() : split_.module->parameters();
@@ -308,7 +289,6 @@ class TensorParallelStrategy : public TrainStrategy {
   at::Device dev_;
   std::optional<at::ScalarType> amp_;  // autocast's dtype: bf16 or fp16
   GradScaler scaler_;                  // fp16 (ddp): loss scaling, one verdict for all ranks
-  bool sequence_parallel_;
   LossFn loss_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> zero_;  // zero1, zero2, fsdp: over dp instead of ddp_

@@ -224,7 +224,7 @@ LoaderOptions Run::loader_options(int64_t batch, uint64_t seed, int64_t first_ba
 void Run::epoch(int64_t e) {
   if (e != sampler_->epoch()) {
     sampler_->set_epoch(e);
-    loss_sum_ = 0, loss_n_ = 0;
+    loss_sum_ = {};
   }
   // The batches already trained in this epoch, by every replica (Note [Global position] in
   // sampler.cpp: the same count at any world size), and those left to this rank.
@@ -233,6 +233,7 @@ void Run::epoch(int64_t e) {
   const std::vector<int64_t> remaining = sampler_->remaining();
   const int64_t batches =
       done + (static_cast<int64_t>(remaining.size()) + per_replica_ - 1) / per_replica_;
+  global_reads_ = same_batches_everywhere(e, batches);
   // Augmentation differs per epoch and data replica; a resumed epoch sees the same batches.
   const uint64_t seed = (seed_ * 1000003 + static_cast<uint64_t>(e)) * 1009 +
                         static_cast<uint64_t>(strategy_->data_rank());
@@ -259,11 +260,31 @@ void Run::epoch(int64_t e) {
     }
     if (task_.on_step) task_.on_step(report);
   }
-  if (!pending_.empty()) settle(e, batches);
   // A rank whose batches ran out says so before anything else collective (Note [Uneven
   // inputs] in ddp.h): with "fail" every rank stops here or in its next step.
   strategy_->end_epoch();
+  if (!pending_.empty()) settle(e, batches);
   end_epoch(e, since(t0));
+}
+
+// Whether every rank has this epoch's `batches` (collective). They have unless the ranks were
+// given other data or batch sizes: under UnevenInputs::kJoin the ranks then read their steps'
+// losses on their own (they meet in no collective before the epoch's end, Note [Global
+// losses]); otherwise the run stops here, before a step, naming the ranks' counts.
+bool Run::same_batches_everywhere(int64_t e, int64_t batches) {
+  const auto all = d_.all_gather(at::tensor({batches}, at::kLong).to(collective_device()));
+  std::string counts;
+  bool same = true;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const int64_t theirs = all[r].item<int64_t>();
+    same = same && theirs == batches;
+    counts += (r ? ", rank " : "rank ") + std::to_string(r) + " " + std::to_string(theirs);
+  }
+  if (same || o_.ddp.uneven_inputs == UnevenInputs::kJoin) return same;
+  throw Error("rank " + std::to_string(d_.rank()) + ": uneven inputs in epoch " +
+              std::to_string(e + 1) + ": the ranks have different numbers of batches (" + counts +
+              "); give every rank the same data and TrainerOptions::batch_size, or "
+              "TrainerOptions::ddp.uneven_inputs join under ddp");
 }
 
 // This rank's random stream: its own, but one per tensor-parallel group, whose ranks draw the
@@ -279,16 +300,14 @@ void Run::end_epoch(int64_t e, double seconds) {
   EpochReport report;
   report.seconds = seconds;
   train_seconds_ += report.seconds;
-  // The epoch's loss over every replica's batches, a resumed epoch's before the resume too.
-  auto sums = at::tensor({loss_sum_, static_cast<double>(loss_n_)}, at::kDouble);
-  sums = sums.to(collective_device());
-  d_.all_reduce(sums);
-  sums = sums.cpu();
-  report.loss = sums[1].item<double>() > 0 ? sums[0].item<double>() / sums[1].item<double>() : 0;
+  // The epoch's loss over every replica's batches, a resumed epoch's before the resume too,
+  // each weighted by its targets (Note [Global losses] in loss_sums.cpp).
+  const auto sums = over_world({loss_sum_.sum, loss_sum_.weight});
+  report.loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
   report.metrics = evaluate();
   if (scheduler_) scheduler_->step();
   sampler_->set_epoch(e + 1);
-  loss_sum_ = 0, loss_n_ = 0;
+  loss_sum_ = {};
   save(e + 1, 0);
   report.epoch = e + 1;
   report.global_step = state_.global_step;

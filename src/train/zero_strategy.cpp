@@ -32,8 +32,9 @@ class ZeroStrategy : public TrainStrategy {
       so.param_dtype = so.buffer_dtype = at::kBFloat16;
       so.reduce_dtype = at::kFloat;
     }
-    zero_ = stage == 3 ? std::make_unique<ShardedDataParallel>(chain_of(model), d, so)
-                       : std::make_unique<ShardedDataParallel>(model.module, d, so);
+    zero_ = stage == 3
+                ? std::make_unique<ShardedDataParallel>(chain_of(model, Strategy::kFsdp), d, so)
+                : std::make_unique<ShardedDataParallel>(model.module, d, so);
     // A checkpoint may load into the module before the first step: the full (master) values.
     zero_->gather_full_parameters();
   }

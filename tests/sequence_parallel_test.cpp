@@ -214,6 +214,42 @@ TEST(SequenceParallel, AnExplicitSumAfterThePlanIsNotASecondOne) {
   });
 }
 
+// A loop that ends its steps in one place defers the sums to one flattened all-reduce per step
+// (defer_partial_sums(), what train() does): two backwards accumulate each rank's part, and one
+// call after them gives the whole gradients of both batches. Before that call a replicated
+// parameter still holds this rank's part alone: the sums were deferred, not done twice.
+TEST(SequenceParallel, DeferredSumsAreOneAllReduceAfterTheStepsLastBackward) {
+  const SpTask task(0);
+  auto loss = [&](SpNetImpl& m, int64_t first) {
+    auto x = task.data.inputs.narrow(0, first, 4), y = task.data.targets.narrow(0, first, 4);
+    return at::cross_entropy_loss(m.forward(x).reshape({-1, kVocab}), y.reshape({-1}));
+  };
+  SpNet whole(0);
+  whole->to(at::kDouble);
+  load(*whole, task.start);
+  loss(*whole, 0).backward();
+  loss(*whole, 4).backward();
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    SpNet m(0);
+    m->to(at::kDouble);
+    load(*m, task.start);
+    m->parallelize(d);
+    const auto partial = replicated_parameters(*m);
+    defer_partial_sums(partial);
+    loss(*m, 0).backward();
+    loss(*m, 4).backward();
+    ASSERT_FALSE(partial.empty());
+    const auto& norm = m->ln->weight;
+    EXPECT_FALSE(at::allclose(norm.grad(), whole->ln->weight.grad())) << "summed already";
+    sum_deferred_partial_gradients(partial, d);
+    const auto grads = gather_full_state(*m, d, /*gradients=*/true);
+    for (const auto& p : whole->named_parameters()) {
+      expect_close({{p.key(), grads.at(p.key())}}, {{p.key(), p.value().grad()}}, "gradient");
+    }
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(2));
+}
+
 // A parameter left whole by a first sequence-parallel plan and split by a second has its sum
 // turned off (a slice's gradient is whole already).
 TEST(SequenceParallel, APlanThatSplitsAParameterTurnsItsSumOff) {

@@ -183,6 +183,10 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   } else {
     m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
   }
+  // Sequence parallelism's partial sums once per step, as train() does (defer_partial_sums()).
+  const std::vector<at::Tensor> partial =
+      mode == "tp-sp" ? replicated_parameters(*m) : std::vector<at::Tensor>{};
+  defer_partial_sums(partial);
   torch::optim::AdamW opt(fsdp   ? fsdp->parameters()
                           : pipe ? pipe->parameters()
                                  : m->parameters(),
@@ -204,7 +208,8 @@ int run_transformer_worker(const std::vector<std::string>& args) {
                   : fsdp ? fsdp->forward(x)
                          : m->forward(x);
     auto loss = m->loss(logits, y);
-    loss.backward();  // sequence parallelism: the plan sums the replicated gradients in it
+    loss.backward();
+    if (!partial.empty()) sum_deferred_partial_gradients(partial, d);
     if (fsdp) {
       fsdp->step(opt);
     } else {

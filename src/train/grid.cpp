@@ -22,8 +22,9 @@
 // differ only in the tp coordinate), so the split layers' collectives meet; activations go from
 // a stage's tp rank k to the next stage's tp rank k. The last stage takes the model's parallel
 // loss (vocabulary-parallel cross entropy). Sequence parallelism's sum of the replicated
-// gradients over tp is the plan's, in each backward (Note [Partial gradients summed in
-// backward] in src/tp/sequence_parallel.cpp), before DDP averages them over dp. gather_weights()
+// gradients over tp runs once per step, after its last backward, in one all-reduce (the plan's
+// hooks defer to it, Note [Partial gradients summed in backward] in
+// src/tp/sequence_parallel.cpp): it commutes with DDP's average over dp. gather_weights()
 // assembles each stage's slices over tp and broadcasts them from replica 0; weights_loaded() cuts a
 // checkpoint's whole weights again, so a checkpoint moves between any grid, tp degree and strategy.
 // The optimizer state is per (stage, tp rank), and is reused at the same stages, balance and degree
@@ -40,6 +41,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
+#include "tp/partial_sums.h"
 #include "train/balance.h"
 #include "train/strategy.h"
 
@@ -131,7 +133,9 @@ class GridStrategy : public TrainStrategy {
     std::optional<Autocast> autocast;
     if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
     auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
-    // Once per step, after its last backward: over what the step accumulated.
+    // Once per step, after its last backward: over what the step accumulated (Note [Partial
+    // gradients summed in backward]: it commutes with DDP's average over dp).
+    if (sync && !deferred_.empty()) sum_deferred_partial_gradients(deferred_, tp());
     if (sync && split_.after_backward) split_.after_backward();
     return out.defined() && weight != 1 ? out / weight : out;  // the batch's own loss
   }
@@ -243,6 +247,10 @@ class GridStrategy : public TrainStrategy {
     split_ = split_build(task, whole_, dist_, tp(), sequence_parallel, dev_);
     if (split_.parallel_loss) loss_ = split_.parallel_loss;
     replicated_ = replicated_set(*split_.module);
+    if (sequence_parallel) {  // summed once per step, in one all-reduce (step())
+      deferred_ = replicated_parameters(*split_.module);
+      defer_partial_sums(deferred_);
+    }
     for (const auto& p : split_.module->named_parameters()) {
       split_names_[p.value().unsafeGetTensorImpl()] = p.key();
     }
@@ -299,6 +307,7 @@ class GridStrategy : public TrainStrategy {
   torch::nn::Sequential stage_module_{nullptr};  // chunks_[0]: the stage (no interleaving)
   std::vector<torch::nn::Sequential> chunks_;    // this rank's stages, in the model's order
   std::map<std::string, Dist> groups_;           // "dp", and "tp" when split
+  std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums, this strategy's
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;
 };

@@ -21,10 +21,12 @@
 // tp rank's shards are of its own slices). The gradient norm is taken on the shards: an element
 // of a replicated parameter is on every tp rank, and counts 1/t on each.
 //
-// Sequence parallelism's sum of the replicated gradients over tp is the plan's, in every
-// backward before the gradients accumulate (Note [Partial gradients summed in backward] in
-// src/tp/sequence_parallel.cpp): DDP and ZeRO find them whole, and a program's own model does
-// nothing for it (Model::after_backward, if it gives one, runs after the step's last backward).
+// Sequence parallelism's sum of the replicated gradients over tp runs once per step, after its
+// last backward, in one all-reduce (the plan's hooks defer to it, Note [Partial gradients summed
+// in backward] in src/tp/sequence_parallel.cpp): over the whole gradients after DDP's average,
+// or on ZeRO's gradient shards, where the gradients are by then; the sums over tp and dp
+// commute. A program's own model does nothing for it (Model::after_backward, if it gives one,
+// runs after the step's last backward).
 
 #include <algorithm>
 #include <optional>
@@ -36,6 +38,7 @@
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
+#include "tp/partial_sums.h"
 #include "train/balance.h"
 #include "train/reshard.h"
 #include "train/run_folder.h"
@@ -73,6 +76,10 @@ class TensorParallelStrategy : public TrainStrategy {
         split_build(task, whole_, dist_, tp(), o.tensor_parallel.sequence_parallel, collective());
     split_.module->to(dev_);
     replicated_ = replicated_set(*split_.module);
+    if (o.tensor_parallel.sequence_parallel) {  // summed once per step, in one all-reduce
+      deferred_ = replicated_parameters(*split_.module);
+      defer_partial_sums(deferred_);
+    }
     loss_ = split_.parallel_loss ? split_.parallel_loss : task.loss;
     if (o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
         o.strategy == Strategy::kFsdp) {
@@ -116,8 +123,15 @@ class TensorParallelStrategy : public TrainStrategy {
     }
     at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
     scaler_.scale(weight != 1 ? loss * weight : loss).backward();
-    // Once per step, after its last backward: over what the step accumulated (not under ZeRO,
-    // whose gradients are in its shards by then).
+    // Once per step, after its last backward: over what the step accumulated (under ZeRO, in its
+    // gradient shards, where the gradients are by then).
+    if (sync && !deferred_.empty()) {
+      if (zero_) {
+        sum_replicated_shards_over_tp();
+      } else {
+        sum_deferred_partial_gradients(deferred_, tp());
+      }
+    }
     if (sync && !zero_ && split_.after_backward) split_.after_backward();
     return loss.detach();
   }
@@ -249,6 +263,23 @@ class TensorParallelStrategy : public TrainStrategy {
     return weighted_square_sum(params, shard_parts(params));
   }
 
+  // Sequence parallelism under ZeRO (Note [Tensor-parallel strategy]): the replicated
+  // parameters' parts of this rank's gradient shards, summed over tp. The tp ranks' split
+  // models have the same shapes, so their units and shards line up part for part.
+  void sum_replicated_shards_over_tp() const {
+    const auto params = zero_parameters();
+    const auto parts = shard_parts(params);
+    std::vector<at::Tensor> replicated;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (parts[i].defined() && partial_sum_deferred(params[i])) replicated.push_back(parts[i]);
+    }
+    if (replicated.empty()) return;
+    auto flat = flat_copy(replicated, collective());
+    tp().all_reduce(flat);
+    torch::NoGradGuard no_grad;
+    copy_from_flat(flat, replicated);  // the parts are views of the shards' gradients
+  }
+
   // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
   std::vector<at::Tensor> zero_parameters() const {
     return chain_ ? chain_->parameters() : split_.module->parameters();
@@ -295,6 +326,7 @@ class TensorParallelStrategy : public TrainStrategy {
   torch::nn::Sequential chain_{nullptr};       // fsdp: the split model's blocks, which zero_ wraps
   std::string layout_ = mesh_.describe();      // the optimizer state's: mesh and strategy
   std::set<const void*> replicated_;  // the split model's parameters whole on every tp rank
+  std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums, this strategy's
 };
 
 }  // namespace

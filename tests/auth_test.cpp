@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <future>
 #include <string>
 #include <thread>
@@ -360,6 +361,34 @@ TEST(Secret, AMissingFileIsMadeOnceAndAnOpenOneRefused) {
     ADD_FAILURE() << "a secret file others may read was taken";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("chmod 600 " + path), std::string::npos) << e.what();
+  }
+}
+
+// Regression SecretFileFollowedAPlantedSymlink: a link planted where the secret file should be
+// (a folder others may write) made the first line of any of the user's files the job's secret,
+// an ssh key's predictable "-----BEGIN OPENSSH PRIVATE KEY-----" among them. A link is refused,
+// and so is a file of another user.
+TEST(Secret, APlantedSymlinkOrAnotherUsersFileIsRefused) {
+  testing::TempDir dir("secret_link");
+  const std::string target = (dir.path / "id_key").string(),
+                    link = (dir.path / "job.secret").string();
+  { std::ofstream(target) << "-----BEGIN OPENSSH PRIVATE KEY-----\n"; }
+  chmod(target.c_str(), 0600);
+  ASSERT_EQ(symlink(target.c_str(), link.c_str()), 0);
+  try {
+    read_secret_file(link);
+    ADD_FAILURE() << "a symbolic link was followed";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("it is a symbolic link"), std::string::npos) << e.what();
+  }
+  if (geteuid() == 0) {  // a file of another user: root can make one
+    ASSERT_EQ(chown(target.c_str(), 65534, 65534), 0);
+    try {
+      read_secret_file(target);
+      ADD_FAILURE() << "another user's file was taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("belongs to user 65534"), std::string::npos) << e.what();
+    }
   }
 }
 

@@ -78,35 +78,75 @@ std::string generate_secret() {
   return hex;
 }
 
-std::string read_secret_file(const std::string& path, bool create) {
-  struct stat st {};
-  if (stat(path.c_str(), &st) != 0) {
-    if (errno != ENOENT || !create) {
-      throw UsageError(fmt::format("cannot read the secret file {}: {}", path, strerror(errno)));
-    }
-    create_secret_file(path);
-    if (stat(path.c_str(), &st) != 0) {
-      throw UsageError(fmt::format("cannot read the secret file {}: {}", path, strerror(errno)));
-    }
+namespace {
+
+// The file at `path`, opened without following a symbolic link, and its status: a link planted
+// in a folder others may write could otherwise point at any file of the user whose first line
+// is predictable (an ssh key's "-----BEGIN ...", regression
+// SecretFileFollowedAPlantedSymlink). -1 with errno set when it cannot be opened.
+int open_secret(const std::string& path, struct stat* st) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+  if (fd >= 0 && fstat(fd, st) != 0) {
+    close(fd);
+    return -1;
   }
-  if (!S_ISREG(st.st_mode)) {
-    throw UsageError(fmt::format("the secret file {} is not a regular file", path));
+  return fd;
+}
+
+// What is wrong with a secret file of status `st` ("" when nothing).
+std::string unsafe(const std::string& path, const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) return "the secret file " + path + " is not a regular file";
+  if (st.st_uid != geteuid()) {
+    return fmt::format(
+        "the secret file {} belongs to user {}, not to this process's user {}: anyone who can "
+        "write it chooses the job's secret. Use a file of your own",
+        path, st.st_uid, geteuid());
   }
   if ((st.st_mode & 0077) != 0) {
-    throw UsageError(fmt::format(
+    return fmt::format(
         "the secret file {} may be read by other users (mode {:04o}): anyone who reads it can "
         "join the job. Make it yours alone: chmod 600 {}",
-        path, st.st_mode & 07777, path));
+        path, st.st_mode & 07777, path);
   }
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) {
+  return "";
+}
+
+std::string first_line(int fd) {
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while (text.find('\n') == std::string::npos && text.size() < 65536 &&
+         (n = read(fd, buf, sizeof(buf))) > 0) {
+    text.append(buf, static_cast<size_t>(n));
+  }
+  return text.substr(0, text.find('\n'));
+}
+
+}  // namespace
+
+std::string read_secret_file(const std::string& path, bool create) {
+  struct stat st {};
+  int fd = open_secret(path, &st);
+  if (fd < 0 && errno == ENOENT && create) {
+    create_secret_file(path);
+    fd = open_secret(path, &st);
+  }
+  if (fd < 0) {
+    throw UsageError(fmt::format(
+        "cannot read the secret file {}: {}", path,
+        errno == ELOOP ? "it is a symbolic link (give the file itself)" : strerror(errno)));
+  }
+  const std::string why = unsafe(path, st);
+  const std::string line = why.empty() ? first_line(fd) : "";
+  close(fd);
+  if (!why.empty()) throw UsageError(why);
+  const std::string secret = trim(line);
+  if (secret.empty()) {
     throw UsageError(
         fmt::format("cannot read a secret from {}: the file is empty or unreadable "
                     "(delete it and a new one is made)",
                     path));
   }
-  const std::string secret = trim(line);
   check_length(secret, "the secret file " + path);
   return secret;
 }

@@ -238,15 +238,13 @@ std::optional<ElasticJob> elastic_job(const std::string& name, const std::string
 }
 
 // An elastic job whose host b was killed and came back: the world went 2, 1, 2 without a restart
-// counted, each world after the first resumed from the newest checkpoint, the final weights
-// equal, bit for bit, those of a fixed 2-node job resumed from the checkpoint the last world
-// resumed from, and nothing is left running on either host.
+// counted, each world after the first resumed from the newest checkpoint, and nothing is left
+// running on either host.
 void expect_shrink_and_grow(const ElasticJob& j) {
   const auto& r = j.r;
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "b again exit 0")) << r.output;
-  EXPECT_TRUE(contains(r.output, "ref exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;
   const std::vector<int> worlds = worlds_of(j.host_a);
   ASSERT_GE(worlds.size(), 3u) << r.output;
@@ -260,9 +258,7 @@ void expect_shrink_and_grow(const ElasticJob& j) {
             2)
       << "each world after the first resumes from the newest checkpoint\n"
       << r.output;
-  ASSERT_FALSE(j.elastic.empty()) << r.output;
-  EXPECT_EQ(j.elastic, j.fixed) << "the elastic job's weights differ from the fixed job's\n"
-                                << r.output;
+  EXPECT_FALSE(j.elastic.empty()) << r.output;
 }
 
 // Issue: `--nnodes MIN:MAX` was refused. An elastic job on two network-namespace hosts
@@ -273,6 +269,12 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
   const auto j = elastic_job("elastic", "");
   if (!j) GTEST_SKIP() << "network namespaces are refused here";
   expect_shrink_and_grow(*j);
+  // The final weights equal, bit for bit, those of a fixed 2-node job resumed from the
+  // checkpoint the last world resumed from.
+  EXPECT_TRUE(contains(j->r.output, "ref exit 0")) << j->r.output;
+  ASSERT_FALSE(j->elastic.empty()) << j->r.output;
+  EXPECT_EQ(j->elastic, j->fixed) << "the elastic job's weights differ from the fixed job's\n"
+                                  << j->r.output;
 }
 
 // Regression DoneFromAnyoneStoppedTheElasticJob, end to end: in an outside security pass, a
@@ -283,7 +285,9 @@ TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
 // proofs from guessed secrets, a flood of 4,000 connections and slow ones): every attack is
 // refused, in the attacker's words and in host a's log, no round ends meanwhile, no phantom
 // node is ever named, and the job shrinks, grows and ends as the calm one does. (Two epochs
-// instead of three: the attacks come before the kill, so the job's length is not theirs.)
+// instead of three, and no fixed job to compare the weights with: the attacks come before the
+// kill and reach the rendezvous alone, which decides the worlds, and the calm test checks the
+// weights those worlds train.)
 TEST(MultiNode, ElasticJobIgnoresAStrangersDoneAndPhantomJoin) {
   if (run_command("command -v python3").exit_code != 0) GTEST_SKIP() << "no python3 here";
   const auto j = elastic_job("elastic_attacked", " attack");

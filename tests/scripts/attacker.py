@@ -52,7 +52,7 @@ SETTLE_S = 2.0
 def tcpstore(op, *args):
     """One request in PyTorch's TCPStore wire protocol (c10d/TCPStoreBackend.hpp): the query
     type, then each string as a uint64 length and its bytes; ADD's delta an int64."""
-    types = {"validate": 0, "set": 1, "get": 3, "add": 4, "list_keys": 17}
+    types = {"validate": 0, "set": 1, "get": 3, "add": 4}
     out = struct.pack("<B", types[op])
     if op == "validate":
         return out + struct.pack("<I", 0x3C85F7CE)
@@ -74,9 +74,10 @@ def frame(op, *parts):
     return struct.pack("<I", len(body)) + body
 
 
-def lighthouse_requests(speak):
-    """The lighthouse's keys (Note [Replica groups]) as an attacker writes them: join as replica
-    7, read replica 0's request (the job's settings), forge the end, ask as a donor."""
+def lighthouse_requests(speak, first=b""):
+    """The lighthouse's keys (Note [Replica groups]) as an attacker writes them, each request
+    after `first`: join as replica 7, read replica 0's request (the job's settings), forge the
+    end, ask as a donor."""
     reqs = {
         "join as replica 7": [
             speak("set", "ft/reg/7/outsider", "outsider pid 7"),
@@ -92,7 +93,7 @@ def lighthouse_requests(speak):
             speak("set", "ft/req/7/donor", "donor-1 1000000 1 x"),
         ],
     }
-    return {k: b"".join(v) for k, v in reqs.items()}
+    return {k: first + b"".join(v) for k, v in reqs.items()}
 
 
 def rendezvous_requests(run_id):
@@ -209,8 +210,8 @@ class Report:
 def attack(report, name, fn, *args):
     try:
         report.add(name, fn(*args))
-    except OSError as e:  # refused or reset before a word: the server was reached, not fooled
-        report.add(name, (True, f"the connection failed: {e}"))
+    except OSError as e:  # no server, or no challenge in time: the attack proves nothing
+        report.add(name, (False, f"the attack could not be made: {e}"))
 
 
 def run_requests(report, host, port, requests):
@@ -314,7 +315,8 @@ def main():
     port = int(port)
     report = Report()
     if a.target == "lighthouse":
-        run_requests(report, host, port, lighthouse_requests(tcpstore))
+        # A TCPStore client's first words are its VALIDATE.
+        run_requests(report, host, port, lighthouse_requests(tcpstore, tcpstore("validate")))
         frames = lighthouse_requests(frame)
         run_requests(report, host, port, {f"{k} (store frames)": v for k, v in frames.items()})
     else:

@@ -195,6 +195,28 @@ TEST(FaultTolerantReplicas, AForgedEndOrAStepAheadOfTheJobChangesNothing) {
   }
 }
 
+// Regression AMalformedBeatStoppedTheLighthouse: a beat whose value is no number (one `set` by a
+// process that holds the secret: a bug, an older tool) threw out of the lighthouse's loop
+// ("scaletrain: error: stoll", exit 1), and every replica's next quorum failed with it. A beat
+// is any change of its key's value now: the lighthouse goes on forming quorums.
+TEST(FaultTolerantReplicas, AMalformedBeatLeavesTheLighthouseServing) {
+  TestLighthouse lighthouse;
+  auto store = lighthouse_client("127.0.0.1", lighthouse.port, testing::kTestSecret,
+                                 std::chrono::seconds(5));
+  store->set("ft/reg/3/bad", BareReplica::bytes("bad pid 1"));
+  store->set("ft/beat/3/bad", BareReplica::bytes("not a number"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the lighthouse reads them
+  auto options = replica_options(lighthouse.port, 0);
+  options.quorum_timeout = std::chrono::seconds(5);
+  Quorum q;
+  auto errors = testing::run_ranks(1, [&](Dist& d) {
+    ReplicaGroup g(d, options);
+    q = g.quorum(0);
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(1));
+  EXPECT_EQ(q.replicas, std::vector<int>{0});
+}
+
 // Regression TwoProcessesWithOneReplicaIdTrainedApart: two replicas started with the same
 // --replica-id: one trained alone at half the batch, the other waited, restarted, was told the
 // others finished and exited 0 with no weights. The second live process is refused by name.

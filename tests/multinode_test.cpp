@@ -15,6 +15,7 @@
 
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
+#include "support/attacks.h"
 #include "support/secret.h"
 #include "support/subprocess.h"
 
@@ -206,45 +207,99 @@ std::vector<int> worlds_of(const std::string& log) {
   return worlds;
 }
 
-// Issue: `--nnodes MIN:MAX` was refused. An elastic job on two network-namespace hosts
-// (tests/scripts/elastic_job.sh, --nnodes 1:2 --max-restarts 0): host b is killed once the
-// 2-node world has checkpointed, the job goes on at world 1, host b comes back and the world
-// grows to 2 again. Neither change counts as a restart; the final weights equal, bit for bit,
-// those of a fixed 2-node job resumed from the checkpoint the last world resumed from; nothing
-// is left running on either host.
-TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
-  const auto out =
-      std::filesystem::temp_directory_path() / ("scaletrain_elastic_" + std::to_string(getpid()));
+// An elastic job of tests/scripts/elastic_job.sh: its output, the final weights of the elastic
+// job and of the fixed one resumed from its last world's checkpoint, host a's log and the
+// attacker's.
+struct ElasticJob {
+  testing::CommandResult r;
+  std::string elastic, fixed, host_a, attacker;
+};
+
+// tests/scripts/elastic_job.sh in a fresh folder, with `args`; nullopt where network namespaces
+// are refused.
+std::optional<ElasticJob> elastic_job(const std::string& name, const std::string& args) {
+  const auto out = std::filesystem::temp_directory_path() /
+                   ("scaletrain_" + name + "_" + std::to_string(getpid()));
   std::filesystem::remove_all(out);
-  auto r = run_command(script_path("elastic_job.sh") + " " + cli_path() + " " + out.string(), 280);
+  ElasticJob j;
+  j.r = run_command(script_path("elastic_job.sh") + " " + cli_path() + " " + out.string() + args,
+                    280);
   auto read = [](const std::filesystem::path& p) {
     std::ifstream in(p, std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   };
-  const std::string elastic = read(out / "run/model.pt"), fixed = read(out / "ref/model.pt");
-  const std::string host_a = read(out / "a.log");
+  j.elastic = read(out / "run/model.pt");
+  j.fixed = read(out / "ref/model.pt");
+  j.host_a = read(out / "a.log");
+  j.attacker = read(out / "attacker.log");
   std::filesystem::remove_all(out);
-  if (r.exit_code == 77) GTEST_SKIP() << "network namespaces are refused here";
+  if (j.r.exit_code == 77) return std::nullopt;
+  return j;
+}
+
+// An elastic job whose host b was killed and came back: the world went 2, 1, 2 without a restart
+// counted, each world after the first resumed from the newest checkpoint, and nothing is left
+// running on either host.
+void expect_shrink_and_grow(const ElasticJob& j) {
+  const auto& r = j.r;
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "a exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "b again exit 0")) << r.output;
-  EXPECT_TRUE(contains(r.output, "ref exit 0")) << r.output;
   EXPECT_TRUE(contains(r.output, "left on host a: 0, on host b: 0")) << r.output;
-  const std::vector<int> worlds = worlds_of(host_a);
+  const std::vector<int> worlds = worlds_of(j.host_a);
   ASSERT_GE(worlds.size(), 3u) << r.output;
   EXPECT_EQ(std::vector<int>(worlds.end() - 3, worlds.end()), (std::vector<int>{2, 1, 2}))
       << r.output;
-  EXPECT_TRUE(contains(host_a, "left: its connection closed")) << r.output;
-  EXPECT_FALSE(contains(host_a, "1 of 0 restarts used")) << r.output;
+  EXPECT_TRUE(contains(j.host_a, "left: its connection closed")) << r.output;
+  EXPECT_FALSE(contains(j.host_a, "1 of 0 restarts used")) << r.output;
   const std::regex resumed("resumed from [^ ]+ \\(epoch");
-  EXPECT_GE(std::distance(std::sregex_iterator(host_a.begin(), host_a.end(), resumed),
+  EXPECT_GE(std::distance(std::sregex_iterator(j.host_a.begin(), j.host_a.end(), resumed),
                           std::sregex_iterator()),
             2)
       << "each world after the first resumes from the newest checkpoint\n"
       << r.output;
-  ASSERT_FALSE(elastic.empty()) << r.output;
-  EXPECT_EQ(elastic, fixed) << "the elastic job's weights differ from the fixed job's\n"
-                            << r.output;
+  EXPECT_FALSE(j.elastic.empty()) << r.output;
+}
+
+// Issue: `--nnodes MIN:MAX` was refused. An elastic job on two network-namespace hosts
+// (tests/scripts/elastic_job.sh, --nnodes 1:2 --max-restarts 0): host b is killed once the
+// 2-node world has checkpointed, the job goes on at world 1, host b comes back and the world
+// grows to 2 again (expect_shrink_and_grow).
+TEST(MultiNode, ElasticJobShrinksWhenANodeIsKilledAndGrowsWhenItComesBack) {
+  const auto j = elastic_job("elastic", "");
+  if (!j) GTEST_SKIP() << "network namespaces are refused here";
+  expect_shrink_and_grow(*j);
+  // The final weights equal, bit for bit, those of a fixed 2-node job resumed from the
+  // checkpoint the last world resumed from.
+  EXPECT_TRUE(contains(j->r.output, "ref exit 0")) << j->r.output;
+  ASSERT_FALSE(j->elastic.empty()) << j->r.output;
+  EXPECT_EQ(j->elastic, j->fixed) << "the elastic job's weights differ from the fixed job's\n"
+                                  << j->r.output;
+}
+
+// Regression DoneFromAnyoneStoppedTheElasticJob, end to end: in an outside security pass, a
+// stranger's `DONE` made the rendezvous stop forming rounds (when a node then died, the survivor
+// exited 1), and a phantom `JOIN` formed a world with a node that did not exist. The same job
+// as above, attacked from host b's network while its 2-node world trains
+// (tests/scripts/attacker.py: DONE and a phantom JOIN of the job's run id, bare and after
+// proofs from guessed secrets, a flood of 4,000 connections and slow ones): every attack is
+// refused, in the attacker's words and in host a's log, no round ends meanwhile, no phantom
+// node is ever named, and the job shrinks, grows and ends as the calm one does. (Two epochs
+// instead of three, and no fixed job to compare the weights with: the attacks come before the
+// kill and reach the rendezvous alone, which decides the worlds, and the calm test checks the
+// weights those worlds train.)
+TEST(MultiNode, ElasticJobIgnoresAStrangersDoneAndPhantomJoin) {
+  if (run_command("command -v python3").exit_code != 0) GTEST_SKIP() << "no python3 here";
+  const auto j = elastic_job("elastic_attacked", " attack");
+  if (!j) GTEST_SKIP() << "network namespaces are refused here";
+  expect_shrink_and_grow(*j);
+  EXPECT_TRUE(contains(j->r.output, "attacker exit 0")) << j->r.output;
+  EXPECT_TRUE(contains(j->r.output, "rounds that ended during the attacks: 0")) << j->r.output;
+  EXPECT_GE(testing::expect_every_attack_refused(j->attacker, j->host_a), 16) << j->attacker;
+  EXPECT_TRUE(contains(j->attacker, "attack DONE: refused")) << j->attacker;
+  EXPECT_TRUE(contains(j->attacker, "attack phantom JOIN: refused")) << j->attacker;
+  EXPECT_FALSE(contains(j->host_a, "phantom")) << j->host_a;
+  EXPECT_TRUE(contains(j->host_a, "scaletrain run: rendezvous: refused")) << j->host_a;
 }
 
 // tests/scripts/elastic_link_down.sh in a fresh folder: host b's link down for `down` seconds,

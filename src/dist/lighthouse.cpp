@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <future>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -79,8 +80,8 @@ class Lighthouse {
   // One process that registered as a replica (rank 0 of it).
   struct Process {
     int replica = 0;
-    std::string nonce, where;  // where: "host pid"
-    int64_t beat = -1;
+    std::string nonce, where;         // where: "host pid"
+    std::optional<std::string> beat;  // its beat key's value: any change is a beat
     Clock::time_point seen, registered;
     std::string answered;  // the token of the last answer
     std::string refusal;   // set: every request of it is answered so, and nothing else
@@ -123,9 +124,10 @@ class Lighthouse {
         p.left = true;
         continue;
       }
-      const auto beat = store_.get("ft/beat/" + key);
-      const int64_t b = beat ? std::stoll(*beat) : -1;
-      if (b != p.beat) p.beat = b, p.seen = now;
+      // Compared, not parsed: a value that is no number (a bug in a process of the job) must
+      // not throw out of the lighthouse (regression AMalformedBeatStoppedTheLighthouse).
+      auto beat = store_.get("ft/beat/" + key);
+      if (beat != p.beat) p.beat = std::move(beat), p.seen = now;
     }
   }
 

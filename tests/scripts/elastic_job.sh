@@ -5,15 +5,32 @@
 # on at a world of 1. Once that world has written two checkpoints, host b's launcher is started
 # again: the world grows back to 2 and the job ends. Then a fixed 2-node job (`--nnodes 2` on
 # loopback) resumes from the checkpoint the elastic job's last world resumed from, into OUT/ref.
+# With "attack", an outsider on host b's network without the job's secret
+# (tests/scripts/attacker.py) attacks the rendezvous before host b is killed: DONE, a phantom
+# JOIN, guessed proofs, a flood and slow connections ("attacker exit S", "rounds that ended
+# during the attacks: N", and its log as "== attacker =="); the job trains 2 epochs instead of
+# 3, and no fixed job follows ("ref exit skipped"): the attacks reach the rendezvous alone, whose
+# worlds the calm run's fixed job already checks.
 # Prints both hosts' logs ("== a ==", "== b ==", "== b again ==", "== ref ==") and
 # "a exit S", "b exit S", "ref exit S"; exits 77 when the sandbox refuses namespaces.
-# usage: elastic_job.sh SCALETRAIN OUT_DIR
+# usage: elastic_job.sh SCALETRAIN OUT_DIR [attack]
 # The job's secret (Note [Job secret]): the nodes, replicas and lighthouse of a test share it.
 export SCALETRAIN_SECRET=${SCALETRAIN_SECRET:-scaletrain-tests-secret-0123456789}
 set -u
-cli=$1; out=$2
+cli=$1; out=$2; attack=${3:-}
+# The attacks come before the kill: the job need not be as long as the calm one.
+[ "$attack" = attack ] && export ELASTIC_EPOCHS=2
 source "$(dirname "$0")/elastic_hosts.sh"
 elastic_start el 29417 5
+if [ "$attack" = attack ]; then
+  # From host b's namespace: another machine, which reaches the port over the network. (The
+  # kill below would end it too; it is done by then.)
+  before=$(grep -c ' ends: ' "$out/a.log")
+  ip netns exec "$NETNS_B" python3 "$(dirname "$0")/attacker.py" rendezvous \
+    "$NETNS_MASTER:29417" > "$out/attacker.log" 2>&1
+  echo "attacker exit $?"
+  echo "rounds that ended during the attacks: $(( $(grep -c ' ends: ' "$out/a.log") - before ))"
+fi
 ip netns pids "$NETNS_B" | xargs -r kill -KILL
 wait $b; sb=$?
 echo "host b killed after $(checkpoints) checkpoint(s)"
@@ -27,14 +44,17 @@ wait $a; sa=$?
 wait $b2; sb2=$?
 from=$(grep -h "resumed from" "$out/a.log" | tail -1 | sed 's/.*resumed from \([^ ]*\) .*/\1/')
 echo "the last world resumed from $from"
-port=$(( 29500 + $$ % 400 ))
-fixed="run --nnodes 2 --nproc-per-node 1 --master-port $port --run-id ref-$$"
-"$cli" $fixed --node-rank 1 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref1.log" 2>&1 &
-r1=$!
-"$cli" $fixed --node-rank 0 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref.log" 2>&1
-sr=$?
-wait $r1
-for f in a b b2 ref; do echo "== $f =="; cat "$out/$f.log"; done
+sr="skipped"
+if [ "$attack" != attack ]; then
+  port=$(( 29500 + $$ % 400 ))
+  fixed="run --nnodes 2 --nproc-per-node 1 --master-port $port --run-id ref-$$"
+  "$cli" $fixed --node-rank 1 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref1.log" 2>&1 &
+  r1=$!
+  "$cli" $fixed --node-rank 0 -- "$cli" $train --resume "$from" --out "$out/ref" > "$out/ref.log" 2>&1
+  sr=$?
+  wait $r1
+fi
+for f in a b b2 ref attacker; do [ -f "$out/$f.log" ] && { echo "== $f =="; cat "$out/$f.log"; }; done
 echo "a exit $sa"
 echo "b exit $sb"
 echo "b again exit $sb2"

@@ -54,6 +54,11 @@ std::vector<BoxRead> plan_box_reads(const std::string& name, const std::vector<i
 void check_tiling(const std::string& name, const std::vector<int64_t>& shape,
                   const std::vector<Box>& chunks);
 
+/// Throws UsageError naming `name`, `what` ("the requested box") and the values when `box` has
+/// another number of dimensions than `shape`, a negative size, or lies outside it.
+void check_box(const std::string& name, const std::vector<int64_t>& shape, const Box& box,
+               const std::string& what);
+
 /// The part of `box` inside a tensor of `shape` (sizes cut at the shape's edge, 0 past it): a
 /// padded shard's real elements (ZeRO pads a flat buffer to a multiple of the world size).
 Box clip(const Box& box, const std::vector<int64_t>& shape);

@@ -30,9 +30,10 @@ std::string shape_text(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
-// A box that fits `shape`: as many dimensions, sizes >= 0, inside it.
-void check_fits(const std::string& name, const std::vector<int64_t>& shape, const Box& b,
-                const std::string& what) {
+}  // namespace
+
+void check_box(const std::string& name, const std::vector<int64_t>& shape, const Box& b,
+               const std::string& what) {
   const std::string where = "tensor '" + name + "' of shape " + shape_text(shape) + ": " + what;
   if (b.offsets.size() != shape.size() || b.sizes.size() != shape.size()) {
     throw UsageError(where + " has " + std::to_string(b.offsets.size()) + " offsets and " +
@@ -46,6 +47,8 @@ void check_fits(const std::string& name, const std::vector<int64_t>& shape, cons
     }
   }
 }
+
+namespace {
 
 bool overlap(const Box& a, const Box& b) {
   for (size_t d = 0; d < a.offsets.size(); ++d) {
@@ -106,9 +109,9 @@ std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<BoxRead
 
 std::vector<BoxRead> plan(const std::string& name, const std::vector<int64_t>& shape,
                           const std::vector<Box>& chunks, const Box& request, bool saving) {
-  check_fits(name, shape, request, "the requested box");
+  check_box(name, shape, request, "the requested box");
   for (size_t c = 0; c < chunks.size(); ++c)
-    check_fits(name, shape, chunks[c], "chunk " + std::to_string(c));
+    check_box(name, shape, chunks[c], "chunk " + std::to_string(c));
   std::vector<BoxRead> reads;
   if (request.numel() == 0) return reads;
   int64_t filled = 0;

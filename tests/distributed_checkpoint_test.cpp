@@ -67,7 +67,7 @@ TEST(DistributedCheckpoint, SavedByFourRanksReadByThreeAndWhole) {
       {"h", at::randn({5, 3}).to(at::kBFloat16)},
       {"ids", at::randint(-1000, 1000, {11}, at::kLong)},
       {"mask", at::rand({6}) > 0.5},
-      {"step", at::tensor(12.0)},
+      {"step", at::scalar_tensor(12.0)},
       {"empty", at::zeros({0, 4})}};
   auto errors = testing::run_ranks(4, [&](Dist& d) {
     DcpState s;

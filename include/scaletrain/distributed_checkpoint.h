@@ -27,6 +27,8 @@
 // both for the names this library uses.
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <map>
@@ -140,5 +142,25 @@ std::map<std::string, at::Tensor> load_distributed_checkpoint_tensors(
 /// The values of the folder (BytesStorageMetadata) that hold None, bools, ints, floats, strings
 /// and lists or tuples of them, by key; Error naming the key for any other object.
 std::map<std::string, DcpValue> load_distributed_checkpoint_values(const std::string& dir);
+
+/// A whole model and its optimizer as Python's get_state_dict(model, optim) names them, ready to
+/// save as dcp.save({"model": ..., "optim": ...}) would: every parameter and buffer as
+/// "model.<fqn>"; for torch::optim::SGD, Adam and AdamW each parameter's state as
+/// "optim.state.<fqn>.<kind>" (Adam's step as a float32 0-d tensor, as Python keeps it; zeros
+/// and step 0 for a parameter with no state yet) and each group's hyperparameters as
+/// "optim.param_groups.<i>.<field>", with every field Python 2.11's optimizer has (those LibTorch
+/// lacks at Python's defaults) and "params", the group's parameter names. Every box is the whole
+/// tensor, views of the model's own: call it on every rank of a replicated model (the save
+/// writes each once) and save before the next step changes them. Throws UsageError for another
+/// optimizer or one with parameters not in `model`.
+DcpState dcp_module_state(const torch::nn::Module& model, const torch::optim::Optimizer* opt);
+
+/// Loads a folder with dcp_module_state()'s keys (scaletrain's, or Python's dcp.save of
+/// get_state_dict()) into `model` (in place, converting devices and dtypes) and, when given,
+/// the state of `opt` (SGD, Adam, AdamW; its hyperparameters stay its own). Not collective.
+/// Throws Error naming the missing keys and other shapes before anything is changed, and the
+/// errors of load_distributed_checkpoint().
+void load_dcp_module_state(const std::string& dir, torch::nn::Module& model,
+                           torch::optim::Optimizer* opt);
 
 }  // namespace scaletrain

@@ -10,6 +10,9 @@ folders for scaletrain to read.
   dcp_interop.py lenet NESTED PLAIN PT  a LeNet's weights as dcp.save({"model": sd}), as
                                     dcp.save(sd) and as torch.save(dict(sd))
   dcp_interop.py foreign DIR        DIR/.metadata again with a datetime.date in its planner data
+  dcp_interop.py optim-load DIR REF  get_state_dict() of a model and Adam, dcp.load of DIR into
+                                    it, set_state_dict(), compared with REF; then a step runs
+  dcp_interop.py optim-save DIR REF  3 Adam steps, dcp.save of get_state_dict(); REF: its tensors
 
 REF files of the C++ side are torch::pickle_save'd dicts of tensors.
 """
@@ -120,9 +123,60 @@ def foreign(folder):
         pickle.dump(md, f)
 
 
+def mlp_and_adam():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def flat(model_sd, optim_sd):
+    out = {"model." + k: v for k, v in model_sd.items()}
+    for fqn, state in optim_sd["state"].items():
+        out.update({f"optim.state.{fqn}.{kind}": t for kind, t in state.items()})
+    return out
+
+
+def optim_load(folder, ref_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ref = torch.load(ref_path, weights_only=False)
+    model, opt = mlp_and_adam()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd, osd = get_state_dict(model, opt)
+    got = flat(msd, osd)
+    if sorted(got) != sorted(ref):
+        fail(f"keys {sorted(got)} != {sorted(ref)}")
+    for key, want in ref.items():
+        same(key, got[key], want)
+    step = float(got["optim.state.0.weight.step"])
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()  # every hyperparameter Python's Adam needs came with the checkpoint
+    print(f"get_state_dict after dcp.load and set_state_dict: {len(ref)} tensors equal, "
+          f"lr {opt.param_groups[0]['lr']}, step {step}")
+
+
+def optim_save(folder, ref_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = mlp_and_adam()
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 5)).pow(2).mean().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder, no_dist=True)
+    torch.save(flat(msd, osd), ref_path)
+    print(f"3 Adam steps saved: {len(flat(msd, osd))} tensors")
+
+
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
-    {"check": check, "save": save, "lenet": lenet, "foreign": foreign}[mode](*args)
+    modes = {"check": check, "save": save, "lenet": lenet, "foreign": foreign,
+             "optim-load": optim_load, "optim-save": optim_save}
+    modes[mode](*args)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,18 @@ TEST(DcpMetadata, ForeignPicklesAreRefused) {
             std::string::npos);
 }
 
+// A chunk outside its tensor is a damaged file (an Error naming it), not the caller's mistake.
+TEST(DcpMetadata, ChunkOutsideItsTensorIsRefused) {
+  dcp::Metadata m = two_tensors_and_a_value();
+  m.tensors["model.w"].chunks[1].box = Box{{3, 0}, {3, 3}};
+  const std::string msg =
+      dcp_error([&] { dcp::decode_metadata(dcp::encode_metadata(m, "i"), "m"); });
+  EXPECT_NE(msg.find("cannot read DCP metadata 'm': tensor 'model.w' of shape [5, 3]: a chunk "
+                     "[3:6, 0:3] does not fit in it"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(RestrictedUnpickler, RecursiveAndDeepStructuresAreRefused) {
   pickle::ReadOptions o;
   o.source = "p";

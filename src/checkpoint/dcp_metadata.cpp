@@ -249,8 +249,11 @@ TensorEntry Decoder::tensor(const Ref& v, const std::string& key) const {
     Chunk chunk;
     chunk.box.offsets = size(field(cs, "offsets", where), where + "'s chunk offsets");
     chunk.box.sizes = size(field(cs, "sizes", where), where + "'s chunk sizes");
-    if (chunk.box.offsets.size() != t.shape.size() || chunk.box.sizes.size() != t.shape.size())
-      fail(where + " has a chunk of another number of dimensions than its size");
+    try {
+      check_box(key, t.shape, chunk.box, "a chunk");
+    } catch (const Error& e) {
+      fail(e.what());
+    }
     t.chunks.push_back(std::move(chunk));
   }
   return t;
@@ -281,7 +284,15 @@ void Decoder::storage(const Ref& index, const Ref& info, Metadata& m) const {
   Ref offset = is.get("offset");
   if (t == m.tensors.end() || !offset || offset->is(Kind::kNone)) return;  // not a tensor chunk
   const auto offsets = size(offset, where + "'s offset");
-  for (auto& c : t->second.chunks) {
+  auto& chunks = t->second.chunks;
+  Ref hint = is.get("index");  // where the chunk is in the list, when the writer says so
+  if (hint && hint->is(Kind::kInt) && hint->integer >= 0 &&
+      static_cast<size_t>(hint->integer) < chunks.size() &&
+      chunks[static_cast<size_t>(hint->integer)].box.offsets == offsets) {
+    chunks[static_cast<size_t>(hint->integer)].storage = s;
+    return;
+  }
+  for (auto& c : chunks) {
     if (c.box.offsets == offsets) c.storage = s;
   }
 }

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_payload.h"
@@ -101,16 +102,11 @@ json local_plan(const DcpState& state) {
   return plan;
 }
 
-struct Owner {
-  int rank;
-  size_t box;
-  Box where;
-};
-
 // Rank 0: which rank writes which box, or the error every rank throws. A box several ranks hold
 // goes to the lowest; a box of no elements of a tensor that has some is nobody's.
 json decide(const std::vector<json>& plans, const std::string& tmp) {
-  std::map<std::string, std::vector<Owner>> owners;
+  std::map<std::string, std::vector<Box>> chunks;  // the boxes written, by tensor
+  std::map<std::string, std::set<std::pair<std::vector<int64_t>, std::vector<int64_t>>>> seen;
   std::map<std::string, std::pair<json, json>> kind;  // name -> (dtype, shape), the first seen
   std::vector<std::vector<size_t>> writes(plans.size());
   for (size_t r = 0; r < plans.size(); ++r) {
@@ -127,20 +123,16 @@ json decide(const std::vector<json>& plans, const std::string& tmp) {
                               ", and rank " + std::to_string(r) + " " + b["shape"].dump() + " " +
                               b["dtype"].get<std::string>() + "); give every rank the same"}};
       }
-      Owner o{static_cast<int>(r), i, Box{b["offsets"], b["sizes"]}};
-      auto& list = owners[name];
-      const bool seen =
-          std::any_of(list.begin(), list.end(), [&](const Owner& x) { return x.where == o.where; });
-      const bool empty = o.where.numel() == 0 && whole(b["shape"]).numel() > 0;
-      if (!seen && !empty) list.push_back(o), writes[r].push_back(i);
+      const Box where{b["offsets"], b["sizes"]};
+      const bool empty = where.numel() == 0 && whole(b["shape"]).numel() > 0;
+      if (empty || !seen[name].insert({where.offsets, where.sizes}).second) continue;
+      chunks[name].push_back(where);
+      writes[r].push_back(i);
     }
   }
   try {
-    for (const auto& [name, list] : owners) {
-      std::vector<Box> chunks;
-      for (const auto& o : list) chunks.push_back(o.where);
-      check_tiling(name, kind[name].second.get<std::vector<int64_t>>(), chunks);
-    }
+    for (const auto& [name, list] : chunks)
+      check_tiling(name, kind[name].second.get<std::vector<int64_t>>(), list);
   } catch (const Error& e) {
     return {{"error", e.what()}};
   }

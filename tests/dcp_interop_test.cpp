@@ -1,8 +1,9 @@
 // DCP folders both ways with PyTorch itself (the project's .venv, tests/scripts/dcp_interop.py):
-// Python's dcp.load and dcp_to_torch_save read what scaletrain's ranks wrote; scaletrain reads
-// what Python's dcp.save wrote over two processes, at other layouts; a run starts from a
-// Python DCP folder as from the same weights in model.pt. Every comparison is bit for bit: a
-// checkpoint moves bytes, it computes nothing.
+// Python's dcp.load (into a plain model, and into DTensors over two processes) and
+// dcp_to_torch_save read what scaletrain's ranks wrote; scaletrain reads what Python's dcp.save
+// wrote over two processes, at other layouts; a model and its Adam go both ways through
+// get_state_dict; a run starts from a Python DCP folder as from the same weights in model.pt.
+// Every comparison is bit for bit: a checkpoint moves bytes, it computes nothing.
 
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -106,6 +107,9 @@ TEST(DcpInterop, PythonLoadsWhatThreeRanksSaved) {
   EXPECT_NE(out.find("dcp.load and dcp_to_torch_save: 4 tensors and 3 values equal"),
             std::string::npos)
       << out;
+  const std::string dt =
+      interop("check-dtensor " + dir.string() + " " + (tmp.path / "ref.pt").string());
+  EXPECT_NE(dt.find("dcp.load into DTensors over 2 processes: equal"), std::string::npos) << dt;
 }
 
 // DTensors of two gloo processes (rows 3 + 2, columns 3 + 2, bf16 rows 2 + 1, a replicated

@@ -5,6 +5,8 @@ folders for scaletrain to read.
   dcp_interop.py check DIR REF OUT  dcp.load DIR into a plain model's state dict and compare
                                     with REF's tensors (bit for bit); dcp_to_torch_save DIR to
                                     OUT and compare again, with the values
+  dcp_interop.py check-dtensor DIR REF  the same into DTensors split along their last dimension
+                                    over 2 processes (gloo)
   dcp_interop.py save DIR REF       dcp.save from 2 processes (gloo): DTensors split by rows,
                                     by columns (unevenly) and replicated; REF: the whole tensors
   dcp_interop.py lenet NESTED PLAIN PT  a LeNet's weights as dcp.save({"model": sd}), as
@@ -64,6 +66,31 @@ def check(folder, ref_path, out):
         if whole[key] != want:
             fail(f"dcp_to_torch_save gave {key} = {whole[key]!r}, want {want!r}")
     print(f"dcp.load and dcp_to_torch_save: {len(ref)} tensors and {len(values)} values equal")
+
+
+def dtensor_rank(rank, folder, ref_path, store):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    ref = torch.load(ref_path, weights_only=False)
+    mesh = init_device_mesh("cpu", (2,))
+    # Each tensor split along its last dimension, another layout than the one saved.
+    state = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(v.dim() - 1)])
+             for k, v in ref.items()}
+    dcp.load(state, checkpoint_id=folder)
+    for key, value in state.items():
+        same(key + " (DTensor)", value.full_tensor(), ref[key])
+    dist.destroy_process_group()
+
+
+def check_dtensor(folder, ref_path):
+    import torch.multiprocessing as mp
+
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.spawn(dtensor_rank, args=(folder, ref_path, store), nprocs=2)
+    print("dcp.load into DTensors over 2 processes: equal")
 
 
 def full_tensors():
@@ -174,7 +201,7 @@ def optim_save(folder, ref_path):
 
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
-    modes = {"check": check, "save": save, "lenet": lenet, "foreign": foreign,
+    modes = {"check": check, "check-dtensor": check_dtensor, "save": save, "lenet": lenet, "foreign": foreign,
              "optim-load": optim_load, "optim-save": optim_save}
     modes[mode](*args)
 

@@ -170,6 +170,56 @@ TEST(BoxPlan, ShapeMismatchesAreUsageErrors) {
   EXPECT_THROW(plan_box_reads("w", {2, 4}, rows, box({0, 0}, {-1, 4})), UsageError);
 }
 
+// A flat range of a 4 x 3 weight (a ZeRO shard of it) as boxes of its own shape:
+//        c0 c1 c2
+//   r0    .  .  A      [2, 7): A = [0:1, 2:3], B = [1:2, 0:3], C = [2:3, 0:1]
+//   r1    B  B  B
+//   r2    C  .  .
+//   r3    .  .  .
+TEST(BoxPlan, FlatRangesAsBoxesOfTheTensorsShape) {
+  EXPECT_EQ(flat_range_boxes({4, 3}, 2, 7),
+            (std::vector<Box>{box({0, 2}, {1, 1}), box({1, 0}, {1, 3}), box({2, 0}, {1, 1})}));
+  EXPECT_EQ(flat_range_boxes({4, 3}, 3, 9), (std::vector<Box>{box({1, 0}, {2, 3})}));
+  EXPECT_EQ(flat_range_boxes({4, 3}, 4, 5), (std::vector<Box>{box({1, 1}, {1, 1})}));
+  EXPECT_EQ(flat_range_boxes({10}, 9, 10), (std::vector<Box>{box({9}, {1})}));
+  EXPECT_EQ(flat_range_boxes({}, 0, 1), (std::vector<Box>{box({}, {})}));
+  EXPECT_EQ(flat_range_boxes({4, 3}, 5, 5), std::vector<Box>{});
+  // 2 x 3 x 4, [5, 19): the rest of row 1 and row 2 of the first matrix, then rows 0 and part
+  // of row 1 of the second.
+  EXPECT_EQ(flat_range_boxes({2, 3, 4}, 5, 19),
+            (std::vector<Box>{box({0, 1, 1}, {1, 1, 3}), box({0, 2, 0}, {1, 1, 4}),
+                              box({1, 0, 0}, {1, 1, 4}), box({1, 1, 0}, {1, 1, 3})}));
+  EXPECT_THROW(flat_range_boxes({4, 3}, 8, 13), UsageError);
+}
+
+// Every range of every small shape: the boxes hold exactly its elements, at most 2·dims − 1.
+TEST(BoxPlan, FlatRangeBoxesHoldExactlyTheRange) {
+  for (const V& shape : {V{5}, V{3, 4}, V{2, 3, 2}, V{2, 1, 3, 2}, V{1, 4}}) {
+    const int64_t n = whole(shape).numel();
+    for (int64_t b = 0; b <= n; ++b) {
+      for (int64_t e = b; e <= n; ++e) {
+        std::vector<int> hits(static_cast<size_t>(n), 0);
+        const auto boxes = flat_range_boxes(shape, b, e);
+        EXPECT_LE(boxes.size(), 2 * shape.size() - 1);
+        for (const Box& x : boxes) {
+          check_box("t", shape, x, "a box");
+          for (int64_t k = 0; k < n; ++k) {  // is flat index k in x?
+            bool in = true;
+            for (size_t d = shape.size(), rem = static_cast<size_t>(k); d-- > 0;) {
+              const int64_t i = static_cast<int64_t>(rem % static_cast<size_t>(shape[d]));
+              rem /= static_cast<size_t>(shape[d]);
+              in = in && i >= x.offsets[d] && i < x.offsets[d] + x.sizes[d];
+            }
+            hits[static_cast<size_t>(k)] += in;
+          }
+        }
+        for (int64_t k = 0; k < n; ++k)
+          EXPECT_EQ(hits[static_cast<size_t>(k)], k >= b && k < e) << k << " of " << b << "-" << e;
+      }
+    }
+  }
+}
+
 TEST(BoxPlan, DescribeIsPythonSlices) {
   EXPECT_EQ(describe(box({2, 0}, {2, 3})), "[2:4, 0:3]");
   EXPECT_EQ(describe(box({}, {})), "[]");

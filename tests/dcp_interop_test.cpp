@@ -12,6 +12,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -71,17 +72,19 @@ TensorBox box_of(const std::string& fqn, const at::Tensor& full, const Box& b) {
   return {dcp_model_key(fqn), t.clone(), full.sizes().vec(), b.offsets};
 }
 
-// Python's nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 4)), saved by 3 ranks: the first weight
-// by rows (3, 3, 1), its bias replicated on every rank, the second weight by columns (3, 3, 1),
-// its bias as ZeRO shards of a buffer padded to 6 (2, 2, and nothing on rank 2).
+// Python's nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 4), nn.Linear(4, 6)), saved by 3 ranks:
+// the first weight by rows (3, 3, 1), its bias replicated on every rank, the second weight by
+// columns (3, 3, 1), its bias as ZeRO shards of a buffer padded to 6 (2, 2, and nothing on rank
+// 2), the third weight and bias as ZeRO shards of one flat buffer of 30 (10 each: boxes of the
+// weight's rows, part rows, then of the bias).
 TEST(DcpInterop, PythonLoadsWhatThreeRanksSaved) {
   testing::TempDir tmp("dcp_py_load");
   const fs::path dir = tmp.path / "ckpt";
   torch::manual_seed(3);
-  const std::map<std::string, at::Tensor> full = {{"0.weight", at::randn({7, 5})},
-                                                  {"0.bias", at::randn({7})},
-                                                  {"1.weight", at::randn({4, 7})},
-                                                  {"1.bias", at::randn({4})}};
+  const std::map<std::string, at::Tensor> full = {
+      {"0.weight", at::randn({7, 5})}, {"0.bias", at::randn({7})},
+      {"1.weight", at::randn({4, 7})}, {"1.bias", at::randn({4})},
+      {"2.weight", at::randn({6, 4})}, {"2.bias", at::randn({6})}};
   auto errors = testing::run_ranks(3, [&](Dist& d) {
     const int r = d.rank();
     DcpState s;
@@ -89,6 +92,14 @@ TEST(DcpInterop, PythonLoadsWhatThreeRanksSaved) {
                  box_of("0.bias", full.at("0.bias"), whole({7})),
                  box_of("1.weight", full.at("1.weight"), piece({4, 7}, 1, 3, r)),
                  box_of("1.bias", full.at("1.bias"), clip(Box{{2 * r}, {2}}, {4}))};
+    // One flat unit [2.weight (24), 2.bias (6)]: rank r holds its elements [10r, 10r + 10).
+    auto in = [&](int64_t first, int64_t n, int64_t at) {
+      return std::clamp(at - first, int64_t{0}, n);
+    };
+    for (const Box& b : flat_range_boxes({6, 4}, in(0, 24, 10 * r), in(0, 24, 10 * r + 10)))
+      s.tensors.push_back(box_of("2.weight", full.at("2.weight"), b));
+    for (const Box& b : flat_range_boxes({6}, in(24, 6, 10 * r), in(24, 6, 10 * r + 10)))
+      s.tensors.push_back(box_of("2.bias", full.at("2.bias"), b));
     s.values = {{{"epoch", {}}, DcpValue::of(int64_t{3})},
                 {{"name", {}}, DcpValue::of(std::string("lenet/run-1"))},
                 {{"betas", {}}, DcpValue::tuple({DcpValue::of(0.9), DcpValue::of(0.999)})}};
@@ -99,12 +110,15 @@ TEST(DcpInterop, PythonLoadsWhatThreeRanksSaved) {
   EXPECT_EQ(c.tensors.at("model.0.weight").chunks.size(), 3u);
   EXPECT_EQ(c.tensors.at("model.0.bias").chunks.size(), 1u);
   EXPECT_EQ(c.tensors.at("model.1.bias").chunks.size(), 2u);
+  // [0:2, 0:4] [2:3, 0:2] | [2:3, 2:4] [3:5, 0:4] | [5:6, 0:4]
+  EXPECT_EQ(c.tensors.at("model.2.weight").chunks.size(), 5u);
+
   std::map<std::string, at::Tensor> ref;
   for (const auto& [k, v] : full) ref["model." + k] = v;
   write_dict(tmp.path / "ref.pt", ref);
   const std::string out = interop("check " + dir.string() + " " + (tmp.path / "ref.pt").string() +
                                   " " + (tmp.path / "whole.pt").string());
-  EXPECT_NE(out.find("dcp.load and dcp_to_torch_save: 4 tensors and 3 values equal"),
+  EXPECT_NE(out.find("dcp.load and dcp_to_torch_save: 6 tensors and 3 values equal"),
             std::string::npos)
       << out;
   const std::string dt =

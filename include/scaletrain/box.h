@@ -63,6 +63,13 @@ void check_box(const std::string& name, const std::vector<int64_t>& shape, const
 /// padded shard's real elements (ZeRO pads a flat buffer to a multiple of the world size).
 Box clip(const Box& box, const std::vector<int64_t>& shape);
 
+/// The boxes that hold the elements [begin, end) of a tensor of `shape` in row-major order, as
+/// few as there are (at most 2·dims − 1): a ZeRO shard of a flat buffer is a range of each
+/// parameter's flattened elements, and a checkpoint saves it as boxes of the parameter's own
+/// shape, which Python loads as such. For 4 x 3 and [2, 7): [0:1, 2:3], [1:2, 0:3], [2:3, 0:1].
+/// Throws UsageError for a range outside the tensor.
+std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end);
+
 /// "[2:4, 0:3]" (a Python slice per dimension), for messages.
 std::string describe(const Box& box);
 

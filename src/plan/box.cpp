@@ -194,6 +194,54 @@ Box clip(const Box& box, const std::vector<int64_t>& shape) {
   return out;
 }
 
+namespace {
+
+// flat_range_boxes() of the dimensions from `d` on, for elements [b, e) of that sub-tensor, each
+// box prefixed with `lead` (the offsets of the dimensions before `d`, of size 1 each).
+void range_boxes(const std::vector<int64_t>& shape, size_t d, int64_t b, int64_t e,
+                 const std::vector<int64_t>& lead, std::vector<Box>& out) {
+  if (b >= e) return;
+  auto box = [&](std::vector<int64_t> offsets, std::vector<int64_t> sizes) {
+    Box x{lead, std::vector<int64_t>(lead.size(), 1)};
+    x.offsets.insert(x.offsets.end(), offsets.begin(), offsets.end());
+    x.sizes.insert(x.sizes.end(), sizes.begin(), sizes.end());
+    out.push_back(std::move(x));
+  };
+  if (d == shape.size()) return box({}, {});  // a 0-d tensor's one element
+  const std::vector<int64_t> rest(shape.begin() + static_cast<long>(d) + 1, shape.end());
+  const int64_t row = Box{{}, rest}.numel();      // elements per index of dimension d
+  const int64_t first = b / row, last = e / row;  // the rows b and e fall in
+  auto within = [&](int64_t r, int64_t from, int64_t to) {
+    std::vector<int64_t> l = lead;
+    l.push_back(r);
+    range_boxes(shape, d + 1, from, to, l, out);
+  };
+  if (first == last) return within(first, b - first * row, e - first * row);
+  int64_t full = first;
+  if (b % row != 0) within(first, b % row, row), ++full;  // the end of a partial first row
+  if (last > full) {
+    std::vector<int64_t> offsets(rest.size() + 1, 0), sizes = rest;
+    offsets[0] = full;
+    sizes.insert(sizes.begin(), last - full);
+    box(offsets, sizes);
+  }
+  if (e % row != 0) within(last, 0, e % row);  // the start of a partial last row
+}
+
+}  // namespace
+
+std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end) {
+  const int64_t n = whole(shape).numel();
+  if (begin < 0 || end < begin || end > n) {
+    throw UsageError("the flat range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                     ") is not inside a tensor of shape " + shape_text(shape) + " (" +
+                     std::to_string(n) + " elements)");
+  }
+  std::vector<Box> out;
+  range_boxes(shape, 0, begin, end, {}, out);
+  return out;
+}
+
 std::string describe(const Box& box) {
   std::string s = "[";
   for (size_t d = 0; d < box.offsets.size(); ++d) {

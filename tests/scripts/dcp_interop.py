@@ -47,7 +47,8 @@ def same(name, got, want):
 
 def check(folder, ref_path, out):
     ref = torch.load(ref_path, weights_only=False)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4),
+                                torch.nn.Linear(4, 6))
     state = {"model": model.state_dict(), "epoch": 0, "name": "", "betas": ()}
     dcp.load(state, checkpoint_id=folder)
     model.load_state_dict(state["model"])

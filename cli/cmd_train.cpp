@@ -14,11 +14,11 @@
 
 #include "commands.h"
 #include "scaletrain/checkpoint.h"
-#include "scaletrain/secret.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/flops.h"
 #include "scaletrain/launch.h"
+#include "scaletrain/secret.h"
 #include "scaletrain/trainer.h"
 #include "scaletrain/version.h"
 #include "scaletrain_zoo.h"
@@ -252,7 +252,9 @@ void add_model_flags(CLI::App* cmd, Args& a) {
                 "Hold fashion-mnist or synthetic on the training device and gather each batch "
                 "there (no loader threads, no copy per step; the same batches)");
   cmd->add_option("--init-weights", o.init_weights,
-                  "Start from a state dict (e.g. Python's torch.save(model.state_dict()))");
+                  "Start from a state dict: a file (safetensors, or Python's "
+                  "torch.save(dict(model.state_dict()))) or a folder of dcp.save "
+                  "(torch.distributed.checkpoint)");
   cmd->add_flag("!--no-tensorboard", o.tensorboard, "No TensorBoard event file");
   cmd->add_flag("!--no-channels-last", o.channels_last,
                 "Keep convolution weights and batches in the default (NCHW) memory layout");

@@ -27,7 +27,7 @@ struct TrainOptions : TrainerOptions {
   std::string lr_schedule = "none";  // "none", "step" (x gamma every step_size epochs), "cosine"
   int step_size = 2;
   double gamma = 0.5;
-  std::string init_weights;        // a state dict (Python's torch.save) to start from
+  std::string init_weights;        // a state dict to start from: a file or a DCP folder
   double dropout = 0;              // mlp, GPTs: their dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
   int64_t context = 0;             // GPTs: the longest sequence, the text windows' length

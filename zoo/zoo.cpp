@@ -150,10 +150,12 @@ void validate_zoo_names(const TrainOptions& o) {
   if (!o.init_weights.empty() && !fs::exists(o.init_weights)) {
     throw UsageError("--init-weights '" + o.init_weights + "': no such file");
   }
-  if (!o.init_weights.empty() && fs::is_directory(o.init_weights)) {
+  if (!o.init_weights.empty() && fs::is_directory(o.init_weights) &&
+      !fs::exists(fs::path(o.init_weights) / ".metadata")) {
     throw UsageError("--init-weights '" + o.init_weights +
-                     "' is a folder; give the weights file in it (a state dict saved by "
-                     "torch.save or safetensors, or a model.pt of scaletrain)");
+                     "' is a folder without a .metadata; give a weights file (a state dict saved "
+                     "by torch.save or safetensors, or a model.pt of scaletrain) or a folder "
+                     "written by torch.distributed.checkpoint's dcp.save");
   }
 }
 

@@ -152,7 +152,10 @@ void save_weights(const std::string& path, const torch::nn::Module& model);
 /// Loads a state dict into `model`, converting to the model's devices and dtypes: a file of
 /// save_weights(), a safetensors file (Python: safetensors.torch.save_file(model.state_dict(),
 /// path)), or torch.save of a plain dict (Python: torch.save(dict(model.state_dict()), path);
-/// LibTorch cannot read the OrderedDict of a bare state_dict(), and the error says so). Every
+/// LibTorch cannot read the OrderedDict of a bare state_dict(), and the error says so), or a
+/// folder of torch.distributed.checkpoint (Python: dcp.save({"model": model.state_dict()}, ...)
+/// or dcp.save(model.state_dict(), ...); keys under "model." or at the top, whichever names more
+/// of the model's; distributed_checkpoint.h). Every
 /// key must match, with the same shape: otherwise Error naming the missing keys, the
 /// unexpected ones and the shape mismatches, and `model` is left unchanged.
 void load_weights(const std::string& path, torch::nn::Module& model);

@@ -57,7 +57,7 @@ int remove_stale_temporaries(const std::string& dir, const std::string& prefix,
     std::error_code time_ec;
     const auto written = fs::last_write_time(it->path(), time_ec);
     if (time_ec || now - written < min_age) continue;
-    if (fs::remove(it->path(), time_ec)) ++removed;
+    if (fs::remove_all(it->path(), time_ec) > 0) ++removed;  // a folder's too (DCP's)
   }
   return removed;
 }

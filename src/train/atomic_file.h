@@ -16,9 +16,10 @@ namespace scaletrain {
 std::string temporary_path(const std::string& path);
 
 /// Removes from `dir` the temporaries whose names start with `prefix` that a writer which is
-/// gone left behind (killed mid-write): `<file>.<pid>-<n>.tmp` whose pid is no live process
-/// here and that were last written `min_age` ago or more (a writer on another host sharing the
-/// folder keeps its own). Returns how many it removed; never throws.
+/// gone left behind (killed mid-write): `<file>.<pid>-<n>.tmp` (a file, or the folder of a DCP
+/// checkpoint with all in it) whose pid is no live process here and that were last written
+/// `min_age` ago or more (a writer on another host sharing the folder keeps its own). Returns how
+/// many it removed; never throws.
 int remove_stale_temporaries(const std::string& dir, const std::string& prefix,
                              std::chrono::seconds min_age = std::chrono::seconds(60));
 

@@ -1,4 +1,5 @@
-// State dicts shared with Python, in two formats:
+// State dicts shared with Python, in two formats (and, to load, a third: a folder of
+// torch.distributed.checkpoint, distributed_checkpoint.h):
 //  - torch.save's zip archive, read by torch.load (also with weights_only=True, its default):
 //    written with LibTorch's pickler with type tags off, so the pickle holds a plain dict of
 //    tensors and nothing but allowed globals; read with torch::pickle_load;
@@ -21,6 +22,7 @@
 #include <iterator>
 
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
 #include "train/atomic_file.h"
 
@@ -156,34 +158,56 @@ void save_weights(const std::string& path, const torch::nn::Module& model) {
   write_atomically(path, std::string_view(bytes.data(), bytes.size()), "model weights");
 }
 
-void load_weights(const std::string& path, torch::nn::Module& model) {
+namespace {
+
+// A folder of torch.distributed.checkpoint: dcp.save({"model": model.state_dict()}) keeps the
+// parameters under "model.", dcp.save(model.state_dict()) at the top. The layout that names more
+// of the model's keys is the folder's; under "model." the rest of the folder (an optimizer's
+// "optim.*", the program's own keys) is not the weights' business.
+std::map<std::string, at::Tensor> read_dcp_weights(const std::string& dir,
+                                                   const torch::nn::Module& model) {
+  const DcpContents contents = read_distributed_checkpoint_contents(dir);
+  size_t nested = 0, plain = 0;
+  for (const auto& [name, t] : state_of(model)) {
+    nested += contents.tensors.count("model." + name);
+    plain += contents.tensors.count(name);
+  }
+  return load_distributed_checkpoint_tensors(dir, nested > plain ? "model." : "");
+}
+
+std::map<std::string, at::Tensor> read_weights_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw Error("cannot read model weights '" + path + "': no such file or unreadable");
   std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::map<std::string, at::Tensor> loaded;
-  if (bytes.size() >= 2 && bytes[0] == 'P' && bytes[1] == 'K') {  // a zip: torch.save's format
-    c10::IValue v;
-    try {
-      v = torch::jit::pickle_load(bytes);
-    } catch (const std::exception& e) {
-      // LibTorch's unpickler cannot rebuild an OrderedDict, the type of model.state_dict().
-      throw Error("cannot read the state dict in '" + path + "' (" +
-                  std::string(e.what()).substr(0, 120) +
-                  "...); in Python save it as a plain dict, torch.save(dict(model.state_dict()), "
-                  "path), or as safetensors, safetensors.torch.save_file(model.state_dict(), "
-                  "path)");
-    }
-    if (!v.isGenericDict()) {
-      throw Error("'" + path + "' holds a " + v.tagKind() +
-                  ", not a state dict; save dict(model.state_dict()) in Python");
-    }
-    for (const auto& kv : v.toGenericDict()) {
-      if (kv.key().isString() && kv.value().isTensor())
-        loaded[kv.key().toStringRef()] = kv.value().toTensor();
-    }
-  } else {
-    loaded = read_safetensors(path, bytes);
+  if (bytes.size() < 2 || bytes[0] != 'P' || bytes[1] != 'K') return read_safetensors(path, bytes);
+  c10::IValue v;  // a zip: torch.save's format
+  try {
+    v = torch::jit::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    // LibTorch's unpickler cannot rebuild an OrderedDict, the type of model.state_dict().
+    throw Error("cannot read the state dict in '" + path + "' (" +
+                std::string(e.what()).substr(0, 120) +
+                "...); in Python save it as a plain dict, torch.save(dict(model.state_dict()), "
+                "path), or as safetensors, safetensors.torch.save_file(model.state_dict(), "
+                "path)");
   }
+  if (!v.isGenericDict()) {
+    throw Error("'" + path + "' holds a " + v.tagKind() +
+                ", not a state dict; save dict(model.state_dict()) in Python");
+  }
+  std::map<std::string, at::Tensor> loaded;
+  for (const auto& kv : v.toGenericDict()) {
+    if (kv.key().isString() && kv.value().isTensor())
+      loaded[kv.key().toStringRef()] = kv.value().toTensor();
+  }
+  return loaded;
+}
+
+}  // namespace
+
+void load_weights(const std::string& path, torch::nn::Module& model) {
+  std::map<std::string, at::Tensor> loaded =
+      std::filesystem::is_directory(path) ? read_dcp_weights(path, model) : read_weights_file(path);
   std::vector<std::string> missing, shapes;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   for (const auto& [name, t] : state_of(model)) {

@@ -163,7 +163,7 @@ double number_after(const std::string& output, const std::string& label) {
 // flood of 4,000 connections and slow ones) while the job trains: every one is refused, in the
 // attacker's words and in the lighthouse's log; both replicas end with model.pt, the same
 // weights as the calm job's wherever their quorums were the calm job's, and within its noise
-// otherwise; the job takes less than three times the calm one's time, and the lighthouse stops
+// otherwise; the job takes less than six times the calm one's time, and the lighthouse stops
 // on SIGTERM at once.
 TEST(FaultTolerantJob, AttacksFromOutsideChangeNothing) {
   if (run_command("command -v python3").exit_code != 0) GTEST_SKIP() << "no python3 here";
@@ -201,7 +201,9 @@ TEST(FaultTolerantJob, AttacksFromOutsideChangeNothing) {
                attacked_s = number_after(r.output, "job took ");
   EXPECT_GT(calm_s, 0) << base.output;
   EXPECT_GT(attacked_s, 0) << r.output;
-  EXPECT_LT(attacked_s, 3 * calm_s) << r.output;
+  // The flood once took the job from 24 s to 430 s; the bound leaves room for the load other
+  // tests put on the machine during one run and not the other.
+  EXPECT_LT(attacked_s, 6 * calm_s) << r.output;
   const double stop_ms = number_after(r.output, "lighthouse stopped in ");
   EXPECT_GE(stop_ms, 0) << r.output;
   EXPECT_LT(stop_ms, 3000) << r.output;

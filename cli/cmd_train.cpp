@@ -420,8 +420,7 @@ int launch_ranks(Args& a) {
   const auto s = a.o.strategy;
   const bool per_device =
       s == Strategy::kDDP || s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp;
-  const int automatic = s == Strategy::kGrid
-                            ? a.o.pipeline.stages * std::max(a.o.tensor_parallel.size, 1)
+  const int automatic = s == Strategy::kGrid ? std::max(parallel_dims(a.o).model_ranks(), 1)
                         : per_device ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
                                      : 1;  // dp, pipeline: one process
   lo.nproc_per_node = parse_nproc_per_node(a.nproc, automatic);

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "scaletrain/error.h"
 #include "support/temp_dir.h"
@@ -164,6 +165,41 @@ TEST(TrainerOptions, AStrategysOwnOptionsAreCheckedByTheirNames) {
   o.resume = Resume::from((dir.path / "ckpt-9.st").string());
   EXPECT_NE(refusal([&] { validate(o, 1); }).find("ckpt-9.st': no such checkpoint"),
             std::string::npos);
+}
+
+// The strategy words are shorthand for parallel degrees (parallel_dims.h): each word, with and
+// without a tensor-parallel degree, against the degrees written by hand, at a world.
+TEST(TrainerOptions, StrategyWordsStandForParallelDims) {
+  struct Row {
+    const char* strategy;
+    int tp, stages, world;
+    ParallelDims dims;  // resolved at `world`
+  };
+  auto d = [](int dp_replicate, int dp_shard, int zero_stage, int pp, int tp) {
+    ParallelDims p;
+    p.dp_replicate = dp_replicate;
+    p.dp_shard = dp_shard;
+    p.zero_stage = zero_stage;
+    p.pp = pp;
+    p.tp = tp;
+    return p;
+  };
+  const std::vector<Row> table{
+      {"ddp", 1, 2, 4, d(4, 1, 0, 1, 1)},      {"ddp", 2, 2, 8, d(4, 1, 0, 1, 2)},
+      {"zero1", 1, 2, 4, d(1, 4, 1, 1, 1)},    {"zero2", 2, 2, 4, d(1, 2, 2, 1, 2)},
+      {"fsdp", 2, 2, 8, d(1, 4, 3, 1, 2)},     {"grid", 1, 2, 4, d(2, 1, 0, 2, 1)},
+      {"grid", 2, 2, 8, d(2, 1, 0, 2, 2)},     {"grid", 1, 3, 3, d(1, 1, 0, 3, 1)},
+      {"dp", 1, 2, 1, d(1, 1, 0, 1, 1)},       {"pipeline", 1, 2, 1, d(1, 1, 0, 1, 1)},
+  };
+  for (const auto& row : table) {
+    TrainerOptions o;
+    o.strategy = parse_strategy(row.strategy);
+    o.tensor_parallel.size = row.tp;
+    o.pipeline.stages = row.stages;
+    const auto resolved = parallel_dims(o).resolve(row.world);
+    EXPECT_EQ(resolved, row.dims) << row.strategy << " tp " << row.tp << " at " << row.world
+                                  << ": " << resolved.describe();
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "scaletrain/ddp.h"
 #include "scaletrain/fault_tolerance.h"
+#include "scaletrain/parallel_dims.h"
 #include "scaletrain/pipeline.h"
 
 namespace scaletrain {
@@ -178,6 +179,13 @@ struct TrainerOptions {
   PipelineTrainOptions pipeline;               // pipeline and grid
   TensorParallelTrainOptions tensor_parallel;  // ddp, zero1, zero2, fsdp and grid
 };
+
+/// The parallel degrees `options` stand for (parallel_dims.h), data parallelism the rest of the
+/// world: ddp {dp_replicate -1, tp}, zero1/zero2/fsdp {dp_shard -1, zero_stage 1/2/3, tp}, grid
+/// {dp_replicate -1, pp = pipeline.stages, tp}, dp and pipeline all 1 (one process), with tp =
+/// tensor_parallel.size. `.resolve(world)` gives a job's degrees; options validate() refuses
+/// may make it throw.
+ParallelDims parallel_dims(const TrainerOptions& options);
 
 /// Checks the options of a task against the world before any work: the strategy's combinations
 /// (dp and pipeline in one process, a grid's world a multiple of its stages, pipeline options

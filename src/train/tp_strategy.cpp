@@ -59,8 +59,7 @@ class TensorParallelStrategy : public TrainStrategy {
                          Model& model)
       : TrainStrategy(d),
         whole_(model),
-        mesh_({{"dp", d.size() / o.tensor_parallel.size}, {"tp", o.tensor_parallel.size}},
-              d.size()),
+        mesh_(parallel_dims(o).resolve(d.size()).mesh({"dp", "tp"})),
         groups_(mesh_groups(d, mesh_, "tensor_parallel")),
         dev_(rank_device(o.device, d)),
         amp_(o.amp == Amp::kBf16   ? std::optional<at::ScalarType>(at::kBFloat16)
@@ -367,8 +366,8 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
   }
   // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
   // so, in the grid's words).
-  const int per_replica = o.tensor_parallel.size * (grid ? std::max(o.pipeline.stages, 1) : 1);
-  if (world % per_replica != 0) return;
+  const int per_replica = parallel_dims(o).model_ranks();
+  if (per_replica < 1 || world % per_replica != 0) return;
   const int replicas = world / per_replica;
   if (o.batch_size % replicas != 0) {
     throw UsageError("TrainerOptions::batch_size " + std::to_string(o.batch_size) +

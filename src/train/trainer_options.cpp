@@ -21,6 +21,31 @@ Strategy parse_strategy(const std::string& name) {
                    "'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp");
 }
 
+ParallelDims parallel_dims(const TrainerOptions& o) {
+  ParallelDims d;
+  d.tp = o.tensor_parallel.size;
+  switch (o.strategy) {
+    case Strategy::kDDP:
+      d.dp_replicate = -1;
+      break;
+    case Strategy::kZero1:
+    case Strategy::kZero2:
+    case Strategy::kFsdp:
+      d.dp_shard = -1;
+      d.zero_stage = o.strategy == Strategy::kZero1 ? 1 : o.strategy == Strategy::kZero2 ? 2 : 3;
+      break;
+    case Strategy::kGrid:
+      d.dp_replicate = -1;
+      d.pp = o.pipeline.stages;
+      break;
+    case Strategy::kDataParallel:
+    case Strategy::kPipeline:
+      d.tp = 1;  // one process: its devices are threads (validation refuses a tp degree here)
+      break;
+  }
+  return d;
+}
+
 std::string to_string(Strategy s) {
   switch (s) {
     case Strategy::kDDP:

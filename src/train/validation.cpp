@@ -59,20 +59,9 @@ void validate_trainer_numbers(const TrainerOptions& o) {
 
 namespace {
 
-// The data-parallel replicas of a strategy in a world: how the global batch is split.
-int replicas(const TrainerOptions& o, int world) {
-  switch (o.strategy) {
-    case Strategy::kDDP:
-    case Strategy::kZero1:
-    case Strategy::kZero2:
-    case Strategy::kFsdp:
-      return world / std::max(o.tensor_parallel.size, 1);  // the mesh {dp, tp}'s dp
-    case Strategy::kGrid:                                  // the mesh {dp, pp, tp}'s dp
-      return world / std::max(o.pipeline.stages * std::max(o.tensor_parallel.size, 1), 1);
-    default:
-      return 1;
-  }
-}
+// The data-parallel replicas of a strategy in a world: how the global batch is split (called
+// once the world is known to divide by the other degrees).
+int replicas(const TrainerOptions& o, int world) { return parallel_dims(o).resolve(world).dp(); }
 
 void refuse(const std::string& what) { throw UsageError(what); }
 

@@ -187,9 +187,12 @@ void apply_strategy_flags(Args& a) {
     a.o.checkpoint_format = CheckpointFormat::kFull;
   } else if (a.checkpoint_format == "sharded") {
     a.o.checkpoint_format = CheckpointFormat::kSharded;
+  } else if (a.checkpoint_format == "dcp") {
+    a.o.checkpoint_format = CheckpointFormat::kDcp;
   } else {
     throw UsageError("unknown --checkpoint-format '" + a.checkpoint_format +
-                     "'; use full (one file) or sharded (a file per rank: zero1, zero2, fsdp)");
+                     "'; use full (one file), sharded (a file per rank: zero1, zero2, fsdp) or "
+                     "dcp (a folder in PyTorch's distributed checkpoint layout)");
   }
   a.o.devices.clear();
   std::stringstream list(a.devices);
@@ -354,8 +357,10 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "Steps between checkpoints (0: epochs)");
   cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
   cmd->add_option("--checkpoint-format", a.checkpoint_format,
-                  "full (one file, gathered to rank 0) or sharded (zero1, zero2, fsdp: each rank "
-                  "writes its shard; resumes at any world size)")
+                  "full (one file, gathered to rank 0), sharded (zero1, zero2, fsdp: each rank "
+                  "writes its shard; resumes at any world size) or dcp (gathered to rank 0, a "
+                  "folder in PyTorch's distributed checkpoint layout, which Python's "
+                  "torch.distributed.checkpoint reads)")
       ->capture_default_str();
   cmd->add_flag("--async-checkpoint", o.async_checkpoint,
                 "Write checkpoints in the background: the steps wait only for a copy in memory");

@@ -130,9 +130,11 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   // The final weights, byte for byte; and a one-file run's last checkpoint, tensor for tensor.
   EXPECT_TRUE(same_bytes(contents_of(killed.path).at("model.pt"),
                          contents_of(straight.path).at("model.pt")));
-  if (fs::exists(straight.path / "ckpt-12.st")) {
-    auto x = params_of((straight.path / "ckpt-12.st").string(), GetParam().model);
-    auto y = params_of((killed.path / "ckpt-12.st").string(), GetParam().model);
+  // (ckpt-12/ with --checkpoint-format dcp.)
+  const std::string last = fs::exists(straight.path / "ckpt-12") ? "ckpt-12" : "ckpt-12.st";
+  if (fs::exists(straight.path / last)) {
+    auto x = params_of((straight.path / last).string(), GetParam().model);
+    auto y = params_of((killed.path / last).string(), GetParam().model);
     ASSERT_EQ(x.size(), y.size());
     for (size_t i = 0; i < x.size(); ++i) {
       EXPECT_TRUE(testing::bit_for_bit(y[i], x[i])) << "parameter " << i;
@@ -173,6 +175,14 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero2_dropout", 2, "--strategy zero2 --model mlp --dropout 0.3", "mlp"},
         // --checkpoint-format sharded: a file per rank, nothing gathered, the same resume.
         Resume{"zero1_sharded", 2, "--strategy zero1 --checkpoint-format sharded"},
+        // --checkpoint-format dcp: a folder in PyTorch's layout, gathered as a full file is;
+        // Adam under get_state_dict()'s names, a ZeRO optimizer and a grid's stages as
+        // scaletrain's own tensors, and the background writer.
+        Resume{"ddp2_dcp", 2, "--strategy ddp --checkpoint-format dcp --optimizer adam"},
+        Resume{"zero1_dcp", 2, "--strategy zero1 --checkpoint-format dcp"},
+        Resume{"grid_dcp_async", 2,
+               "--strategy grid --pipeline-stages 2 --chunks 2 --checkpoint-format dcp "
+               "--async-checkpoint"},
         Resume{"fsdp_sharded", 2, "--strategy fsdp --checkpoint-format sharded --optimizer adam"},
         // Tensor parallelism: every rank's optimizer state in the checkpoint, the whole model's
         // weights under the GPT's names.

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <map>
@@ -46,6 +47,16 @@ void restore_rng(const std::map<std::string, at::Tensor>& tensors);
 /// `dir/ckpt-<global_step>.st`, the file save_checkpoint() writes for that step.
 std::string checkpoint_path(const std::string& dir, int64_t global_step);
 
+/// How a checkpoint lies on disk. kFile: one file, `ckpt-<step>.st`, scaletrain's own format.
+/// kDcp: a folder, `ckpt-<step>/`, in the layout of PyTorch's torch.distributed.checkpoint
+/// (distributed_checkpoint.h), which Python's dcp.load reads: the model's tensors as
+/// "model.<name>", an SGD, Adam or AdamW's state under get_state_dict()'s "optim." names, the
+/// rest of the state under "scaletrain." (docs/checkpoint.md), and a record of its files'
+/// checksums beside them. Either loads, resumes and prunes the same way; a folder may hold both.
+enum class CheckpointLayout { kFile, kDcp };
+/// `dir/ckpt-<global_step>`, the folder save_checkpoint() writes for that step with kDcp.
+std::string dcp_checkpoint_path(const std::string& dir, int64_t global_step);
+
 /// Writes `dir/ckpt-<global_step>.st` atomically and removes all but the newest `keep` of the
 /// checkpoints in `dir` that belong to the same run (state.run_id); other runs' files are never
 /// touched. Call it on one rank (rank 0): ranks that call it at once do not collide (each writes
@@ -60,6 +71,11 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& state,
 std::string save_checkpoint(const std::string& dir, const TrainingState& state,
                             const torch::nn::Module& model, const torch::optim::Optimizer* opt,
                             int keep);
+/// The same in `layout`: with kDcp, the folder `dir/ckpt-<global_step>` (replacing one of that
+/// name), atomically; pruning counts the run's files and folders together.
+std::string save_checkpoint(const std::string& dir, const TrainingState& state,
+                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                            int keep, CheckpointLayout layout);
 
 struct AsyncCheckpointOptions {
   /// Called on the writer thread with the checkpoint's path before it serialises the snapshot:
@@ -68,6 +84,8 @@ struct AsyncCheckpointOptions {
   /// Called on the writer thread with the temporary file's path once it is written and synced,
   /// just before it is renamed to the checkpoint's name: for tests of a crash at that moment.
   std::function<void(const std::string& temporary)> before_rename;
+  /// The layout of the checkpoints written (kDcp: the temporary is a folder).
+  CheckpointLayout layout = CheckpointLayout::kFile;
 };
 
 /// Writes checkpoints in the background (PyTorch DCP's async_save): save() blocks only while it
@@ -109,11 +127,14 @@ class AsyncCheckpointer {
   Timing timing() const;
 
  private:
+  std::string save_folder(const std::string& dir, const TrainingState& state,
+                          const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                          int keep, Timing timing, std::chrono::steady_clock::time_point t0);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-/// Reads a checkpoint into `model` and `opt` (tensors are copied onto the devices the model's
+/// Reads a checkpoint, a file or a folder (CheckpointLayout), into `model` and `opt` (tensors are copied onto the devices the model's
 /// own parameters are on, whatever device they were saved from), and returns the rest of the
 /// state, the program's own tensors and values included. Throws Error for a truncated or corrupt
 /// file and for a key that is missing or has another shape (naming the file and the key), and

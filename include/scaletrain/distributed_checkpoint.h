@@ -31,6 +31,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -94,6 +95,11 @@ struct DcpState {
 struct DcpSaveOptions {
   /// A folder already at the path: refused (Error) unless true, then replaced atomically.
   bool replace = false;
+  /// Called on rank 0 with the temporary folder once every rank's file and the .metadata are
+  /// in it, before it is synced and renamed to its name: to add files of one's own (a record of
+  /// checksums), or for tests of a crash at that moment. What it throws fails the save, on every
+  /// rank, as a rank's failed write does.
+  std::function<void(const std::string& folder)> before_publish;
 };
 
 /// Collective over `dist` (every rank calls it, in the same order as other collectives): writes

@@ -27,8 +27,10 @@ enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid, kZero1, kZero2, kFs
 /// model and optimizer state gathered to it. kSharded (zero1, zero2, fsdp): each rank writes its
 /// own shard (zero.h's format, `out_dir/world-<N>/rank-<r>/ckpt-<step>.st`) and nothing is
 /// gathered; it resumes at any world size and stage, and model.pt is still written whole at
-/// the end.
-enum class CheckpointFormat { kFull, kSharded };
+/// the end. kDcp: as kFull, gathered to rank 0, written as a folder in PyTorch's distributed
+/// checkpoint layout (`out_dir/ckpt-<step>/`, CheckpointLayout::kDcp in checkpoint.h) that
+/// Python's torch.distributed.checkpoint reads. Every format resumes from any other's newest.
+enum class CheckpointFormat { kFull, kSharded, kDcp };
 
 /// "ddp", "dp", "pipeline", "grid", "zero1", "zero2", "fsdp"; throws UsageError naming them for
 /// anything else.

@@ -290,6 +290,7 @@ std::string finish(const std::string& dir, const json& decision,
     }
     const std::string bytes = dcp::encode_metadata(m, uuid4());
     write_atomically(tmp + "/.metadata", bytes, "checkpoint metadata");
+    if (options.before_publish) options.before_publish(tmp);
     sync_folder(tmp);
     publish(tmp, dir, options.replace);
   } catch (const std::exception& e) {

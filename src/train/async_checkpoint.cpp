@@ -26,6 +26,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/log.h"
+#include "train/checkpoint_dcp.h"
 #include "train/checkpoint_io.h"
 #include "zero/optimizer_state.h"
 
@@ -141,6 +142,9 @@ std::string AsyncCheckpointer::save(const std::string& dir, const TrainingState&
   Timing timing;
   timing.waited = seconds_since(t0);
   t0 = Clock::now();
+  if (impl_->options.layout == CheckpointLayout::kDcp) {
+    return save_folder(dir, state, model, opt, keep, timing, t0);
+  }
   // The snapshot: nothing the training does from here on reaches it.
   auto s = std::make_shared<TrainingState>(state);
   for (auto& [name, t] : s->tensors) t = copy_to_cpu(t);
@@ -176,6 +180,42 @@ std::string AsyncCheckpointer::save(const std::string& dir, const TrainingState&
     impl_->timing.write = std::max(seconds_since(start), 1e-9);
   });
   return checkpoint_path(dir, state.global_step);
+}
+
+// save() of a folder (CheckpointLayout::kDcp): the snapshot is the folder's keys and values,
+// every tensor a copy on the CPU (the optimizer's state under its parameters' names needs no
+// stand-in).
+std::string AsyncCheckpointer::save_folder(const std::string& dir, const TrainingState& state,
+                                           const torch::nn::Module& model,
+                                           const torch::optim::Optimizer* opt, int keep,
+                                           Timing timing, std::chrono::steady_clock::time_point t0) {
+  auto snapshot = std::make_shared<DcpState>(checkpoint_dcp_state(state, model, opt));
+  for (auto& box : snapshot->tensors) box.tensor = copy_to_cpu(box.tensor);
+  timing.snapshot = seconds_since(t0);
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->timing = timing;
+  }
+  const int64_t step = state.global_step;
+  const std::string run_id = state.run_id;
+  impl_->writer = std::thread([this, dir, keep, snapshot, step, run_id] {
+    const auto start = Clock::now();
+    try {
+      if (impl_->options.before_serialize) {
+        impl_->options.before_serialize(dcp_checkpoint_path(dir, step));
+      }
+      auto path =
+          commit_dcp_checkpoint(dir, step, run_id, *snapshot, keep, impl_->options.before_rename);
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->last_written = std::move(path);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->timing.write = std::max(seconds_since(start), 1e-9);
+  });
+  return dcp_checkpoint_path(dir, step);
 }
 
 }  // namespace scaletrain

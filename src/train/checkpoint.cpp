@@ -19,6 +19,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "train/atomic_file.h"
+#include "train/checkpoint_dcp.h"
 #include "train/checkpoint_io.h"
 
 namespace scaletrain {
@@ -102,6 +103,19 @@ std::string checkpoint_path(const std::string& dir, int64_t global_step) {
   return dir + "/ckpt-" + std::to_string(global_step) + ".st";
 }
 
+std::string dcp_checkpoint_path(const std::string& dir, int64_t global_step) {
+  return dir + "/ckpt-" + std::to_string(global_step);
+}
+
+std::string save_checkpoint(const std::string& dir, const TrainingState& s,
+                            const torch::nn::Module& model, const torch::optim::Optimizer* opt,
+                            int keep, CheckpointLayout layout) {
+  if (layout == CheckpointLayout::kFile) return save_checkpoint(dir, s, model, opt, keep);
+  check_run_id(s.run_id);
+  return commit_dcp_checkpoint(dir, s.global_step, s.run_id, checkpoint_dcp_state(s, model, opt),
+                               keep, nullptr);
+}
+
 std::string save_checkpoint(const std::string& dir, const TrainingState& s,
                             const torch::nn::Module& model, const torch::optim::Optimizer& opt,
                             int keep) {
@@ -160,17 +174,7 @@ std::string commit_checkpoint(const std::string& dir, int64_t global_step,
   remove_stale_temporaries(dir, "ckpt-");
   // Prune this run's checkpoints only: a folder may hold another run's, which are not ours to
   // delete (docs/checkpoint.md).
-  std::vector<fs::path> ours;
-  for (auto& e : fs::directory_iterator(dir)) {
-    if (e.path().extension() == ".st" && step_of(e.path()) >= 0 &&
-        checkpoint_run(e.path().string()) == run_id) {
-      ours.push_back(e.path());
-    }
-  }
-  std::sort(ours.begin(), ours.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
-  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < ours.size(); ++i) {
-    fs::remove(ours[i], ec);
-  }
+  prune_checkpoints(dir, run_id, keep);
   return final_path;
 }
 
@@ -196,6 +200,8 @@ std::string save_checkpoint(const std::string& dir, const TrainingState& s,
 }
 
 std::optional<std::string> checkpoint_run(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return dcp_checkpoint_run(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) return std::nullopt;
   std::string problem;
@@ -205,6 +211,8 @@ std::optional<std::string> checkpoint_run(const std::string& path) {
 }
 
 std::optional<std::string> checkpoint_value(const std::string& path, const std::string& key) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return dcp_checkpoint_value(path, key);
   std::string body;
   if (payload_of(path, &body)) return std::nullopt;
   torch::serialize::InputArchive ar;
@@ -216,6 +224,8 @@ std::optional<std::string> checkpoint_value(const std::string& path, const std::
 }
 
 std::optional<std::string> checkpoint_problem(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return dcp_checkpoint_problem(path);
   return payload_of(path, nullptr);
 }
 
@@ -228,6 +238,8 @@ TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
 
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer* opt, const std::string& model_name) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return load_dcp_checkpoint(path, model, opt, model_name);
   std::string body;
   if (auto problem = payload_of(path, &body)) throw Error("checkpoint '" + path + "' " + *problem);
   TrainingState s = load_checkpoint_payload(body, path, model, opt, model_name);
@@ -350,7 +362,9 @@ std::optional<std::string> newest_valid_checkpoint(const std::string& dir) {
   if (!fs::is_directory(dir, ec)) return std::nullopt;
   std::vector<fs::path> all;
   for (auto& e : fs::directory_iterator(dir)) {
-    if (e.path().extension() == ".st" && step_of(e.path()) >= 0) all.push_back(e.path());
+    const bool file = e.path().extension() == ".st" && step_of(e.path()) >= 0;
+    const bool folder = is_dcp_checkpoint_name(e.path().string()) && e.is_directory(ec);
+    if (file || folder) all.push_back(e.path());
   }
   std::sort(all.begin(), all.end(), [](auto& a, auto& b) { return step_of(a) > step_of(b); });
   for (auto& p : all) {

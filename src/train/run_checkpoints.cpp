@@ -99,7 +99,7 @@ void Run::resume() {
   if (d_.rank() == 0) {
     begin_run(o_, start_, state_.run_id, model_.name);
     shards_left_ =
-        o_.checkpoint_format == CheckpointFormat::kFull && holds_sharded_checkpoints(o_.out_dir);
+        o_.checkpoint_format != CheckpointFormat::kSharded && holds_sharded_checkpoints(o_.out_dir);
   }
   reporter_ = std::make_unique<Reporter>(o_, d_.rank() == 0);
 }
@@ -211,17 +211,20 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
     return;
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
+  const bool dcp = o_.checkpoint_format == CheckpointFormat::kDcp;
   if (d_.rank() == 0) {
     drop_replaced_shards();  // an earlier background write's, once it is on disk
     if (writer_) {           // --async-checkpoint
       writer_->save(o_.out_dir, state_, *model_.module, opt, o_.keep);
     } else {
-      save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep);
+      save_checkpoint(o_.out_dir, state_, *model_.module, opt, o_.keep,
+                      dcp ? CheckpointLayout::kDcp : CheckpointLayout::kFile);
     }
     if (shards_left_) replacing_step_ = state_.global_step;
     if (!writer_) drop_replaced_shards();
   }
-  r_.last_checkpoint = checkpoint_path(o_.out_dir, state_.global_step);
+  r_.last_checkpoint = dcp ? dcp_checkpoint_path(o_.out_dir, state_.global_step)
+                           : checkpoint_path(o_.out_dir, state_.global_step);
 }
 
 // Note [Format switch] in run_folder.cpp: the shards go once the full checkpoint of

@@ -99,7 +99,11 @@ void Run::setup() {
   // Rank 0 owns the folder for the run (Note [Folder owner] in run_folder.cpp); a second run
   // is refused here, naming this one.
   if (d_.rank() == 0) folder_lock_ = std::make_unique<FolderLock>(o_.out_dir);
-  if (o_.async_checkpoint) writer_ = std::make_unique<AsyncCheckpointer>();
+  if (o_.async_checkpoint) {
+    AsyncCheckpointOptions ao;
+    if (o_.checkpoint_format == CheckpointFormat::kDcp) ao.layout = CheckpointLayout::kDcp;
+    writer_ = std::make_unique<AsyncCheckpointer>(ao);
+  }
   start_ = plan_run_start(o_);
   keep_checkpoint_balance();
   seed_ = o_.seed;

@@ -15,6 +15,10 @@ folders for scaletrain to read.
   dcp_interop.py optim-load DIR REF  get_state_dict() of a model and Adam, dcp.load of DIR into
                                     it, set_state_dict(), compared with REF; then a step runs
   dcp_interop.py optim-save DIR REF  3 Adam steps, dcp.save of get_state_dict(); REF: its tensors
+  dcp_interop.py trainer DIR PT     a trainer's checkpoint folder (--checkpoint-format dcp):
+                                    dcp_to_torch_save's model and dcp.load's are PT's weights
+                                    (scaletrain's model.pt); says what its optimizer and
+                                    training state hold
 
 REF files of the C++ side are torch::pickle_save'd dicts of tensors.
 """
@@ -200,10 +204,30 @@ def optim_save(folder, ref_path):
     print(f"3 Adam steps saved: {len(flat(msd, osd))} tensors")
 
 
+def trainer(folder, pt):
+    weights = torch.load(pt, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "whole.pt")
+        dcp_to_torch_save(folder, out)
+        whole = torch.load(out, weights_only=False)
+    if set(whole["model"]) != set(weights):
+        fail(f"the folder's model has {sorted(whole['model'])}, model.pt {sorted(weights)}")
+    state = {"model": {k: torch.empty_like(v) for k, v in weights.items()}}
+    dcp.load(state, checkpoint_id=folder)
+    for key, value in weights.items():
+        same("dcp_to_torch_save model." + key, whole["model"][key], value)
+        same("dcp.load model." + key, state["model"][key], value)
+    optim = whole["optim"]
+    kinds = sorted({k for s in optim["state"].values() for k in s})
+    print(f"model: {len(weights)} tensors equal to model.pt; optimizer state of "
+          f"{len(optim['state'])} parameters ({', '.join(kinds)}), lr "
+          f"{optim['param_groups'][0]['lr']}; global_step {whole['scaletrain']['global_step']}")
+
+
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
     modes = {"check": check, "check-dtensor": check_dtensor, "save": save, "lenet": lenet, "foreign": foreign,
-             "optim-load": optim_load, "optim-save": optim_save}
+             "optim-load": optim_load, "optim-save": optim_save, "trainer": trainer}
     modes[mode](*args)
 
 

@@ -5,13 +5,14 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <map>
 #include <memory>
-#include <regex>
 #include <typeinfo>
 
 #include "commands.h"
@@ -19,58 +20,63 @@
 
 namespace scaletrain::cli {
 
-// The library's errors name its options (TrainerOptions::batch_size); the command line's user
-// set them as flags (--batch-size); a strategy's own options are one level down
-// (TrainerOptions::pipeline.chunks is --chunks). Names without a flag stay as they are.
-std::string in_flag_names(const std::string& message) {
-  static const std::map<std::string, std::string> flags = {
-      {"TrainerOptions::accumulate", "--accumulate"},
-      {"TrainerOptions::amp", "--amp"},
-      {"TrainerOptions::async_checkpoint", "--async-checkpoint"},
-      {"TrainerOptions::pipeline.balance", "--balance"},
-      {"TrainerOptions::batch_size", "--batch-size"},
-      {"TrainerOptions::checkpoint_every", "--checkpoint-every"},
-      {"TrainerOptions::checkpoint_format", "--checkpoint-format"},
-      {"TrainerOptions::pipeline.checkpoint", "--checkpoint-activations"},
-      {"TrainerOptions::pipeline.chunks", "--chunks"},
-      {"TrainerOptions::data_on_device", "--data-on-device"},
-      {"TrainerOptions::device", "--device"},
-      {"TrainerOptions::devices", "--devices"},
-      {"TrainerOptions::epochs", "--epochs"},
-      {"TrainerOptions::eval_batch_size", "--eval-batch-size"},
-      {"TrainerOptions::fault_tolerant", "--fault-tolerant"},
-      {"TrainerOptions::keep", "--keep"},
-      {"TrainerOptions::log_every", "--log-every"},
-      {"TrainerOptions::max_grad_norm", "--max-grad-norm"},
-      {"TrainerOptions::out_dir", "--out"},
-      {"TrainerOptions::overwrite", "--overwrite"},
-      {"TrainerOptions::peak_flops", "--peak-flops"},
-      {"TrainerOptions::pipeline.stages", "--pipeline-stages"},
-      {"TrainerOptions::resume", "--resume"},
-      {"TrainerOptions::pipeline.schedule", "--schedule"},
-      {"TrainerOptions::tensor_parallel.sequence_parallel", "--sequence-parallel"},
-      {"TrainerOptions::pipeline.split_size", "--split-size"},
-      {"TrainerOptions::pipeline.stages_per_device", "--stages-per-device"},
-      {"TrainerOptions::strategy", "--strategy"},
-      {"TrainerOptions::tensor_parallel.size", "--tp"},
-      {"TrainerOptions::timeout_s", "--timeout"},
-      {"TrainerOptions::ddp.uneven_inputs", "--uneven-inputs"},
-      {"TrainerOptions::workers", "--workers"},
-      {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
-      {"ReplicaGroupOptions::replica_id", "--replica-id"},
-      {"TokenWindowOptions::vocab_size", "--vocab-size"},
-  };
-  static const std::regex name(
-      R"((TrainerOptions|ReplicaGroupOptions|TokenWindowOptions)::[a-z_]+(\.[a-z_]+)?)");
-  std::string out;
-  auto from = message.cbegin();
-  for (std::sregex_iterator it(message.begin(), message.end(), name), end; it != end; ++it) {
-    out.append(from, (*it)[0].first);
-    auto flag = flags.find(it->str());
-    out += flag == flags.end() ? it->str() : flag->second;
-    from = (*it)[0].second;
+namespace {
+
+// The library's option names and their flags, longest name first (so that
+// TrainerOptions::pipeline.stages_per_device is not read as TrainerOptions::pipeline.stages).
+std::vector<std::pair<std::string, std::string>>& flag_table() {
+  static std::vector<std::pair<std::string, std::string>> table;
+  return table;
+}
+
+bool is_name_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == ':';
+}
+
+// Whether `name` ends where it stands at `at` in `message`: not followed by more of a name (a
+// letter, '_', or '.' and a letter: TrainerOptions::device is not TrainerOptions::devices, and
+// a sentence's full stop ends it).
+bool ends_there(const std::string& message, size_t at, const std::string& name) {
+  const size_t next = at + name.size();
+  if (next >= message.size()) return true;
+  const char c = message[next];
+  if (c == '.') {
+    return next + 1 >= message.size() ||
+           !std::islower(static_cast<unsigned char>(message[next + 1]));
   }
-  return out.append(from, message.cend());
+  return !is_name_char(c);
+}
+
+}  // namespace
+
+void name_flags(const CLI::App& cmd,
+                const std::vector<std::pair<std::string, std::string>>& fields) {
+  auto& table = flag_table();
+  for (const auto& [field, flag] : fields) {
+    cmd.get_option(flag);  // throws where the flag is not one of cmd's: the table stays true
+    table.emplace_back(field, flag);
+  }
+  std::stable_sort(table.begin(), table.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+}
+
+std::string in_flag_names(const std::string& message) {
+  const auto& table = flag_table();
+  std::string out;
+  for (size_t i = 0; i < message.size();) {
+    const bool starts = i == 0 || !is_name_char(message[i - 1]);
+    const auto hit = std::find_if(table.begin(), table.end(), [&](const auto& entry) {
+      return starts && message.compare(i, entry.first.size(), entry.first) == 0 &&
+             ends_there(message, i, entry.first);
+    });
+    if (hit == table.end()) {
+      out += message[i++];
+    } else {
+      out += hit->second;
+      i += hit->first.size();
+    }
+  }
+  return out;
 }
 
 namespace {

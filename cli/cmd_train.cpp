@@ -478,6 +478,44 @@ void add_train_command(CLI::App& app, Action& action) {
   add_run_flags(cmd, *args);
   add_process_flags(cmd, *args);
   add_fault_tolerance_flags(cmd, *args);
+  // The library's names of the options these flags set: its messages name them, and the command
+  // line's user reads the flags instead (in_flag_names). A flag named here that the functions
+  // above do not define is an error at start-up.
+  name_flags(*cmd, {{"TrainerOptions::accumulate", "--accumulate"},
+                    {"TrainerOptions::amp", "--amp"},
+                    {"TrainerOptions::async_checkpoint", "--async-checkpoint"},
+                    {"TrainerOptions::pipeline.balance", "--balance"},
+                    {"TrainerOptions::batch_size", "--batch-size"},
+                    {"TrainerOptions::checkpoint_every", "--checkpoint-every"},
+                    {"TrainerOptions::checkpoint_format", "--checkpoint-format"},
+                    {"TrainerOptions::pipeline.checkpoint", "--checkpoint-activations"},
+                    {"TrainerOptions::pipeline.chunks", "--chunks"},
+                    {"TrainerOptions::data_on_device", "--data-on-device"},
+                    {"TrainerOptions::device", "--device"},
+                    {"TrainerOptions::devices", "--devices"},
+                    {"TrainerOptions::epochs", "--epochs"},
+                    {"TrainerOptions::eval_batch_size", "--eval-batch-size"},
+                    {"TrainerOptions::fault_tolerant", "--fault-tolerant"},
+                    {"TrainerOptions::keep", "--keep"},
+                    {"TrainerOptions::log_every", "--log-every"},
+                    {"TrainerOptions::max_grad_norm", "--max-grad-norm"},
+                    {"TrainerOptions::out_dir", "--out"},
+                    {"TrainerOptions::overwrite", "--overwrite"},
+                    {"TrainerOptions::peak_flops", "--peak-flops"},
+                    {"TrainerOptions::pipeline.stages", "--pipeline-stages"},
+                    {"TrainerOptions::resume", "--resume"},
+                    {"TrainerOptions::pipeline.schedule", "--schedule"},
+                    {"TrainerOptions::tensor_parallel.sequence_parallel", "--sequence-parallel"},
+                    {"TrainerOptions::pipeline.split_size", "--split-size"},
+                    {"TrainerOptions::pipeline.stages_per_device", "--stages-per-device"},
+                    {"TrainerOptions::strategy", "--strategy"},
+                    {"TrainerOptions::tensor_parallel.size", "--tp"},
+                    {"TrainerOptions::timeout_s", "--timeout"},
+                    {"TrainerOptions::ddp.uneven_inputs", "--uneven-inputs"},
+                    {"TrainerOptions::workers", "--workers"},
+                    {"ReplicaGroupOptions::lighthouse", "--lighthouse"},
+                    {"ReplicaGroupOptions::replica_id", "--replica-id"},
+                    {"TokenWindowOptions::vocab_size", "--vocab-size"}});
   cmd->callback([args, &action] {
     action = [args] {
       apply_strategy_flags(*args);

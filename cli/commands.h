@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace scaletrain::cli {
@@ -62,8 +63,13 @@ void configure_app(CLI::App& app);
 /// success, 1 failure of the job, 2 bad input (an unknown subcommand or flag, named), 128+N when
 /// stopped by signal N.
 int parse_and_run(CLI::App& app, const Action& action, int argc, char** argv);
+/// Records which of `cmd`'s flags sets each of the library's options named in `fields`
+/// ({"TrainerOptions::batch_size", "--batch-size"}), for in_flag_names(). Throws CLI11's error
+/// for a flag `cmd` does not define.
+void name_flags(const CLI::App& cmd,
+                const std::vector<std::pair<std::string, std::string>>& fields);
 /// The library's option names in an error message (TrainerOptions::batch_size) as the flags
-/// that set them (--batch-size); other text unchanged.
+/// that set them (--batch-size), for the options name_flags() recorded; other text unchanged.
 std::string in_flag_names(const std::string& message);
 
 /// The tool's own command line (argv), for subcommands that start themselves again.

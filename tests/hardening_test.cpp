@@ -29,7 +29,7 @@
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 #include "train/run_folder.h"
 #include "zoo_models.h"
 

@@ -15,7 +15,7 @@
 #include <regex>
 #include <thread>
 
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
 #include "support/secret.h"

@@ -33,7 +33,7 @@
 
 namespace scaletrain {
 
-class DeviceThreads;  // src/parallel/device_threads.h
+class DeviceThreads;  // src/runtime/device_threads.h
 
 class DataParallel {
  public:

@@ -63,7 +63,7 @@ struct PipelineOptions {
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
-class DeviceThreads;  // src/parallel/device_threads.h: one persistent thread per device
+class DeviceThreads;  // src/runtime/device_threads.h: one persistent thread per device
 
 class Pipeline {
  public:

@@ -31,7 +31,7 @@
 #include "checkpoint/dcp_payload.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 
 namespace scaletrain {
 namespace {

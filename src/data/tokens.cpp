@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "scaletrain/error.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "token files hold little-endian ids, read here in place");

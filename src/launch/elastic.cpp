@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "launch/group.h"
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "launch/rendezvous.h"
 #include "scaletrain/error.h"
 

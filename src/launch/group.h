@@ -17,7 +17,7 @@
 #include <string_view>
 #include <vector>
 
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/launch.h"
 
 namespace scaletrain::launch_detail {

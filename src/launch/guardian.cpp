@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "launch/group.h"
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 
 namespace scaletrain::launch_detail {
 namespace {

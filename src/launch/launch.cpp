@@ -18,7 +18,7 @@
 #include "launch/elastic.h"
 #include "launch/group.h"
 #include "launch/net.h"
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/error.h"
 #include "scaletrain/secret.h"
 

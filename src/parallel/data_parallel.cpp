@@ -1,6 +1,6 @@
 #include "scaletrain/data_parallel.h"
 
-#include "parallel/device_threads.h"
+#include "runtime/device_threads.h"
 #include "scaletrain/error.h"
 #include "scaletrain/pipeline.h"
 

@@ -10,7 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include "parallel/device_threads.h"
+#include "runtime/device_threads.h"
 #include "pipeline/stage_runner.h"
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
@@ -107,7 +107,7 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   return at::cat(outs);
 }
 
-// Note [Stage threads]: one thread per device (DeviceThreads, src/parallel/device_threads.h),
+// Note [Stage threads]: one thread per device (DeviceThreads, src/runtime/device_threads.h),
 // started at the first step and kept for the pipeline's life, runs its column of the schedule in
 // order, waiting only for its data — a forward for the previous stage's forward, a backward for the
 // next stage's input gradient — not for a whole tick. A slow task (a backward costs about two

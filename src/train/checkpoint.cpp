@@ -18,7 +18,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 #include "train/checkpoint_dcp.h"
 #include "train/checkpoint_io.h"
 

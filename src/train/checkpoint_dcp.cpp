@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "scaletrain/error.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 #include "zero/optimizer_state.h"
 
 namespace scaletrain {

@@ -51,7 +51,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "scaletrain/zero.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 #include "train/checkpoint_dcp.h"
 
 namespace scaletrain {

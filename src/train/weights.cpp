@@ -24,7 +24,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 
 namespace scaletrain {
 

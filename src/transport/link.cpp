@@ -35,7 +35,7 @@
 #include <cstring>
 #include <set>
 
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/error.h"
 #include "transport/segment.h"
 

@@ -44,7 +44,7 @@
 #include <random>
 #include <sstream>
 
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/error.h"
 #include "transport/segment.h"
 

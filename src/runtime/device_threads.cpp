@@ -1,4 +1,4 @@
-#include "parallel/device_threads.h"
+#include "runtime/device_threads.h"
 
 #include <ATen/Parallel.h>
 

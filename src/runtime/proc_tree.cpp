@@ -1,4 +1,4 @@
-#include "launch/proc_tree.h"
+#include "runtime/proc_tree.h"
 
 #include <dirent.h>
 #include <signal.h>

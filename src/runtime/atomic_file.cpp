@@ -1,4 +1,4 @@
-#include "train/atomic_file.h"
+#include "runtime/atomic_file.h"
 
 #include <fcntl.h>
 #include <signal.h>

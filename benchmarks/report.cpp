@@ -98,46 +98,26 @@ bool on_path(const std::string& program) {
   return false;
 }
 
-}  // namespace
-
-void plot_png(const SuiteResult& r, const std::string& png_path) {
-  const std::string data_path = png_path + ".dat";
-  // Without gnuplot (a GPU node with no package manager, say) the script and its data stay beside
-  // the would-be PNG, named relative to that folder, to be drawn on another machine.
-  const bool drawable = on_path("gnuplot");
-  const std::string png_name =
-      drawable ? png_path : fs::path(png_path).filename().string();
-  const std::string data_name = drawable ? data_path : png_name + ".dat";
-  auto names = series_in_order(r);
-  {
-    std::ofstream d(data_path);
-    for (auto& name : names) {
-      d << "# " << name << "\n";
-      int i = 0;
-      for (auto& s : r.samples) {
-        if (s.series != name) continue;
-        Stats st = stats(s.values);
-        d << quote(s.x) << " " << (r.plot.kind == Plot::Kind::kBars ? i : s.x_value) << " "
-          << st.mean << " " << st.std << "\n";
-        ++i;
-      }
-      d << "\n\n";
+void write_plot_data(const SuiteResult& r, const std::vector<std::string>& names,
+                     const std::string& data_path) {
+  std::ofstream d(data_path);
+  for (auto& name : names) {
+    d << "# " << name << "\n";
+    int i = 0;
+    for (auto& s : r.samples) {
+      if (s.series != name) continue;
+      Stats st = stats(s.values);
+      d << quote(s.x) << " " << (r.plot.kind == Plot::Kind::kBars ? i : s.x_value) << " " << st.mean
+        << " " << st.std << "\n";
+      ++i;
     }
+    d << "\n\n";
   }
-  std::string script = fmt::format(
-      "set terminal pngcairo size 900,560 noenhanced font 'sans,10'\n"
-      "set output {}\nset title {}\nset xlabel {}\nset ylabel {}\n"
-      "set grid ytics\nset key top left\nset yrange [0:*]\n",
-      quote(png_name), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
-  if (r.plot.logx) {
-    script += "set logscale x 2\n";
-    // Byte counts read best as 4KB, 16MB...
-    if (r.plot.xlabel.find("bytes") != std::string::npos) script += "set format x \"%.0s%cB\"\n";
-  }
-  bool negative = false;
-  for (auto& smp : r.samples) negative |= stats(smp.values).mean - stats(smp.values).std < 0;
-  if (negative) script += "set yrange [*:*]\n";
-  if (r.plot.logy) script += "set logscale y\nset yrange [*:*]\n";
+}
+
+// The `plot` command's list: one plot per series, from the data file's block of its index.
+std::string series_plots(const SuiteResult& r, const std::vector<std::string>& names,
+                         const std::string& data_name) {
   std::string plots;
   const size_t k = names.size();
   for (size_t i = 0; i < k; ++i) {
@@ -155,29 +135,67 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
                            quote(names[i]));
     }
   }
-  if (r.plot.kind == Plot::Kind::kBars) {
-    script += "set style fill solid 0.6 border -1\nset boxwidth 0.8 relative\n";
-    // x tick labels from the first series' labels.
-    std::string tics;
-    int i = 0;
-    for (auto& s : r.samples) {
-      if (s.series != names.front()) continue;
-      tics += fmt::format("{}{} {}", tics.empty() ? "" : ", ", quote(s.x), i++);
-    }
-    script += "set xtics (" + tics + ")\nset xrange [-0.6:" + std::to_string(i - 0.4) + "]\n";
+  return plots;
+}
+
+// A bar chart's boxes and x tick labels.
+std::string bar_settings(const SuiteResult& r, const std::vector<std::string>& names) {
+  std::string script = "set style fill solid 0.6 border -1\nset boxwidth 0.8 relative\n";
+  // x tick labels from the first series' labels.
+  std::string tics;
+  int i = 0;
+  for (auto& s : r.samples) {
+    if (s.series != names.front()) continue;
+    tics += fmt::format("{}{} {}", tics.empty() ? "" : ", ", quote(s.x), i++);
   }
+  return script + "set xtics (" + tics + ")\nset xrange [-0.6:" + std::to_string(i - 0.4) + "]\n";
+}
+
+// Without gnuplot: the script beside the data, and a line saying how to draw it elsewhere.
+void leave_script(const std::string& script, const std::string& png_path) {
+  const std::string gp_path = fs::path(png_path).replace_extension(".gp").string();
+  std::ofstream(gp_path) << script;
+  std::fprintf(stderr,
+               "scaletrain bench: gnuplot is not installed, so %s was not drawn; its script and "
+               "data are in %s; draw it with: cd %s && gnuplot %s\n",
+               png_path.c_str(), gp_path.c_str(),
+               fs::path(png_path).parent_path().empty()
+                   ? "."
+                   : fs::path(png_path).parent_path().string().c_str(),
+               fs::path(gp_path).filename().string().c_str());
+}
+
+}  // namespace
+
+void plot_png(const SuiteResult& r, const std::string& png_path) {
+  const std::string data_path = png_path + ".dat";
+  // Without gnuplot (a GPU node with no package manager, say) the script and its data stay beside
+  // the would-be PNG, named relative to that folder, to be drawn on another machine.
+  const bool drawable = on_path("gnuplot");
+  const std::string png_name =
+      drawable ? png_path : fs::path(png_path).filename().string();
+  const std::string data_name = drawable ? data_path : png_name + ".dat";
+  auto names = series_in_order(r);
+  write_plot_data(r, names, data_path);
+  std::string script = fmt::format(
+      "set terminal pngcairo size 900,560 noenhanced font 'sans,10'\n"
+      "set output {}\nset title {}\nset xlabel {}\nset ylabel {}\n"
+      "set grid ytics\nset key top left\nset yrange [0:*]\n",
+      quote(png_name), quote(r.plot.title), quote(r.plot.xlabel), quote(r.plot.ylabel));
+  if (r.plot.logx) {
+    script += "set logscale x 2\n";
+    // Byte counts read best as 4KB, 16MB...
+    if (r.plot.xlabel.find("bytes") != std::string::npos) script += "set format x \"%.0s%cB\"\n";
+  }
+  bool negative = false;
+  for (auto& smp : r.samples) negative |= stats(smp.values).mean - stats(smp.values).std < 0;
+  if (negative) script += "set yrange [*:*]\n";
+  if (r.plot.logy) script += "set logscale y\nset yrange [*:*]\n";
+  std::string plots = series_plots(r, names, data_name);
+  if (r.plot.kind == Plot::Kind::kBars) script += bar_settings(r, names);
   script += "plot " + plots + "\n";
   if (!drawable) {
-    const std::string gp_path = fs::path(png_path).replace_extension(".gp").string();
-    std::ofstream(gp_path) << script;
-    std::fprintf(stderr,
-                 "scaletrain bench: gnuplot is not installed, so %s was not drawn; its script and "
-                 "data are in %s; draw it with: cd %s && gnuplot %s\n",
-                 png_path.c_str(), gp_path.c_str(),
-                 fs::path(png_path).parent_path().empty()
-                     ? "."
-                     : fs::path(png_path).parent_path().string().c_str(),
-                 fs::path(gp_path).filename().string().c_str());
+    leave_script(script, png_path);
     return;
   }
   FILE* gp = popen("gnuplot 2>&1", "w");

@@ -3,9 +3,9 @@
 communication).
 
   check-structure.py functions [--max-lines N] [PATH...]
-      Every function defined in PATH (files or folders; default: src/, cli/ and zoo/) spans at most N
-      lines (80), from its first line to its closing brace. Function extents come from
-      universal-ctags (`--output-format=json`, the `end` field).
+      Every function defined in PATH (files or folders; default: src/, cli/, zoo/ and benchmarks/)
+      spans at most N lines (80), from its first line to its closing brace. Function extents come
+      from universal-ctags (`--output-format=json`, the `end` field).
 
   check-structure.py c10d [PATH...]
       No c10d outside src/dist/ and include/scaletrain/dist.h: no `c10d::` name and no call on a
@@ -187,7 +187,8 @@ def main():
     zo.add_argument("paths", nargs="*")
     args = ap.parse_args()
     if args.check == "functions":
-        bad = check_functions(args.paths or [ROOT / "src", ROOT / "cli", ROOT / "zoo"], args.max_lines)
+        bad = check_functions(
+            args.paths or [ROOT / d for d in ("src", "cli", "zoo", "benchmarks")], args.max_lines)
     elif args.check == "zoo":
         bad = check_zoo(args.paths or [ROOT / "src", ROOT / "include"])
     else:

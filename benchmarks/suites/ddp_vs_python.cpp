@@ -55,6 +55,85 @@ struct Phases {
   double data = 0, forward = 0, backward = 0, step = 0;
 };
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Seconds from `t` to now; `t` becomes now.
+double lap(Clock::time_point& t) {
+  auto now = Clock::now();
+  double s = std::chrono::duration<double>(now - t).count();
+  t = now;
+  return s;
+}
+
+// Whole training steps, one at a time, over this rank's share of the sampler's epochs.
+class DdpSteps {
+ public:
+  DdpSteps(const Dataset& data, DistributedSampler& sampler, int64_t per_rank, bool channels_last,
+           Model& m, DistributedDataParallel& ddp, torch::optim::SGD& opt)
+      : data_(data),
+        sampler_(sampler),
+        per_rank_(per_rank),
+        channels_last_(channels_last),
+        m_(m),
+        ddp_(ddp),
+        opt_(opt) {}
+
+  // One step; with `ph`, adds where its time went.
+  void operator()(Phases* ph) {
+    auto t = Clock::now();
+    if (pos_ + static_cast<size_t>(per_rank_) > idx_.size()) {
+      sampler_.set_epoch(epoch_++);
+      idx_ = sampler_.indices();
+      pos_ = 0;
+    }
+    std::vector<int64_t> part(idx_.begin() + static_cast<long>(pos_),
+                              idx_.begin() + static_cast<long>(pos_) + per_rank_);
+    pos_ += static_cast<size_t>(per_rank_);
+    auto [x, y] = gather_batch(data_, part);
+    if (channels_last_) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    const double t_data = lap(t);
+    auto loss =
+        torch::nn::functional::cross_entropy(ddp_.forward([&] { return m_.forward(x); }), y);
+    const double t_forward = lap(t);
+    loss.backward();
+    const double t_backward = lap(t);
+    opt_.step();
+    ddp_.zero_grad();
+    if (ph != nullptr) {
+      ph->data += t_data;
+      ph->forward += t_forward;
+      ph->backward += t_backward;
+      ph->step += lap(t);
+    }
+  }
+
+ private:
+  const Dataset& data_;
+  DistributedSampler& sampler_;
+  const int64_t per_rank_;
+  const bool channels_last_;
+  Model& m_;
+  DistributedDataParallel& ddp_;
+  torch::optim::SGD& opt_;
+  std::vector<int64_t> idx_;
+  size_t pos_ = 0;
+  int64_t epoch_ = 0;
+};
+
+// Rank 0's phases file: ms per step of each phase, and of backward without synchronisation.
+void write_phases(const std::string& path, const Phases& synced, const Phases& local, int steps,
+                  int repeats) {
+  const double n = static_cast<double>(steps) * repeats;
+  std::ofstream out(path);
+  out << "data," << 1e3 * synced.data / n << "\nforward," << 1e3 * synced.forward / n
+      << "\nbackward," << 1e3 * synced.backward / n << "\nstep," << 1e3 * synced.step / n
+      << "\nbackward_local," << 1e3 * local.backward / steps << "\n";
+}
+
+}  // namespace
+
 int run_ddp_worker(const std::vector<std::string>& args) {
   auto kv = parse_kv(args);
   const std::string model_name = arg_or(kv, "--model", "lenet");
@@ -82,42 +161,7 @@ int run_ddp_worker(const std::vector<std::string>& args) {
                         torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(5e-4));
   DistributedSampler sampler({data.size(), d.size(), d.rank(), true, 0, false});
   const int64_t per_rank = batch / d.size();
-  std::vector<int64_t> idx;
-  size_t pos = 0;
-  int64_t epoch = 0;
-  using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point& t) {
-    auto now = Clock::now();
-    double s = std::chrono::duration<double>(now - t).count();
-    t = now;
-    return s;
-  };
-  auto step = [&](Phases* ph) {
-    auto t = Clock::now();
-    if (pos + static_cast<size_t>(per_rank) > idx.size()) {
-      sampler.set_epoch(epoch++);
-      idx = sampler.indices();
-      pos = 0;
-    }
-    std::vector<int64_t> part(idx.begin() + static_cast<long>(pos),
-                              idx.begin() + static_cast<long>(pos) + per_rank);
-    pos += static_cast<size_t>(per_rank);
-    auto [x, y] = gather_batch(data, part);
-    if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-    const double t_data = since(t);
-    auto loss = torch::nn::functional::cross_entropy(ddp.forward([&] { return m.forward(x); }), y);
-    const double t_forward = since(t);
-    loss.backward();
-    const double t_backward = since(t);
-    opt.step();
-    ddp.zero_grad();
-    if (ph != nullptr) {
-      ph->data += t_data;
-      ph->forward += t_forward;
-      ph->backward += t_backward;
-      ph->step += since(t);
-    }
-  };
+  DdpSteps step(data, sampler, per_rank, channels_last, m, ddp, opt);
   for (int i = 0; i < warmup; ++i) step(nullptr);
   std::ofstream csv;
   if (d.rank() == 0) csv.open(kv["--csv"], std::ios::app);
@@ -139,13 +183,7 @@ int run_ddp_worker(const std::vector<std::string>& args) {
       for (int i = 0; i < steps; ++i) step(&local);
     }
     d.barrier("barrier");
-    if (d.rank() == 0) {
-      const double n = static_cast<double>(steps) * repeats;
-      std::ofstream out(phases_csv);
-      out << "data," << 1e3 * synced.data / n << "\nforward," << 1e3 * synced.forward / n
-          << "\nbackward," << 1e3 * synced.backward / n << "\nstep," << 1e3 * synced.step / n
-          << "\nbackward_local," << 1e3 * local.backward / steps << "\n";
-    }
+    if (d.rank() == 0) write_phases(phases_csv, synced, local, steps, repeats);
   }
   return 0;
 }
@@ -163,30 +201,24 @@ std::map<std::string, double> read_phases(const std::string& csv) {
   return out;
 }
 
-}  // namespace
+struct ModelRun {
+  std::string name;
+  int steps;
+};
 
-SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
-  const std::string title =
-      "DDP on CPU, the same models on both sides: scaletrain vs PyTorch's Python DDP";
-  SuiteResult r = new_result(
-      "ddp-vs-python", title, "samples/s",
-      {Plot::Kind::kBars, title, "", "samples per second (global batch 256)", false, false}, o);
-  const PythonPeer peer = python_peer(o, "ddp_peer.py");
+// By key (run_rounds): samples/s of every round; where the last round's time went.
+using Runs = std::map<std::string, std::vector<double>>;
+using PhaseTable = std::map<std::string, std::map<std::string, double>>;
+
+// This machine's speed drifts by more than the differences measured: each repetition is a
+// round of every configuration, launched afresh, alternating which side goes first, so drift
+// hits both sides alike. Keys: "<side>/<model>/<n>", side "ours" (plain model, as the Python
+// peer), "opt" (the zoo's model-level optimisations on), "py", "gloo" (ours, shared memory
+// off). The last round also records where the time goes.
+void run_rounds(const SuiteOptions& o, const PythonPeer& peer, const std::vector<ModelRun>& models,
+                Runs& runs, PhaseTable& phases) {
   const std::string& python = peer.python;
   const std::string& script = peer.script;
-  struct ModelRun {
-    std::string name;
-    int steps;
-  };
-  const std::vector<ModelRun> models = {
-      {"mlp", o.quick ? 60 : 200}, {"lenet", o.quick ? 15 : 50}, {"resnet18", o.quick ? 2 : 5}};
-  // This machine's speed drifts by more than the differences measured: each repetition is a
-  // round of every configuration, launched afresh, alternating which side goes first, so drift
-  // hits both sides alike. Keys: "<side>/<model>/<n>", side "ours" (plain model, as the Python
-  // peer), "opt" (the zoo's model-level optimisations on), "py", "gloo" (ours, shared memory
-  // off). The last round also records where the time goes.
-  std::map<std::string, std::vector<double>> runs;
-  std::map<std::string, std::map<std::string, double>> phases;
   for (int round = 0; round < o.repeats; ++round) {
     const bool last = round + 1 == o.repeats;
     for (const auto& mr : models) {
@@ -218,7 +250,9 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
       }
     }
   }
-  auto mean = [&](const std::string& key) { return stats(runs[key]).mean; };
+}
+
+void add_samples(SuiteResult& r, const std::vector<ModelRun>& models, Runs& runs) {
   for (const auto& mr : models) {
     for (int n : {1, 2}) {
       const std::string label = mr.name + ", " + std::to_string(n) + (n == 1 ? " proc" : " procs");
@@ -232,8 +266,11 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
   }
   r.samples.push_back(
       {"scaletrain DDP (C++), Gloo only", "lenet, 2 procs", 0.0, runs["gloo/lenet/2"]});
+}
 
-  // The framework comparison: the same model on both sides.
+// The framework comparison: the same model on both sides.
+std::string framework_note(const std::vector<ModelRun>& models, Runs& runs) {
+  auto mean = [&](const std::string& key) { return stats(runs[key]).mean; };
   std::string t =
       "**The framework, the same model on both sides** (samples/s, mean of the rounds; targets: "
       ">= 1.5x on mlp and lenet, >= 1.0x on resnet18, 1 -> 2 scaling >= 0.9 for lenet and "
@@ -252,10 +289,14 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
            scaling + " |\n";
     }
   }
-  r.notes.push_back(t);
+  return t;
+}
 
-  // The model-level optimisations, each against the same model without them.
-  t = "**Model-level optimisations** (scaletrain against itself, the same model without them: "
+// The model-level optimisations, each against the same model without them.
+std::string optimisations_note(const std::vector<ModelRun>& models, Runs& runs) {
+  auto mean = [&](const std::string& key) { return stats(runs[key]).mean; };
+  std::string t =
+      "**Model-level optimisations** (scaletrain against itself, the same model without them: "
       "LeNet's input crop, fused relu + pool and stem-convolution gradient; ResNet-18's "
       "stem-convolution gradient). A Python user could write each of them too; they are not "
       "part of the framework ratio above.\n\n| model | processes | plain | optimised | gain |\n"
@@ -272,10 +313,13 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
        fixed(mean("ours/lenet/2") / mean("gloo/lenet/2")) +
        "x against scaletrain over Gloo alone, which is " +
        fixed(mean("gloo/lenet/2") / mean("py/lenet/2")) + "x the Python peer.";
-  r.notes.push_back(t);
+  return t;
+}
 
-  // Where the time goes, per step at 2 processes.
-  t = "**Where a step's time goes** at 2 processes (ms per step, rank 0, last round; "
+// Where the time goes, per step at 2 processes.
+std::string phases_note(const std::vector<ModelRun>& models, PhaseTable& phases) {
+  std::string t =
+      "**Where a step's time goes** at 2 processes (ms per step, rank 0, last round; "
       "communication = backward with DDP's synchronisation - backward under no_sync()):\n\n"
       "| model | side | data | forward | backward (compute) | communication | optimizer step "
       "| sum |\n|---|---|---|---|---|---|---|---|\n";
@@ -290,7 +334,27 @@ SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
            fixed(ph["data"] + ph["forward"] + ph["backward"] + ph["step"]) + " |\n";
     }
   }
-  r.notes.push_back(t);
+  return t;
+}
+
+}  // namespace
+
+SuiteResult run_ddp_vs_python(const SuiteOptions& o) {
+  const std::string title =
+      "DDP on CPU, the same models on both sides: scaletrain vs PyTorch's Python DDP";
+  SuiteResult r = new_result(
+      "ddp-vs-python", title, "samples/s",
+      {Plot::Kind::kBars, title, "", "samples per second (global batch 256)", false, false}, o);
+  const PythonPeer peer = python_peer(o, "ddp_peer.py");
+  const std::vector<ModelRun> models = {
+      {"mlp", o.quick ? 60 : 200}, {"lenet", o.quick ? 15 : 50}, {"resnet18", o.quick ? 2 : 5}};
+  Runs runs;
+  PhaseTable phases;
+  run_rounds(o, peer, models, runs, phases);
+  add_samples(r, models, runs);
+  r.notes.push_back(framework_note(models, runs));
+  r.notes.push_back(optimisations_note(models, runs));
+  r.notes.push_back(phases_note(models, phases));
   r.notes.push_back(
       "Both sides: the same model definitions (scaletrain's zoo with model_optimizations off, "
       "benchmarks/python/ddp_peer.py), channels-last on both, one thread per process "

@@ -59,6 +59,31 @@ double one_stage_step_time(int layers, const at::Tensor& x, const at::Tensor& y,
   return time_step(b, x, y, repeats, nullptr);
 }
 
+namespace {
+
+// A schedule as the suite runs it: `per_device` stages on each device, its theory's bubble by m.
+struct Sched {
+  PipelineSchedule schedule;
+  std::string name;
+  int per_device;
+  std::function<double(int)> theory;
+};
+
+// The theory's bubble of each schedule at each m it runs (GPipe's series would repeat 1F1B's).
+void add_theory_samples(SuiteResult& r, const std::vector<Sched>& scheds,
+                        const std::vector<int>& ms, int p) {
+  for (const auto& sc : scheds) {
+    if (sc.schedule == PipelineSchedule::kGPipe) continue;  // 1F1B's theory is GPipe's
+    for (int m : ms) {
+      if (m % (sc.per_device > 1 ? p : 1) != 0) continue;
+      r.samples.push_back(
+          {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
+    }
+  }
+}
+
+}  // namespace
+
 SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   const std::string title =
       "Pipeline bubble, 2 devices (cpu,cpu): measured vs each schedule's theory";
@@ -72,12 +97,6 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
   const std::vector<int> ms = {1, 2, 4, 8, 16, 32};
   std::vector<double> base_times;
   for (int m : ms) base_times.push_back(one_stage_step_time(layers, x, y, m, o.repeats));
-  struct Sched {
-    PipelineSchedule schedule;
-    std::string name;
-    int per_device;
-    std::function<double(int)> theory;
-  };
   const std::vector<Sched> scheds = {
       {PipelineSchedule::kGPipe, "GPipe", 1, [&](int m) { return bubble_fraction(p, m); }},
       {PipelineSchedule::k1F1B, "1F1B", 1, [&](int m) { return bubble_fraction(p, m); }},
@@ -119,14 +138,7 @@ SuiteResult run_pipeline_bubble(const SuiteOptions& o) {
     }
     table += row + "|\n";
   }
-  for (const auto& sc : scheds) {
-    if (sc.schedule == PipelineSchedule::kGPipe) continue;  // 1F1B's theory is GPipe's
-    for (int m : ms) {
-      if (m % (sc.per_device > 1 ? p : 1) != 0) continue;
-      r.samples.push_back(
-          {"theory, " + sc.name, std::to_string(m), static_cast<double>(m), {sc.theory(m)}});
-    }
-  }
+  add_theory_samples(r, scheds, ms, p);
   r.notes.push_back("Model: " + std::to_string(2 * layers) + " Linear+Tanh layers of width " +
                     std::to_string(width) + ", batch " + std::to_string(batch) +
                     ", MSE loss, 2 devices with a core each (interleaved: 4 stages, 2 per "

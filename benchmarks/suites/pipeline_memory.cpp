@@ -31,6 +31,56 @@
 
 namespace scaletrain::bench {
 
+namespace {
+
+struct CheckpointMode {
+  PipelineCheckpoint checkpoint;
+  const char* name;
+};
+
+std::string schedule_name(PipelineSchedule sched) {
+  return sched == PipelineSchedule::kGPipe             ? "GPipe"
+         : sched == PipelineSchedule::k1F1B            ? "1F1B"
+         : sched == PipelineSchedule::kInterleaved1F1B ? "interleaved 1F1B (v=2)"
+                                                       : "zero bubble H1";
+}
+
+// Two devices of 2 * `layers` modules each (interleaved: two stages of `layers` on each).
+PipelineOptions memory_options(PipelineSchedule sched, PipelineCheckpoint checkpoint, int m,
+                               int layers) {
+  PipelineOptions po;
+  if (sched == PipelineSchedule::kInterleaved1F1B) {
+    po.balance = {layers, layers, layers, layers};
+    po.stages_per_device = 2;
+  } else {
+    po.balance = {2 * layers, 2 * layers};
+  }
+  po.devices = {at::kCPU, at::kCPU};
+  po.chunks = m;
+  po.schedule = sched;
+  po.checkpoint = checkpoint;
+  return po;
+}
+
+// `plain` and `per_device` by schedule, each against 1F1B's.
+std::string memory_table(std::map<std::string, double>& plain,
+                         std::map<std::string, double>& per_device) {
+  std::string table =
+      "Without checkpointing, in all (both devices) and on the fullest device (the bytes its "
+      "stage thread allocated and still held at its peak), against 1F1B:\n\n| schedule | in all, "
+      "MiB | vs 1F1B | fullest device, MiB | vs 1F1B |\n|---|---|---|---|---|\n";
+  char line[400];
+  for (const auto& [series, total] : plain) {
+    std::snprintf(line, sizeof line, "| %s | %.2f | %.2f | %.2f | %.2f |\n", series.c_str(), total,
+                  total / plain["1F1B"], per_device[series],
+                  per_device[series] / per_device["1F1B"]);
+    table += line;
+  }
+  return table;
+}
+
+}  // namespace
+
 SuiteResult run_pipeline_memory(const SuiteOptions& o) {
   const std::string title = "Peak activation memory of one step: GPipe vs 1F1B, checkpointing";
   SuiteResult r =
@@ -45,34 +95,16 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
   auto mse = [](const at::Tensor& out, const at::Tensor& t) {
     return torch::nn::functional::mse_loss(out, t);
   };
-  struct Mode {
-    PipelineCheckpoint checkpoint;
-    const char* name;
-  };
-  const Mode modes[] = {{PipelineCheckpoint::kNever, "no checkpointing"},
-                        {PipelineCheckpoint::kExceptLast, "except last"},
-                        {PipelineCheckpoint::kAlways, "always"}};
+  const CheckpointMode modes[] = {{PipelineCheckpoint::kNever, "no checkpointing"},
+                                  {PipelineCheckpoint::kExceptLast, "except last"},
+                                  {PipelineCheckpoint::kAlways, "always"}};
   double gpipe_plain = 0, one_f_plain = 0;
   std::map<std::string, double> plain, per_device;  // no checkpointing: in all, fullest device
   for (auto sched : {PipelineSchedule::kGPipe, PipelineSchedule::k1F1B,
                      PipelineSchedule::kInterleaved1F1B, PipelineSchedule::kZeroBubbleH1}) {
-    const std::string series = sched == PipelineSchedule::kGPipe  ? "GPipe"
-                               : sched == PipelineSchedule::k1F1B ? "1F1B"
-                               : sched == PipelineSchedule::kInterleaved1F1B
-                                   ? "interleaved 1F1B (v=2)"
-                                   : "zero bubble H1";
+    const std::string series = schedule_name(sched);
     for (const auto& mode : modes) {
-      PipelineOptions po;
-      if (sched == PipelineSchedule::kInterleaved1F1B) {
-        po.balance = {layers, layers, layers, layers};
-        po.stages_per_device = 2;
-      } else {
-        po.balance = {2 * layers, 2 * layers};
-      }
-      po.devices = {at::kCPU, at::kCPU};
-      po.chunks = m;
-      po.schedule = sched;
-      po.checkpoint = mode.checkpoint;
+      const PipelineOptions po = memory_options(sched, mode.checkpoint, m, layers);
       Pipeline pipe(linear_tanh_stack(2 * layers, width), po);
       pipe.train_step(x, y, mse);  // allocates the gradients
       Sample s{series, mode.name, 0, {}};
@@ -118,17 +150,7 @@ SuiteResult run_pipeline_memory(const SuiteOptions& o) {
                 plain["zero bubble H1"] / one_f_plain,
                 peak_in_flight(zero_bubble_h1_schedule(p, m), 0));
   r.notes.push_back(line);
-  std::string table =
-      "Without checkpointing, in all (both devices) and on the fullest device (the bytes its "
-      "stage thread allocated and still held at its peak), against 1F1B:\n\n| schedule | in all, "
-      "MiB | vs 1F1B | fullest device, MiB | vs 1F1B |\n|---|---|---|---|---|\n";
-  for (const auto& [series, total] : plain) {
-    std::snprintf(line, sizeof line, "| %s | %.2f | %.2f | %.2f | %.2f |\n", series.c_str(), total,
-                  total / plain["1F1B"], per_device[series],
-                  per_device[series] / per_device["1F1B"]);
-    table += line;
-  }
-  r.notes.push_back(table);
+  r.notes.push_back(memory_table(plain, per_device));
   return r;
 }
 

@@ -43,6 +43,68 @@ PipelineSchedule schedule_of(const std::string& s) {
   throw UsageError("pipeline-ranks worker: unknown --schedule '" + s + "'");
 }
 
+// This rank's stages of `model`, `per_stage` modules each: stages rank, rank + p, ...
+std::vector<torch::nn::Sequential> own_stages(const torch::nn::Sequential& model, int rank, int p,
+                                              int v, int per_stage) {
+  std::vector<torch::nn::Sequential> chunks;
+  for (int k = rank; k < p * v; k += p) {
+    chunks.push_back(
+        slice(model, static_cast<size_t>(k * per_stage), static_cast<size_t>((k + 1) * per_stage)));
+  }
+  return chunks;
+}
+
+// The control's work (see run_pipeline_ranks_worker): the step's micro-batches, and for each
+// micro-batch and stage of this rank a random input and a random output gradient.
+struct ControlWork {
+  std::vector<at::Tensor> xs, ys;
+  std::vector<std::vector<at::Tensor>> ins, grads;
+};
+
+ControlWork draw_control_work(const at::Tensor& x, const at::Tensor& y, int m, size_t stages) {
+  ControlWork w;
+  w.xs = x.chunk(m);
+  w.ys = y.chunk(m);
+  // Drawn once, outside the timed region: the pipeline draws nothing.
+  w.ins.resize(static_cast<size_t>(m));
+  w.grads.resize(w.ins.size());
+  for (size_t k = 0; k < w.ins.size(); ++k) {
+    for (size_t c = 0; c < stages; ++c) {
+      w.ins[k].push_back(at::randn_like(w.xs[k]));
+      w.grads[k].push_back(at::randn_like(w.xs[k]));  // every layer keeps the width
+    }
+  }
+  return w;
+}
+
+// The control itself: each stage's forward and backward of every micro-batch, without messages.
+void compute_alone(std::vector<torch::nn::Sequential>& chunks, const ControlWork& w, bool first,
+                   bool last) {
+  for (size_t k = 0; k < w.ins.size(); ++k) {
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const bool first_stage = first && c == 0, last_stage = last && c + 1 == chunks.size();
+      // (detach: a fresh leaf on the same storage, so no gradient accumulates on it)
+      auto in = first_stage ? w.xs[k] : w.ins[k][c].detach().requires_grad_(true);
+      auto out = chunks[c]->forward(in);
+      if (last_stage) {
+        mse(out, w.ys[k]).backward();
+      } else {
+        out.backward(w.grads[k][c]);
+      }
+    }
+  }
+  for (auto& c : chunks) c->zero_grad();
+}
+
+// Seconds of `f` on every rank, from a barrier to the next.
+double seconds_between_barriers(const Dist& d, const std::function<void()>& f) {
+  d.barrier();
+  auto t0 = std::chrono::steady_clock::now();
+  f();
+  d.barrier();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 }  // namespace
 
 int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
@@ -65,11 +127,7 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
   for (int m : microbatch_counts(quick)) {
     if (m % (v > 1 ? p : 1) != 0) continue;
     auto model = linear_tanh_stack(kLayers, width);
-    std::vector<torch::nn::Sequential> chunks;  // stages rank, rank + p, ...
-    for (int k = d.rank(); k < p * v; k += p) {
-      chunks.push_back(slice(model, static_cast<size_t>(k * per_stage),
-                             static_cast<size_t>((k + 1) * per_stage)));
-    }
+    auto chunks = own_stages(model, d.rank(), p, v, per_stage);
     DistPipelineOptions o;
     for (int r = 0; r < p; ++r) o.stage_ranks.push_back(r);
     o.chunks = m;
@@ -86,31 +144,8 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
     // past the first takes a random input of the activation's shape and needs its gradient; a
     // stage before the last, a random output gradient). Timed beside each step, it is what this
     // machine gives two busy processes at once, drift included.
-    const auto xs = x.chunk(m), ys = y.chunk(m);
-    // Drawn once, outside the timed region: the pipeline draws nothing.
-    std::vector<std::vector<at::Tensor>> ins(static_cast<size_t>(m)), grads(ins.size());
-    for (size_t k = 0; k < ins.size(); ++k) {
-      for (size_t c = 0; c < chunks.size(); ++c) {
-        ins[k].push_back(at::randn_like(xs[k]));
-        grads[k].push_back(at::randn_like(xs[k]));  // every layer keeps the width
-      }
-    }
-    auto alone = [&] {
-      for (size_t k = 0; k < ins.size(); ++k) {
-        for (size_t c = 0; c < chunks.size(); ++c) {
-          const bool first_stage = first && c == 0, last_stage = last && c + 1 == chunks.size();
-          // (detach: a fresh leaf on the same storage, so no gradient accumulates on it)
-          auto in = first_stage ? xs[k] : ins[k][c].detach().requires_grad_(true);
-          auto out = chunks[c]->forward(in);
-          if (last_stage) {
-            mse(out, ys[k]).backward();
-          } else {
-            out.backward(grads[k][c]);
-          }
-        }
-      }
-      for (auto& c : chunks) c->zero_grad();
-    };
+    const ControlWork work = draw_control_work(x, y, m, chunks.size());
+    auto alone = [&] { compute_alone(chunks, work, first, last); };
     // The baseline, timed beside each step as well: the whole model as one stage in one process
     // (rank 0, while rank 1 waits at the barrier), with the step's micro-batches. Beside the
     // step, the machine's drift during the run drops out of the figures against the theory.
@@ -127,18 +162,13 @@ int run_pipeline_ranks_worker(const std::vector<std::string>& args) {
       whole->train_step(x, y, mse);
       for (auto s : whole->stages()) s->zero_grad();
     };
-    auto timed = [&](const std::function<void()>& f) {
-      d.barrier();
-      auto t0 = std::chrono::steady_clock::now();
-      f();
-      d.barrier();
-      return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    };
     step();  // warm-up
     alone();
     baseline();
     for (int r = 0; r < repeats; ++r) {
-      const double s = timed(step), control = timed(alone), one = timed(baseline);
+      const double s = seconds_between_barriers(d, step);
+      const double control = seconds_between_barriers(d, alone);
+      const double one = seconds_between_barriers(d, baseline);
       if (d.rank() == 0) csv << m << "," << s << "," << control << "," << one << "\n";
     }
   }

@@ -186,6 +186,97 @@ struct Lighthouse {
   }
 };
 
+// The shell commands of the suite's jobs in `dir`: `common` is the training every job runs.
+struct JobCommands {
+  std::string exe, dir, common;
+
+  // Regression (StalledHealUsedUpTheHealthyReplicasRestarts): once, a replica restarted after its
+  // kill stalled ~50 s in the heal's Gloo connect while the lighthouse waited for it, and the
+  // healthy replica, given no quorum within --timeout 10 s, used up 3 restarts and failed the
+  // suite. 10 restarts outlast such a stall (the stall itself is issue 25's to remove).
+  std::vector<std::string> replicas(const std::string& tag, const Lighthouse& lighthouse) const {
+    std::vector<std::string> cmds;
+    for (int id : {0, 1}) {
+      cmds.push_back("OMP_NUM_THREADS=1 SCALETRAIN_SECRET_FILE=" + lighthouse.secret_file + " " +
+                     exe + " run --nproc-per-node 1 --master-port 0 " + "--max-restarts 10 -- " +
+                     exe + common + " --batch-size 64 --fault-tolerant " +
+                     "--lighthouse 127.0.0.1:" + std::to_string(lighthouse.port) +
+                     " --replica-id " + std::to_string(id) + " --out " + dir + "/" + tag + " > " +
+                     dir + "/" + tag + "-" + std::to_string(id) + ".log 2>&1");
+    }
+    return cmds;
+  }
+
+  std::vector<std::string> ddp(const std::string& tag) const {
+    return std::vector<std::string>{"OMP_NUM_THREADS=1 " + exe +
+                                    " run --nproc-per-node 2 --master-port 0 --max-restarts 1 -- " +
+                                    exe + common + " --batch-size 128 --out " + dir + "/" + tag +
+                                    " > " + dir + "/" + tag + ".log 2>&1"};
+  }
+};
+
+// What one kill costs, per repetition, and the calm jobs' times summed.
+struct KillCosts {
+  Sample ft_lost{"cpu", "replicas: time lost", 0, {}};
+  Sample ft_quorum{"cpu", "replicas: to the next quorum", 1, {}};
+  Sample ft_back{"cpu", "replicas: to the healed return", 2, {}};
+  Sample ddp_lost{"cpu", "ddp restart: time lost", 3, {}};
+  double ft_calm_total = 0, ddp_calm_total = 0;
+};
+
+// Each repetition: the replicas calm and with one kill, then ddp calm and with one kill.
+KillCosts measure_one_kill(const JobCommands& jobs, int64_t interval, int repeats) {
+  const std::string& dir = jobs.dir;
+  KillCosts k;
+  const int64_t kill_at = interval + interval / 2;
+  for (int rep = 0; rep < std::max(1, std::min(repeats, 3)); ++rep) {
+    const std::string n = std::to_string(rep);
+    Job ft_calm;
+    {
+      Lighthouse calm(dir + "/secret");  // one a job: a lighthouse remembers its job's end
+      ft_calm = run_job(jobs.replicas("ft-calm" + n, calm), 0, "", "", 0);
+    }
+    Lighthouse lighthouse(dir + "/secret");
+    const auto t0 = Clock::now();
+    const Job ft_kill = run_job(jobs.replicas("ft-kill" + n, lighthouse), kill_at,
+                                dir + "/ft-kill" + n + "/replica-1/metrics.jsonl",
+                                "--replica-id 1 --out " + dir + "/ft-kill" + n, 0);
+    if (ft_kill.killed_at < 0) throw Error("resilience: the replicas' job ended before its kill");
+    const auto death = t0 + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(ft_kill.killed_at));
+    k.ft_lost.values.push_back(ft_kill.seconds - ft_calm.seconds);
+    k.ft_quorum.values.push_back(lighthouse.first_after(death, "quorum"));
+    k.ft_back.values.push_back(lighthouse.first_after(death, "1 (at step"));
+    const Job ddp_calm = run_job(jobs.ddp("ddp-calm" + n), 0, "", "", 0);
+    const Job ddp_kill =
+        run_job(jobs.ddp("ddp-kill" + n), kill_at, dir + "/ddp-kill" + n + "/metrics.jsonl",
+                "--out " + dir + "/ddp-kill" + n, 1);
+    if (ddp_kill.killed_at < 0) throw Error("resilience: the ddp job ended before its kill");
+    k.ddp_lost.values.push_back(ddp_kill.seconds - ddp_calm.seconds);
+    k.ft_calm_total += ft_calm.seconds;
+    k.ddp_calm_total += ddp_calm.seconds;
+  }
+  return k;
+}
+
+// The replicas' job and then ddp's under the kill loop, each allowed 99 restarts.
+std::pair<Job, Job> run_kill_loops(const JobCommands& jobs, double every, double kill_for) {
+  const std::string& dir = jobs.dir;
+  Job ft_loop, ddp_loop;
+  {
+    Lighthouse loop_lighthouse(dir + "/secret");
+    auto cmds = jobs.replicas("ft-loop", loop_lighthouse);
+    for (auto& c : cmds) c.replace(c.find("--max-restarts 10"), 17, "--max-restarts 99");
+    ft_loop = run_kill_loop(cmds, every, "--out " + dir + "/ft-loop", kill_for);
+  }
+  {
+    auto cmds = jobs.ddp("ddp-loop");
+    cmds[0].replace(cmds[0].find("--max-restarts 1"), 16, "--max-restarts 99");
+    ddp_loop = run_kill_loop(cmds, every, "--out " + dir + "/ddp-loop", kill_for);
+  }
+  return {ft_loop, ddp_loop};
+}
+
 }  // namespace
 
 SuiteResult run_resilience(const SuiteOptions& o) {
@@ -207,78 +298,14 @@ SuiteResult run_resilience(const SuiteOptions& o) {
                     std::to_string(interval) +
                     " steps (a quarter of the job), synchronous; the kill comes " +
                     std::to_string(interval / 2) + " steps after the first one.");
-  // Regression (StalledHealUsedUpTheHealthyReplicasRestarts): once, a replica restarted after its
-  // kill stalled ~50 s in the heal's Gloo connect while the lighthouse waited for it, and the
-  // healthy replica, given no quorum within --timeout 10 s, used up 3 restarts and failed the
-  // suite. 10 restarts outlast such a stall (the stall itself is issue 25's to remove).
-  auto replicas = [&](const std::string& tag, const Lighthouse& lighthouse) {
-    std::vector<std::string> cmds;
-    for (int id : {0, 1}) {
-      cmds.push_back("OMP_NUM_THREADS=1 SCALETRAIN_SECRET_FILE=" + lighthouse.secret_file + " " +
-                     exe + " run --nproc-per-node 1 --master-port 0 " + "--max-restarts 10 -- " +
-                     exe + common + " --batch-size 64 --fault-tolerant " +
-                     "--lighthouse 127.0.0.1:" + std::to_string(lighthouse.port) +
-                     " --replica-id " + std::to_string(id) + " --out " + dir + "/" + tag + " > " +
-                     dir + "/" + tag + "-" + std::to_string(id) + ".log 2>&1");
-    }
-    return cmds;
-  };
-  auto ddp = [&](const std::string& tag) {
-    return std::vector<std::string>{"OMP_NUM_THREADS=1 " + exe +
-                                    " run --nproc-per-node 2 --master-port 0 --max-restarts 1 -- " +
-                                    exe + common + " --batch-size 128 --out " + dir + "/" + tag +
-                                    " > " + dir + "/" + tag + ".log 2>&1"};
-  };
-  Sample ft_lost{"cpu", "replicas: time lost", 0, {}};
-  Sample ft_quorum{"cpu", "replicas: to the next quorum", 1, {}};
-  Sample ft_back{"cpu", "replicas: to the healed return", 2, {}};
-  Sample ddp_lost{"cpu", "ddp restart: time lost", 3, {}};
-  double ft_calm_total = 0, ddp_calm_total = 0;
-  const int64_t kill_at = interval + interval / 2;
-  for (int rep = 0; rep < std::max(1, std::min(o.repeats, 3)); ++rep) {
-    const std::string n = std::to_string(rep);
-    Job ft_calm;
-    {
-      Lighthouse calm(dir + "/secret");  // one a job: a lighthouse remembers its job's end
-      ft_calm = run_job(replicas("ft-calm" + n, calm), 0, "", "", 0);
-    }
-    Lighthouse lighthouse(dir + "/secret");
-    const auto t0 = Clock::now();
-    const Job ft_kill = run_job(replicas("ft-kill" + n, lighthouse), kill_at,
-                                dir + "/ft-kill" + n + "/replica-1/metrics.jsonl",
-                                "--replica-id 1 --out " + dir + "/ft-kill" + n, 0);
-    if (ft_kill.killed_at < 0) throw Error("resilience: the replicas' job ended before its kill");
-    const auto death = t0 + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(ft_kill.killed_at));
-    ft_lost.values.push_back(ft_kill.seconds - ft_calm.seconds);
-    ft_quorum.values.push_back(lighthouse.first_after(death, "quorum"));
-    ft_back.values.push_back(lighthouse.first_after(death, "1 (at step"));
-    const Job ddp_calm = run_job(ddp("ddp-calm" + n), 0, "", "", 0);
-    const Job ddp_kill =
-        run_job(ddp("ddp-kill" + n), kill_at, dir + "/ddp-kill" + n + "/metrics.jsonl",
-                "--out " + dir + "/ddp-kill" + n, 1);
-    if (ddp_kill.killed_at < 0) throw Error("resilience: the ddp job ended before its kill");
-    ddp_lost.values.push_back(ddp_kill.seconds - ddp_calm.seconds);
-    ft_calm_total += ft_calm.seconds;
-    ddp_calm_total += ddp_calm.seconds;
-  }
+  const JobCommands jobs{exe, dir, common};
+  const KillCosts k = measure_one_kill(jobs, interval, o.repeats);
   // Goodput under a kill loop: the job's samples over its whole time.
   const double every = o.quick ? 2.0 : 4.0;
   // quick: kills for the first 20 s only (a smoke run); full: until the job ends.
   const double kill_for = o.quick ? 20.0 : std::numeric_limits<double>::infinity();
   const double samples = 2.0 * static_cast<double>(images);
-  Job ft_loop, ddp_loop;
-  {
-    Lighthouse loop_lighthouse(dir + "/secret");
-    auto cmds = replicas("ft-loop", loop_lighthouse);
-    for (auto& c : cmds) c.replace(c.find("--max-restarts 10"), 17, "--max-restarts 99");
-    ft_loop = run_kill_loop(cmds, every, "--out " + dir + "/ft-loop", kill_for);
-  }
-  {
-    auto cmds = ddp("ddp-loop");
-    cmds[0].replace(cmds[0].find("--max-restarts 1"), 16, "--max-restarts 99");
-    ddp_loop = run_kill_loop(cmds, every, "--out " + dir + "/ddp-loop", kill_for);
-  }
+  const auto [ft_loop, ddp_loop] = run_kill_loops(jobs, every, kill_for);
   auto rate = [&](double seconds) { return std::to_string(static_cast<int>(samples / seconds)); };
   r.notes.push_back("Goodput under a kill loop (a random worker SIGKILLed every " +
                     std::to_string(static_cast<int>(every)) + " s until the job ends" +
@@ -286,16 +313,16 @@ SuiteResult run_resilience(const SuiteOptions& o) {
                     "), samples/s "
                     "over the whole time: replicas " +
                     rate(ft_loop.seconds) + " (" + std::to_string(ft_loop.kills) + " kills; calm " +
-                    rate(ft_calm_total / static_cast<double>(ft_lost.values.size())) +
+                    rate(k.ft_calm_total / static_cast<double>(k.ft_lost.values.size())) +
                     "), ddp "
                     "with --max-restarts " +
                     rate(ddp_loop.seconds) + " (" + std::to_string(ddp_loop.kills) +
                     " kills; calm " +
-                    rate(ddp_calm_total / static_cast<double>(ddp_lost.values.size())) + ").");
-  r.samples = {ft_quorum, ft_back, ft_lost, ddp_lost};
-  const double reps = static_cast<double>(ft_lost.values.size());
-  r.notes.push_back("Calm jobs: replicas " + std::to_string(ft_calm_total / reps) + " s, ddp " +
-                    std::to_string(ddp_calm_total / reps) +
+                    rate(k.ddp_calm_total / static_cast<double>(k.ddp_lost.values.size())) + ").");
+  r.samples = {k.ft_quorum, k.ft_back, k.ft_lost, k.ddp_lost};
+  const double reps = static_cast<double>(k.ft_lost.values.size());
+  r.notes.push_back("Calm jobs: replicas " + std::to_string(k.ft_calm_total / reps) + " s, ddp " +
+                    std::to_string(k.ddp_calm_total / reps) +
                     " s (the replicas ask the lighthouse for a quorum every step).");
   r.notes.push_back(
       "Time lost = killed job's time - calm job's. The replicas' survivor goes on at half the "

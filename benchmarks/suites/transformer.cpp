@@ -143,14 +143,52 @@ class TwoStages {
   std::unique_ptr<DistPipeline> pipe_;
 };
 
-int run_transformer_worker(const std::vector<std::string>& args) {
-  auto kv = parse_kv(args);
-  const std::string mode = arg_or(kv, "--mode", "ddp");
+namespace {
+
+void check_mode(const std::string& mode) {
   if (mode != "ddp" && mode != "tp" && mode != "tp-sp" && mode != "fsdp" && mode != "fsdp-tp" &&
       mode != "pp-tp") {
     throw UsageError("transformer worker: --mode " + mode +
                      "; use ddp, tp, tp-sp, fsdp, fsdp-tp or pp-tp");
   }
+}
+
+// The model as the mode trains it: at most one wrapper (tp and tp-sp parallelize the model
+// itself and keep none).
+struct Wrappers {
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<ShardedDataParallel> fsdp;
+  std::unique_ptr<TwoStages> pipe;
+};
+
+Wrappers wrap_for_mode(const std::string& mode, GPT& m, Dist& d, int dp, int chunks) {
+  Wrappers w;
+  ShardOptions so;
+  so.stage = 3;
+  so.unit_cap_mb = 0.001;  // a unit per block, as FSDP2's fully_shard per block
+  if (mode == "ddp") {
+    w.ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);
+  } else if (mode == "fsdp") {
+    w.fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), d, so);
+  } else if (mode == "fsdp-tp") {
+    const DeviceMesh mesh({{"dp", dp}, {"tp", 2}}, d.size());
+    auto groups = mesh_groups(d, mesh, "transformer");
+    m->parallelize(groups.at("tp"), false);
+    w.fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so);
+  } else if (mode == "pp-tp") {
+    w.pipe = std::make_unique<TwoStages>(m, d, chunks);
+  } else {
+    m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
+  }
+  return w;
+}
+
+}  // namespace
+
+int run_transformer_worker(const std::vector<std::string>& args) {
+  auto kv = parse_kv(args);
+  const std::string mode = arg_or(kv, "--mode", "ddp");
+  check_mode(mode);
   const RunSize s = size_of(kv);
   Dist d = init_process_group();
   at::set_num_threads(1);
@@ -163,26 +201,10 @@ int run_transformer_worker(const std::vector<std::string>& args) {
                      " sequences does not split over " + std::to_string(dp) +
                      " replicas; use a multiple of them");
   }
-  std::unique_ptr<DistributedDataParallel> ddp;
-  std::unique_ptr<ShardedDataParallel> fsdp;
-  std::unique_ptr<TwoStages> pipe;
-  ShardOptions so;
-  so.stage = 3;
-  so.unit_cap_mb = 0.001;  // a unit per block, as FSDP2's fully_shard per block
-  if (mode == "ddp") {
-    ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);
-  } else if (mode == "fsdp") {
-    fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), d, so);
-  } else if (mode == "fsdp-tp") {
-    const DeviceMesh mesh({{"dp", dp}, {"tp", 2}}, d.size());
-    auto groups = mesh_groups(d, mesh, "transformer");
-    m->parallelize(groups.at("tp"), false);
-    fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so);
-  } else if (mode == "pp-tp") {
-    pipe = std::make_unique<TwoStages>(m, d, s.chunks);
-  } else {
-    m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
-  }
+  Wrappers wrapped = wrap_for_mode(mode, m, d, dp, s.chunks);
+  auto& ddp = wrapped.ddp;
+  auto& fsdp = wrapped.fsdp;
+  auto& pipe = wrapped.pipe;
   // Sequence parallelism's partial sums once per step, as train() does (defer_partial_sums()).
   const std::vector<at::Tensor> partial =
       mode == "tp-sp" ? replicated_parameters(*m) : std::vector<at::Tensor>{};

@@ -12,6 +12,11 @@ communication).
       Dist's backend or store (`.backend->`, `.store->`) in PATH (default: src/, cli/, zoo/,
       include/ and benchmarks/; the tests may reach behind Dist to test it). Comments and string literals do not count. Callers use Dist's methods.
 
+  check-structure.py rooms [SRC]
+      No two rooms (the folders of SRC, default src/) include each other, directly or around a
+      longer circle: an internal include "room/x.h" belongs to its folder, a public
+      "scaletrain/x.h" to the folder of the x.cpp that implements it.
+
   check-structure.py zoo [PATH...]
       The library does not depend on the zoo: no file in PATH (default: src/ and include/)
       includes a zoo header (zoo_models.h, scaletrain_zoo.h, gpt.h, kernels/) or calls
@@ -175,6 +180,69 @@ def check_zoo(paths):
     return bad
 
 
+INCLUDE = re.compile(r'#\s*include\s*"([a-z_]+)/([a-z_0-9]+)\.h"')
+
+
+def room_includes(src):
+    """Each room of the library (a folder under `src`) and the rooms its files include, with
+    the first include line that does it. A public header (include/scaletrain/x.h) is the room of
+    the x.cpp that implements it (of the including room where it has one too); one with no
+    x.cpp, or several elsewhere, belongs to no room."""
+    rooms = sorted(p for p in src.iterdir() if p.is_dir())
+    homes = {}
+    for room in rooms:
+        for f in sorted(room.glob("*.cpp")):
+            homes.setdefault(f.stem, set()).add(room.name)
+
+    def home(name, room):  # several rooms with an x.cpp: the including one, else none
+        where = homes.get(name, set())
+        return room if room in where else (next(iter(where)) if len(where) == 1 else None)
+
+    uses = {}
+    for room in rooms:
+        for f in sorted(room.iterdir()):
+            if f.suffix not in SOURCE_SUFFIXES:
+                continue
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+                m = INCLUDE.match(line.strip())
+                if not m:
+                    continue
+                folder, name = m.groups()
+                target = home(name, room.name) if folder == "scaletrain" else folder
+                if target and target != room.name and (src / target).is_dir():
+                    uses.setdefault(room.name, {}).setdefault(target, f"{shown(f)}:{n}")
+    return uses
+
+
+def check_rooms(src):
+    uses = room_includes(src)
+    bad = 0
+    # A circle through two or more rooms: a room that reaches itself again.
+    def reaches(start, goal, seen):
+        for nxt in uses.get(start, {}):
+            if nxt == goal:
+                return [start, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                path = reaches(nxt, goal, seen)
+                if path:
+                    return [start] + path
+        return None
+    reported = set()
+    for room in sorted(uses):
+        path = reaches(room, room, set())
+        if not path or frozenset(path) in reported:
+            continue
+        reported.add(frozenset(path))
+        steps = [f"{a} -> {b} ({uses[a][b]})" for a, b in zip(path, path[1:])]
+        print("rooms that include each other in a circle: " + "; ".join(steps) + "\n"
+              "    move what both need into a room below both (runtime/, plan/), or the code "
+              "into the room whose header declares it")
+        bad += 1
+    print(f"check-structure: {len(uses)} rooms, {bad} circle(s)", file=sys.stderr)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="check", required=True)
@@ -185,10 +253,14 @@ def main():
     cd.add_argument("paths", nargs="*")
     zo = sub.add_parser("zoo", help="the library depending on the zoo")
     zo.add_argument("paths", nargs="*")
+    ro = sub.add_parser("rooms", help="rooms of src/ that include each other in a circle")
+    ro.add_argument("src", nargs="?")
     args = ap.parse_args()
     if args.check == "functions":
         bad = check_functions(
             args.paths or [ROOT / d for d in ("src", "cli", "zoo", "benchmarks")], args.max_lines)
+    elif args.check == "rooms":
+        bad = check_rooms(Path(args.src) if args.src else ROOT / "src")
     elif args.check == "zoo":
         bad = check_zoo(args.paths or [ROOT / "src", ROOT / "include"])
     else:

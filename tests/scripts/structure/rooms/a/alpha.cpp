@@ -1,0 +1,2 @@
+// A room of a made-up library that includes b.
+#include "b/beta.h"

@@ -1,0 +1,2 @@
+// b includes c.
+#include "c/gamma.h"

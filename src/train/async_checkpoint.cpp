@@ -19,6 +19,7 @@
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <thread>
@@ -93,6 +94,28 @@ struct AsyncCheckpointer::Impl {
   void join() {
     if (writer.joinable()) writer.join();
   }
+
+  // Records the snapshot's timing and starts the write: `write` returns the path written; what
+  // it throws is kept for the next wait(), and the write's time is set either way.
+  void start(const Timing& taken, std::function<std::string()> write) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      timing = taken;
+    }
+    writer = std::thread([this, write = std::move(write)] {
+      const auto start = Clock::now();
+      try {
+        auto path = write();
+        std::lock_guard<std::mutex> lock(mu);
+        last_written = std::move(path);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      timing.write = std::max(seconds_since(start), 1e-9);
+    });
+  }
 };
 
 AsyncCheckpointer::AsyncCheckpointer(AsyncCheckpointOptions options)
@@ -156,28 +179,14 @@ std::string AsyncCheckpointer::save(const std::string& dir, const TrainingState&
     payload = std::make_shared<std::string>(checkpoint_payload(*s, *params, *buffers, opt));
   }
   timing.snapshot = seconds_since(t0);
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->timing = timing;
-  }
-  impl_->writer = std::thread([this, dir, keep, s, params, buffers, stand_in, payload] {
-    const auto start = Clock::now();
-    try {
-      if (impl_->options.before_serialize) {
-        impl_->options.before_serialize(checkpoint_path(dir, s->global_step));
-      }
-      const std::string body =
-          payload ? *payload : checkpoint_payload(*s, *params, *buffers, stand_in.get());
-      auto path = commit_checkpoint(dir, s->global_step, s->run_id, body, keep,
-                                    impl_->options.before_rename);
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->last_written = std::move(path);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->error = std::current_exception();
+  impl_->start(timing, [this, dir, keep, s, params, buffers, stand_in, payload] {
+    if (impl_->options.before_serialize) {
+      impl_->options.before_serialize(checkpoint_path(dir, s->global_step));
     }
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->timing.write = std::max(seconds_since(start), 1e-9);
+    const std::string body =
+        payload ? *payload : checkpoint_payload(*s, *params, *buffers, stand_in.get());
+    return commit_checkpoint(dir, s->global_step, s->run_id, body, keep,
+                             impl_->options.before_rename);
   });
   return checkpoint_path(dir, state.global_step);
 }
@@ -188,32 +197,18 @@ std::string AsyncCheckpointer::save(const std::string& dir, const TrainingState&
 std::string AsyncCheckpointer::save_folder(const std::string& dir, const TrainingState& state,
                                            const torch::nn::Module& model,
                                            const torch::optim::Optimizer* opt, int keep,
-                                           Timing timing, std::chrono::steady_clock::time_point t0) {
+                                           Timing timing,
+                                           std::chrono::steady_clock::time_point t0) {
   auto snapshot = std::make_shared<DcpState>(checkpoint_dcp_state(state, model, opt));
   for (auto& box : snapshot->tensors) box.tensor = copy_to_cpu(box.tensor);
   timing.snapshot = seconds_since(t0);
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->timing = timing;
-  }
   const int64_t step = state.global_step;
   const std::string run_id = state.run_id;
-  impl_->writer = std::thread([this, dir, keep, snapshot, step, run_id] {
-    const auto start = Clock::now();
-    try {
-      if (impl_->options.before_serialize) {
-        impl_->options.before_serialize(dcp_checkpoint_path(dir, step));
-      }
-      auto path =
-          commit_dcp_checkpoint(dir, step, run_id, *snapshot, keep, impl_->options.before_rename);
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->last_written = std::move(path);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->error = std::current_exception();
+  impl_->start(timing, [this, dir, keep, snapshot, step, run_id] {
+    if (impl_->options.before_serialize) {
+      impl_->options.before_serialize(dcp_checkpoint_path(dir, step));
     }
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->timing.write = std::max(seconds_since(start), 1e-9);
+    return commit_dcp_checkpoint(dir, step, run_id, *snapshot, keep, impl_->options.before_rename);
   });
   return dcp_checkpoint_path(dir, step);
 }

@@ -86,7 +86,8 @@ c10::intrusive_ptr<AuthStore> lighthouse_client(const std::string& host, int por
   } catch (const c10::Error& e) {
     throw Error(std::string(e.what_without_backtrace()) +
                 ": start it first (scaletrain lighthouse --port " + std::to_string(port) +
-                ") and give its address to every replica (--lighthouse HOST:PORT)");
+                ") and give its address to every replica (ReplicaGroupOptions::lighthouse "
+                "HOST:PORT)");
   }
 }
 
@@ -321,13 +322,12 @@ void ReplicaGroup::refused(const std::string& answer) const {
   if (answer.rfind("refused-duplicate ", 0) == 0) {
     throw UsageError(me + ": another live process already trains as " + me + " (" +
                      answer.substr(18) +
-                     "): give each replica its own --replica-id "
-                     "(ReplicaGroupOptions::replica_id)");
+                     "): give each replica its own ReplicaGroupOptions::replica_id");
   }
   if (answer.rfind("refused-step ", 0) == 0) {
     throw Error(me + ": the lighthouse refused its step: the job is at step " + answer.substr(13) +
-                ", and a replica is never ahead of it (is this replica's --out another job's "
-                "folder?)");
+                ", and a replica is never ahead of it (is this replica's "
+                "TrainerOptions::out_dir another job's folder?)");
   }
   throw UsageError(me + ": its settings differ from the job's (" +
                    differences(answer.substr(8), impl_->fingerprint) +

@@ -430,7 +430,7 @@ void validate(const TrainerOptions& o, int world) {
 void require_free_output_folder(const TrainerOptions& o) {
   if (auto holder = FolderLock::holder(o.out_dir)) {  // Note [Folder owner]
     throw UsageError("the output folder '" + o.out_dir + "' is in use by a live run (" + *holder +
-                     "): wait for it to end, stop it, or choose another --out");
+                     "): wait for it to end, stop it, or choose another TrainerOptions::out_dir");
   }
 }
 

@@ -172,8 +172,7 @@ void plot_png(const SuiteResult& r, const std::string& png_path) {
   // Without gnuplot (a GPU node with no package manager, say) the script and its data stay beside
   // the would-be PNG, named relative to that folder, to be drawn on another machine.
   const bool drawable = on_path("gnuplot");
-  const std::string png_name =
-      drawable ? png_path : fs::path(png_path).filename().string();
+  const std::string png_name = drawable ? png_path : fs::path(png_path).filename().string();
   const std::string data_name = drawable ? data_path : png_name + ".dat";
   auto names = series_in_order(r);
   write_plot_data(r, names, data_path);

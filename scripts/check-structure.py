@@ -187,7 +187,7 @@ def room_includes(src):
     """Each room of the library (a folder under `src`) and the rooms its files include, with
     the first include line that does it. A public header (include/scaletrain/x.h) is the room of
     the x.cpp that implements it (of the including room where it has one too); one with no
-    x.cpp, or several elsewhere, belongs to no room."""
+    x.cpp, or several elsewhere, belongs to no room; its own includes are that room's."""
     rooms = sorted(p for p in src.iterdir() if p.is_dir())
     homes = {}
     for room in rooms:
@@ -199,8 +199,11 @@ def room_includes(src):
         return room if room in where else (next(iter(where)) if len(where) == 1 else None)
 
     uses = {}
+    public = src.parent / "include" / "scaletrain"
     for room in rooms:
-        for f in sorted(room.iterdir()):
+        # A public header's own includes count for the room that implements it.
+        mine = [h for h in sorted(public.glob("*.h")) if public.is_dir() and home(h.stem, room.name) == room.name]
+        for f in sorted(room.iterdir()) + mine:
             if f.suffix not in SOURCE_SUFFIXES:
                 continue
             for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):

@@ -185,7 +185,8 @@ TEST(CheckpointFolder, TheBackgroundWriterSavesTheStateSaveWasCalledWith) {
   const auto& st = static_cast<const torch::optim::AdamParamState&>(
       *back_opt.state().at(back->weight.unsafeGetTensorImpl()));
   EXPECT_EQ(st.step(), 1);
-  EXPECT_EQ(read_distributed_checkpoint_contents(path).tensors.count("optim.state.weight.step"), 1u);
+  EXPECT_EQ(read_distributed_checkpoint_contents(path).tensors.count("optim.state.weight.step"),
+            1u);
 }
 
 }  // namespace

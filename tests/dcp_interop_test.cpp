@@ -297,8 +297,8 @@ TEST(DcpInterop, PythonReadsATrainersCheckpointFolder) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const fs::path folder = tmp.path / "ckpt-4";  // 256 samples, 64 a step
   ASSERT_TRUE(fs::is_directory(folder)) << r.output;
-  const std::string out = interop("trainer " + folder.string() + " " +
-                                  (tmp.path / "model.pt").string());
+  const std::string out =
+      interop("trainer " + folder.string() + " " + (tmp.path / "model.pt").string());
   EXPECT_TRUE(std::regex_search(out, std::regex("model: [0-9]+ tensors equal to model.pt; "
                                                 "optimizer state of [0-9]+ parameters \\(exp_avg, "
                                                 "exp_avg_sq, step\\), lr 0.002; global_step 4")))

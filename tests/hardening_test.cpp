@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "runtime/atomic_file.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
@@ -29,7 +30,6 @@
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
-#include "runtime/atomic_file.h"
 #include "train/run_folder.h"
 #include "zoo_models.h"
 

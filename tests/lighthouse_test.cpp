@@ -250,7 +250,8 @@ TEST(FaultTolerantReplicas, ASecondLiveProcessWithTheSameReplicaIdIsRefusedByNam
   EXPECT_NE(errors_second[0].find("replica 0: another live process already trains as replica 0 ("),
             std::string::npos)
       << errors_second[0];
-  EXPECT_NE(errors_second[0].find("give each replica its own ReplicaGroupOptions::replica_id"), std::string::npos)
+  EXPECT_NE(errors_second[0].find("give each replica its own ReplicaGroupOptions::replica_id"),
+            std::string::npos)
       << errors_second[0];
   EXPECT_LT(seconds, 15.0) << "twice the heartbeat timeout, not the quorum's";
 }

@@ -185,11 +185,11 @@ TEST(TrainerOptions, StrategyWordsStandForParallelDims) {
     return p;
   };
   const std::vector<Row> table{
-      {"ddp", 1, 2, 4, d(4, 1, 0, 1, 1)},      {"ddp", 2, 2, 8, d(4, 1, 0, 1, 2)},
-      {"zero1", 1, 2, 4, d(1, 4, 1, 1, 1)},    {"zero2", 2, 2, 4, d(1, 2, 2, 1, 2)},
-      {"fsdp", 2, 2, 8, d(1, 4, 3, 1, 2)},     {"grid", 1, 2, 4, d(2, 1, 0, 2, 1)},
-      {"grid", 2, 2, 8, d(2, 1, 0, 2, 2)},     {"grid", 1, 3, 3, d(1, 1, 0, 3, 1)},
-      {"dp", 1, 2, 1, d(1, 1, 0, 1, 1)},       {"pipeline", 1, 2, 1, d(1, 1, 0, 1, 1)},
+      {"ddp", 1, 2, 4, d(4, 1, 0, 1, 1)},   {"ddp", 2, 2, 8, d(4, 1, 0, 1, 2)},
+      {"zero1", 1, 2, 4, d(1, 4, 1, 1, 1)}, {"zero2", 2, 2, 4, d(1, 2, 2, 1, 2)},
+      {"fsdp", 2, 2, 8, d(1, 4, 3, 1, 2)},  {"grid", 1, 2, 4, d(2, 1, 0, 2, 1)},
+      {"grid", 2, 2, 8, d(2, 1, 0, 2, 2)},  {"grid", 1, 3, 3, d(1, 1, 0, 3, 1)},
+      {"dp", 1, 2, 1, d(1, 1, 0, 1, 1)},    {"pipeline", 1, 2, 1, d(1, 1, 0, 1, 1)},
   };
   for (const auto& row : table) {
     TrainerOptions o;
@@ -197,8 +197,8 @@ TEST(TrainerOptions, StrategyWordsStandForParallelDims) {
     o.tensor_parallel.size = row.tp;
     o.pipeline.stages = row.stages;
     const auto resolved = parallel_dims(o).resolve(row.world);
-    EXPECT_EQ(resolved, row.dims) << row.strategy << " tp " << row.tp << " at " << row.world
-                                  << ": " << resolved.describe();
+    EXPECT_EQ(resolved, row.dims) << row.strategy << " tp " << row.tp << " at " << row.world << ": "
+                                  << resolved.describe();
   }
 }
 

@@ -134,11 +134,11 @@ class AsyncCheckpointer {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Reads a checkpoint, a file or a folder (CheckpointLayout), into `model` and `opt` (tensors are copied onto the devices the model's
-/// own parameters are on, whatever device they were saved from), and returns the rest of the
-/// state, the program's own tensors and values included. Throws Error for a truncated or corrupt
-/// file and for a key that is missing or has another shape (naming the file and the key), and
-/// UsageError for a checkpoint of another model.
+/// Reads a checkpoint, a file or a folder (CheckpointLayout), into `model` and `opt` (tensors are
+/// copied onto the devices the model's own parameters are on, whatever device they were saved
+/// from), and returns the rest of the state, the program's own tensors and values included. Throws
+/// Error for a truncated or corrupt file and for a key that is missing or has another shape (naming
+/// the file and the key), and UsageError for a checkpoint of another model.
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& opt, const std::string& model_name);
 /// The same, loading the optimizer's state only when `opt` is given and the file has one

@@ -67,8 +67,8 @@ struct ParallelDims {
   std::string describe() const;
 
   bool operator==(const ParallelDims& o) const {
-    return dp_replicate == o.dp_replicate && dp_shard == o.dp_shard &&
-           zero_stage == o.zero_stage && pp == o.pp && tp == o.tp;
+    return dp_replicate == o.dp_replicate && dp_shard == o.dp_shard && zero_stage == o.zero_stage &&
+           pp == o.pp && tp == o.tp;
   }
   bool operator!=(const ParallelDims& o) const { return !(*this == o); }
 };

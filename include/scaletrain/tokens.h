@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <string>
 
-#include "scaletrain/trainer.h"
+#include "scaletrain/data_source.h"
 
 namespace scaletrain {
 
@@ -82,7 +82,7 @@ struct TokenWindowOptions {
   int64_t vocab_size = 0;
 };
 
-/// The windows of the token file `path` as the trainer's data source (trainer.h): sample i is
+/// The windows of the token file `path` as the trainer's data source (data_source.h): sample i is
 /// (x = tokens[s, s+T), y = tokens[s+1, s+T+1)) with s as options.mode says. The file stays
 /// mapped while the source (or a copy of its batch function) lives. Throws UsageError naming
 /// the path for a file TokenFile refuses or one shorter than block_size + 1 tokens, and naming

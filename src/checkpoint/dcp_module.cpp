@@ -23,7 +23,7 @@
 
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "zero/optimizer_state.h"
+#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 namespace {

@@ -29,9 +29,9 @@
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_payload.h"
+#include "runtime/atomic_file.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "runtime/atomic_file.h"
 
 namespace scaletrain {
 namespace {

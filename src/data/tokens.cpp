@@ -19,8 +19,8 @@
 #include <memory>
 #include <vector>
 
-#include "scaletrain/error.h"
 #include "runtime/atomic_file.h"
+#include "scaletrain/error.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "token files hold little-endian ids, read here in place");

@@ -5,8 +5,8 @@
 #include <memory>
 
 #include "launch/group.h"
-#include "runtime/proc_tree.h"
 #include "launch/rendezvous.h"
+#include "runtime/proc_tree.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain::launch_detail {

@@ -10,8 +10,8 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-#include "runtime/device_threads.h"
 #include "pipeline/stage_runner.h"
+#include "runtime/device_threads.h"
 #include "scaletrain/error.h"
 #include "scaletrain/schedule.h"
 

@@ -68,8 +68,7 @@ ParallelDims ParallelDims::resolve(int world) const {
     if (world % known != 0) {
       throw UsageError("the world of " + std::to_string(world) + " ranks does not divide by " +
                        describe() + " (" + std::to_string(known) + " ranks a " + rest +
-                       " coordinate): give a world that is a multiple of " +
-                       std::to_string(known));
+                       " coordinate): give a world that is a multiple of " + std::to_string(known));
     }
     *degree_named(r, rest) = static_cast<int>(world / known);
   } else if (known != world) {
@@ -115,9 +114,8 @@ std::string ParallelDims::describe() const {
     add("dp " + degree(dp_replicate));
   }
   if (dp_shard != 1 || zero_stage != 0) {
-    add("dp " + degree(dp_shard) + " (" + (zero_stage == 3 ? std::string("fsdp")
-                                           : "zero" + std::to_string(zero_stage)) +
-        ")");
+    add("dp " + degree(dp_shard) + " (" +
+        (zero_stage == 3 ? std::string("fsdp") : "zero" + std::to_string(zero_stage)) + ")");
   }
   if (pp != 1) add("pp " + degree(pp));
   if (tp != 1) add("tp " + degree(tp));

@@ -24,7 +24,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/log.h"
-#include "train/checkpoint_io.h"
+#include "checkpoint/checkpoint_io.h"
 #include "train/run.h"
 
 namespace scaletrain {

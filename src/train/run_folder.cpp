@@ -47,12 +47,12 @@
 #include <random>
 #include <set>
 
+#include "checkpoint/checkpoint_dcp.h"
+#include "runtime/atomic_file.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "scaletrain/zero.h"
-#include "runtime/atomic_file.h"
-#include "train/checkpoint_dcp.h"
 
 namespace scaletrain {
 namespace {
@@ -253,9 +253,9 @@ std::vector<fs::path> run_files(const std::string& dir) {
   for (auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
-    const bool ckpt = name.rfind("ckpt-", 0) == 0 &&
-                      (e.path().extension() == ".st" || tmp ||
-                       (is_dcp_checkpoint_name(name) && e.is_directory(ec)));
+    const bool ckpt =
+        name.rfind("ckpt-", 0) == 0 && (e.path().extension() == ".st" || tmp ||
+                                        (is_dcp_checkpoint_name(name) && e.is_directory(ec)));
     const bool shards = e.is_directory(ec) && (name.rfind("world-", 0) == 0 ||  // sharded ones
                                                slice_of_folder(name).has_value());
     if (ckpt || shards || name == "metrics.jsonl" || name == "model.pt" || name == "run.json" ||

@@ -21,10 +21,10 @@
 #include <fstream>
 #include <iterator>
 
+#include "runtime/atomic_file.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "runtime/atomic_file.h"
 
 namespace scaletrain {
 

@@ -12,7 +12,7 @@
 #include "dist/model_sync.h"
 #include "scaletrain/error.h"
 #include "zero/impl.h"
-#include "zero/optimizer_state.h"
+#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 at::Tensor zero_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {

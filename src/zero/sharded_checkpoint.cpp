@@ -22,7 +22,7 @@
 #include "dist/model_sync.h"
 #include "scaletrain/error.h"
 #include "zero/impl.h"
-#include "zero/optimizer_state.h"
+#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 namespace fs = std::filesystem;

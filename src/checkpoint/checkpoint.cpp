@@ -16,18 +16,18 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/checkpoint_dcp.h"
+#include "checkpoint/checkpoint_io.h"
+#include "runtime/atomic_file.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
-#include "runtime/atomic_file.h"
-#include "train/checkpoint_dcp.h"
-#include "train/checkpoint_io.h"
 
 namespace scaletrain {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr const char* kMagic = "SCALETRAIN-CHECKPOINT 2";
-constexpr const char* kMagicV1 = "SCALETRAIN-CHECKPOINT 1";  // no run id; still read
+constexpr const char* kFileMagic = "SCALETRAIN-CHECKPOINT 2";
+constexpr const char* kFileMagicV1 = "SCALETRAIN-CHECKPOINT 1";  // no run id; still read
 
 struct Header {
   unsigned long crc = 0, size = 0;
@@ -39,14 +39,14 @@ std::optional<Header> read_header(std::istream& in, std::string* problem) {
   std::string magic, line;
   std::getline(in, magic);
   std::getline(in, line);
-  if (magic != kMagic && magic != kMagicV1) {
+  if (magic != kFileMagic && magic != kFileMagicV1) {
     *problem = "is not a scaletrain checkpoint (bad header)";
     return std::nullopt;
   }
   Header h;
   char run[129] = {};
   const int got = std::sscanf(line.c_str(), "crc32 %lx size %lu run %128s", &h.crc, &h.size, run);
-  if (got < 2 || (magic == kMagic && got != 3)) {
+  if (got < 2 || (magic == kFileMagic && got != 3)) {
     *problem = "has a bad header";
     return std::nullopt;
   }
@@ -163,7 +163,7 @@ std::string commit_checkpoint(const std::string& dir, int64_t global_step,
   const std::string final_path = checkpoint_path(dir, global_step);
   char header[64];
   std::snprintf(header, sizeof(header), "crc32 %08x size %zu run ", crc_of(body), body.size());
-  std::string file = std::string(kMagic) + "\n" + header + run_id + "\n";
+  std::string file = std::string(kFileMagic) + "\n" + header + run_id + "\n";
   file += body;
   // Each writer its own temporary (every rank may call this; the last rename wins whole), and
   // a failed write leaves none behind.

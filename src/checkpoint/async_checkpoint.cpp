@@ -24,12 +24,12 @@
 #include <mutex>
 #include <thread>
 
+#include "checkpoint/checkpoint_dcp.h"
+#include "checkpoint/checkpoint_io.h"
+#include "checkpoint/optimizer_state.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/log.h"
-#include "train/checkpoint_dcp.h"
-#include "train/checkpoint_io.h"
-#include "zero/optimizer_state.h"
 
 namespace scaletrain {
 namespace {

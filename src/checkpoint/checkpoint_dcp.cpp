@@ -21,7 +21,7 @@
 // with what the strategy gathered to it), through the single-process path of
 // save_distributed_checkpoint(), and so is atomic: complete, record included, or absent.
 
-#include "train/checkpoint_dcp.h"
+#include "checkpoint/checkpoint_dcp.h"
 
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -36,9 +36,9 @@
 #include <sstream>
 #include <vector>
 
-#include "scaletrain/error.h"
+#include "checkpoint/optimizer_state.h"
 #include "runtime/atomic_file.h"
-#include "zero/optimizer_state.h"
+#include "scaletrain/error.h"
 
 namespace scaletrain {
 namespace {
@@ -93,8 +93,8 @@ void write_record(const std::string& folder, const std::string& run_id) {
 std::optional<Record> read_record(const std::string& folder, std::string* problem) {
   std::ifstream in(folder + "/" + kRecord);
   std::string magic, run_line, line;
-  if (!in || !std::getline(in, magic) || magic != kRecordMagic ||
-      !std::getline(in, run_line) || run_line.rfind("run ", 0) != 0) {
+  if (!in || !std::getline(in, magic) || magic != kRecordMagic || !std::getline(in, run_line) ||
+      run_line.rfind("run ", 0) != 0) {
     *problem = "has no record of its files (" + std::string(kRecord) +
                "): not a complete scaletrain checkpoint";
     return std::nullopt;
@@ -141,16 +141,18 @@ void add_optimizer(DcpState& out, const torch::nn::Module& model,
 }
 
 bool has_digits_only(const std::string& s) {
-  return !s.empty() &&
-         std::all_of(s.begin(), s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c));
+  });
 }
 
 int64_t step_of_name(const fs::path& p) {
   const std::string name = p.filename().string();
   if (p.extension() == ".st") {  // ckpt-<step>.st
     const std::string stem = p.stem().string();
-    return stem.rfind("ckpt-", 0) == 0 && has_digits_only(stem.substr(5)) ? std::stoll(stem.substr(5))
-                                                                           : -1;
+    return stem.rfind("ckpt-", 0) == 0 && has_digits_only(stem.substr(5))
+               ? std::stoll(stem.substr(5))
+               : -1;
   }
   return is_dcp_checkpoint_name(p.string()) ? std::stoll(name.substr(5)) : -1;
 }
@@ -179,7 +181,8 @@ DcpState checkpoint_dcp_state(const TrainingState& s, const torch::nn::Module& m
     const at::Tensor v = t.detach();
     out.tensors.push_back({key("tensors", name), v, v.sizes().vec(), {}});
   }
-  for (const auto& [name, v] : s.values) out.values.emplace_back(key("values", name), DcpValue::of(v));
+  for (const auto& [name, v] : s.values)
+    out.values.emplace_back(key("values", name), DcpValue::of(v));
   return out;
 }
 
@@ -286,8 +289,8 @@ void read_training_values(const std::string& folder, TrainingState& s,
 void load_optimizer_bytes(const std::string& folder, const at::Tensor& bytes,
                           torch::optim::Optimizer& opt) {
   const at::Tensor b = bytes.contiguous();
-  std::istringstream in(std::string(static_cast<const char*>(b.data_ptr()),
-                                    static_cast<size_t>(b.numel())));
+  std::istringstream in(
+      std::string(static_cast<const char*>(b.data_ptr()), static_cast<size_t>(b.numel())));
   torch::serialize::InputArchive ar;
   try {
     ar.load_from(in);

@@ -110,7 +110,7 @@ struct Args {
   std::string backend = "auto";
   std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
   std::string seed = "0";
-  std::string checkpoint_format = "full";
+  std::string checkpoint_format = "dcp";
   std::string amp = "none", uneven_inputs = "fail";
   std::string device = "auto", balance = "auto", resume = "auto";  // typed in the options
   bool fault_tolerant = false;                                     // --fault-tolerant and its flags
@@ -357,10 +357,10 @@ void add_run_flags(CLI::App* cmd, Args& a) {
                   "Steps between checkpoints (0: epochs)");
   cmd->add_option("--keep", o.keep, "Checkpoints kept")->capture_default_str();
   cmd->add_option("--checkpoint-format", a.checkpoint_format,
-                  "full (one file, gathered to rank 0), sharded (zero1, zero2, fsdp: each rank "
-                  "writes its shard; resumes at any world size) or dcp (gathered to rank 0, a "
-                  "folder in PyTorch's distributed checkpoint layout, which Python's "
-                  "torch.distributed.checkpoint reads)")
+                  "dcp (gathered to rank 0, a folder in PyTorch's distributed checkpoint layout, "
+                  "which Python's torch.distributed.checkpoint reads), full (one file, gathered "
+                  "to rank 0) or sharded (zero1, zero2, fsdp: each rank writes its shard; "
+                  "resumes at any world size)")
       ->capture_default_str();
   cmd->add_flag("--async-checkpoint", o.async_checkpoint,
                 "Write checkpoints in the background: the steps wait only for a copy in memory");

@@ -139,7 +139,7 @@ TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
   // The replicas end at the same step with the same weights and momentum, bit for bit: the
   // healed one took all of the donor's state, or the average would have pulled them apart.
   EXPECT_EQ(results[0].global_step, results[1].global_step);
-  const std::string last = "ckpt-" + std::to_string(results[0].global_step) + ".st";
+  const std::string last = "ckpt-" + std::to_string(results[0].global_step);  // a DCP folder
   std::vector<std::vector<at::Tensor>> weights, momenta;
   for (int id : {0, 1}) {
     Model m = net_model(mu);

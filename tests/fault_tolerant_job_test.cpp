@@ -82,7 +82,9 @@ void expect_a_clean_end(const testing::CommandResult& r, const fs::path& dir) {
   int checkpoints = 0;
   for (const char* replica : {"replica-0", "replica-1"}) {
     for (const auto& e : fs::directory_iterator(dir / "run" / replica)) {
-      if (e.path().extension() != ".st") continue;
+      // A DCP folder ckpt-<step>/ (the default) or a file ckpt-<step>.st.
+      static const std::regex kCheckpoint("ckpt-[0-9]+(\\.st)?");
+      if (!std::regex_match(e.path().filename().string(), kCheckpoint)) continue;
       ++checkpoints;
       EXPECT_EQ(checkpoint_problem(e.path().string()), std::nullopt) << e.path();
       Model m = make_model("lenet");

@@ -546,7 +546,7 @@ TEST(RankStreams, EachRankDrawsItsOwnStreamAndTheCheckpointHoldsThemAll) {
                        dir.path.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   Model m = make_model("mlp");
-  auto state = load_checkpoint((dir.path / "ckpt-4.st").string(), *m.module, nullptr, "mlp");
+  auto state = load_checkpoint((dir.path / "ckpt-4").string(), *m.module, nullptr, "mlp");
   ASSERT_TRUE(state.tensors.count("rng/rank0/cpu") && state.tensors.count("rng/rank1/cpu"));
   EXPECT_EQ(state.tensors.at("rng/world").item<int64_t>(), 2);
   EXPECT_FALSE(at::equal(state.tensors.at("rng/rank0/cpu"), state.tensors.at("rng/rank1/cpu")));

@@ -255,7 +255,7 @@ TEST(TrainTensorParallel, ResumesExactlyAtItsMeshAndAtAnotherDegree) {
   {
     Model m = make_model("gpt-tiny", gpt_options());
     m.module->to(at::kDouble);
-    load_checkpoint((other.path / "ckpt-5.st").string(), *m.module, nullptr, "gpt-tiny");
+    load_checkpoint((other.path / "ckpt-5").string(), *m.module, nullptr, "gpt-tiny");
     EXPECT_EQ(m.module->named_parameters()["transformer.h.0.attn.c_attn.weight"].sizes(),
               (std::vector<int64_t>{192, 64}));
   }
@@ -654,7 +654,7 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
   {
     Model m = make_model("gpt-tiny", gpt_options());
     m.module->to(at::kDouble);
-    auto state = load_checkpoint((at1.path / "ckpt-6.st").string(), *m.module, nullptr, "gpt-tiny");
+    auto state = load_checkpoint((at1.path / "ckpt-6").string(), *m.module, nullptr, "gpt-tiny");
     EXPECT_EQ(state.values.at("grid/tensor_parallel"), "1");
   }
   auto on = run(4, data.task(), o1);

@@ -68,10 +68,16 @@ std::vector<std::pair<int64_t, double>> step_lines(const fs::path& metrics,
 
 std::map<std::string, std::string> contents_of(const fs::path& dir) {
   std::map<std::string, std::string> out;
-  for (auto& e : fs::directory_iterator(dir)) {
-    if (e.is_directory()) continue;  // a sharded checkpoint's world-<N>/
+  // Files in folders too (a DCP checkpoint's ckpt-<step>/, a sharded one's world-<N>/), by
+  // their path in `dir`; a folder itself is an entry with no bytes.
+  for (auto& e : fs::recursive_directory_iterator(dir)) {
+    const auto name = fs::relative(e.path(), dir).string();
+    if (e.is_directory()) {
+      out[name + "/"] = "";
+      continue;
+    }
     std::ifstream in(e.path(), std::ios::binary);
-    out[e.path().filename().string()] =
+    out[name] =
         std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   return out;
@@ -130,7 +136,7 @@ TEST_P(ExactResume, KilledMidEpochTwoAndRestartedEqualsStraightRun) {
   // The final weights, byte for byte; and a one-file run's last checkpoint, tensor for tensor.
   EXPECT_TRUE(same_bytes(contents_of(killed.path).at("model.pt"),
                          contents_of(straight.path).at("model.pt")));
-  // (ckpt-12/ with --checkpoint-format dcp.)
+  // (ckpt-12.st with --checkpoint-format full.)
   const std::string last = fs::exists(straight.path / "ckpt-12") ? "ckpt-12" : "ckpt-12.st";
   if (fs::exists(straight.path / last)) {
     auto x = params_of((straight.path / last).string(), GetParam().model);
@@ -175,13 +181,13 @@ INSTANTIATE_TEST_SUITE_P(
         Resume{"zero2_dropout", 2, "--strategy zero2 --model mlp --dropout 0.3", "mlp"},
         // --checkpoint-format sharded: a file per rank, nothing gathered, the same resume.
         Resume{"zero1_sharded", 2, "--strategy zero1 --checkpoint-format sharded"},
-        // --checkpoint-format dcp: a folder in PyTorch's layout, gathered as a full file is;
-        // Adam under get_state_dict()'s names, a ZeRO optimizer and a grid's stages as
-        // scaletrain's own tensors, and the background writer.
-        Resume{"ddp2_dcp", 2, "--strategy ddp --checkpoint-format dcp --optimizer adam"},
-        Resume{"zero1_dcp", 2, "--strategy zero1 --checkpoint-format dcp"},
-        Resume{"grid_dcp_async", 2,
-               "--strategy grid --pipeline-stages 2 --chunks 2 --checkpoint-format dcp "
+        // The other cases write the default format, a folder in PyTorch's DCP layout; these
+        // write one file (--checkpoint-format full), gathered alike: Adam, a ZeRO optimizer,
+        // a grid's stages, and the background writer.
+        Resume{"ddp2_full", 2, "--strategy ddp --checkpoint-format full --optimizer adam"},
+        Resume{"zero1_full", 2, "--strategy zero1 --checkpoint-format full"},
+        Resume{"grid_full_async", 2,
+               "--strategy grid --pipeline-stages 2 --chunks 2 --checkpoint-format full "
                "--async-checkpoint"},
         Resume{"fsdp_sharded", 2, "--strategy fsdp --checkpoint-format sharded --optimizer adam"},
         // Tensor parallelism: every rank's optimizer state in the checkpoint, the whole model's
@@ -298,7 +304,7 @@ TEST(Checkpoint, AsyncCheckpointsEqualSynchronousOnes) {
   EXPECT_TRUE(
       same_bytes(contents_of(async.path).at("model.pt"), contents_of(sync.path).at("model.pt")));
   for (int step : {2, 4, 6, 8, 10, 12}) {
-    const auto name = "ckpt-" + std::to_string(step) + ".st";
+    const auto name = "ckpt-" + std::to_string(step);
     ASSERT_TRUE(fs::exists(async.path / name)) << name;
     auto x = params_of((sync.path / name).string()), y = params_of((async.path / name).string());
     ASSERT_EQ(x.size(), y.size());
@@ -349,10 +355,10 @@ TEST(Train, CheckpointsMoveBetweenStrategies) {
   auto then =
       run_command(cli_path() + " train" + common + "2 --strategy ddp --out " + a.path.string());
   ASSERT_EQ(then.exit_code, 0) << then.output;
-  EXPECT_NE(then.output.find("resumed from " + a.path.string() + "/ckpt-4.st"), std::string::npos)
+  EXPECT_NE(then.output.find("resumed from " + a.path.string() + "/ckpt-4 "), std::string::npos)
       << then.output;
   EXPECT_EQ(then.output.find("starts afresh"), std::string::npos) << then.output;
-  EXPECT_TRUE(fs::exists(a.path / "ckpt-8.st"));
+  EXPECT_TRUE(fs::exists(a.path / "ckpt-8" / ".metadata"));
 
   auto grid = run_command(cli_path() + " train" + common +
                           "1 --strategy grid --nproc-per-node 2 --pipeline-stages 2 --out " +
@@ -402,13 +408,13 @@ TEST(Train, ReusedOutputFolderNeverLosesOrMixesRuns) {
   auto a = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" + " --keep 3");
   ASSERT_EQ(a.exit_code, 0) << a.output;
   const auto before = contents_of(out);
-  ASSERT_TRUE(before.count("ckpt-12.st")) << a.output;
-  const std::string old_id = *checkpoint_run(out + "/ckpt-12.st");
+  ASSERT_TRUE(before.count("ckpt-12/.metadata")) << a.output;
+  const std::string old_id = *checkpoint_run(out + "/ckpt-12");
 
   auto refused = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" +
                              " --resume none --epochs 1 --keep 3");
   EXPECT_EQ(refused.exit_code, 2) << refused.output;
-  EXPECT_NE(refused.output.find("holds another run (ckpt-10.st, ckpt-12.st, ckpt-8.st and "),
+  EXPECT_NE(refused.output.find("holds another run (ckpt-10, ckpt-12, ckpt-8 and "),
             std::string::npos)
       << refused.output;
   EXPECT_NE(refused.output.find("--overwrite"), std::string::npos) << refused.output;
@@ -417,19 +423,19 @@ TEST(Train, ReusedOutputFolderNeverLosesOrMixesRuns) {
   auto fresh = run_command(cli_path() + train_cmd(out) + " --nproc-per-node 1" +
                            " --resume none --overwrite --epochs 1 --keep 3");
   ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
-  for (const char* gone : {"ckpt-8.st", "ckpt-10.st", "ckpt-12.st"}) {
+  for (const char* gone : {"ckpt-8", "ckpt-10", "ckpt-12"}) {
     EXPECT_FALSE(fs::exists(out + "/" + gone)) << gone;
   }
-  for (const char* kept : {"ckpt-2.st", "ckpt-4.st", "ckpt-6.st", "model.pt", "run.json"}) {
+  for (const char* kept : {"ckpt-2", "ckpt-4", "ckpt-6", "model.pt", "run.json"}) {
     EXPECT_TRUE(fs::exists(out + "/" + kept)) << kept;
   }
-  EXPECT_NE(*checkpoint_run(out + "/ckpt-6.st"), old_id);
+  EXPECT_NE(*checkpoint_run(out + "/ckpt-6"), old_id);
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(out + "/run.json"))["run_id"],
-            *checkpoint_run(out + "/ckpt-6.st"));
+            *checkpoint_run(out + "/ckpt-6"));
   auto lines = step_lines(out + "/metrics.jsonl");
   ASSERT_EQ(lines.size(), 6u) << "the old run's lines were kept";
   EXPECT_EQ(lines.front().first, 1);
-  EXPECT_NE(fresh.output.find("checkpoint      " + out + "/ckpt-6.st"), std::string::npos)
+  EXPECT_NE(fresh.output.find("checkpoint      " + out + "/ckpt-6"), std::string::npos)
       << fresh.output;
 }
 
@@ -777,10 +783,10 @@ TEST(Train, NonFiniteLossStopsNamingTheStepAndTheLastCheckpoint) {
                        dir.path.string());
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("training diverged at step 2 (epoch 1)"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find((dir.path / "ckpt-1.st").string()), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find((dir.path / "ckpt-1").string()), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir.path / "model.pt"));
-  EXPECT_FALSE(fs::exists(dir.path / "ckpt-2.st"));
-  for (auto& p : params_of((dir.path / "ckpt-1.st").string())) {
+  EXPECT_FALSE(fs::exists(dir.path / "ckpt-2"));
+  for (auto& p : params_of((dir.path / "ckpt-1").string())) {
     EXPECT_TRUE(at::isfinite(p).all().item<bool>());
   }
 }
@@ -809,7 +815,7 @@ TEST(Train, DivergenceWithAHookOnOneRankStopsEveryRankAtTheStep) {
 // Issue: a SIGINT'd `scaletrain train` exited 130 silently. It says so, and where to resume.
 TEST(Train, InterruptedRunSaysWhereTheLastCheckpointIs) {
   TempDir dir("interrupt");
-  const std::string ckpt = (dir.path / "ckpt-2.st").string();
+  const std::string ckpt = (dir.path / "ckpt-2" / ".metadata").string();  // once renamed in
   auto r = run_command(cli_path() +
                        " train --device cpu --dataset synthetic --limit-train 4096 --limit-test 64"
                        " --epochs 5 --batch-size 64 --checkpoint-every 2 --no-progress --out " +

@@ -2,7 +2,8 @@
 // (13 Linear(3072, 3072): 122.7M parameters against its 124M) with Adam's state after one step:
 // save_checkpoint() blocks for all of it (serialise, checksum, write, fsync, rename);
 // AsyncCheckpointer::save() blocks for the copy in memory only, and its background write takes the
-// rest.
+// rest. Both layouts side by side: one file (--checkpoint-format full) and a folder in PyTorch's
+// DCP layout (dcp, the trainer's default).
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
@@ -28,7 +29,8 @@ TrainingState state_of(int64_t step) {
 }  // namespace
 
 SuiteResult run_checkpoint(const SuiteOptions& o) {
-  const std::string title = "What a checkpoint costs the step loop: synchronous vs background";
+  const std::string title =
+      "What a checkpoint costs the step loop: synchronous vs background, one file vs DCP folder";
   SuiteResult r = new_result("checkpoint", title, "s",
                              {Plot::Kind::kBars, title, "", "seconds", false, false}, o);
   const int layers = o.quick ? 2 : 13;
@@ -48,22 +50,29 @@ SuiteResult run_checkpoint(const SuiteOptions& o) {
   const std::string dir = o.work_dir + "/checkpoint";
   r.notes.push_back("Written to " + dir + " (the work folder's file system), keeping 1.");
 
-  Sample sync{"cpu", "synchronous save", 0, {}};
-  Sample blocked{"cpu", "background: the step waits", 1, {}};
-  Sample write{"cpu", "background: the write", 2, {}};
-  AsyncCheckpointer writer;
-  for (int rep = 0; rep < o.repeats; ++rep) {
-    auto t0 = std::chrono::steady_clock::now();
-    save_checkpoint(dir, state_of(2 * rep), *model, opt, 1);
-    sync.values.push_back(seconds_since(t0));
-    t0 = std::chrono::steady_clock::now();
-    writer.save(dir, state_of(2 * rep + 1), *model, &opt, 1);
-    blocked.values.push_back(seconds_since(t0));
-    writer.wait();
-    write.values.push_back(writer.timing().write);
+  for (const auto layout : {CheckpointLayout::kFile, CheckpointLayout::kDcp}) {
+    const bool dcp = layout == CheckpointLayout::kDcp;
+    const std::string in = dcp ? ", DCP folder" : ", one file";
+    const double x = dcp ? 3 : 0;
+    Sample sync{"cpu", "synchronous save" + in, x, {}};
+    Sample blocked{"cpu", "background: the step waits" + in, x + 1, {}};
+    Sample write{"cpu", "background: the write" + in, x + 2, {}};
+    AsyncCheckpointOptions ao;
+    ao.layout = layout;
+    AsyncCheckpointer writer(ao);
+    for (int rep = 0; rep < o.repeats; ++rep) {
+      auto t0 = std::chrono::steady_clock::now();
+      save_checkpoint(dir, state_of(2 * rep), *model, &opt, 1, layout);
+      sync.values.push_back(seconds_since(t0));
+      t0 = std::chrono::steady_clock::now();
+      writer.save(dir, state_of(2 * rep + 1), *model, &opt, 1);
+      blocked.values.push_back(seconds_since(t0));
+      writer.wait();
+      write.values.push_back(writer.timing().write);
+    }
+    std::filesystem::remove_all(dir);
+    for (auto* sample : {&sync, &blocked, &write}) r.samples.push_back(*sample);
   }
-  std::filesystem::remove_all(dir);
-  r.samples = {sync, blocked, write};
   r.notes.push_back(
       "The background write runs beside the training, which on a machine with few cores slows "
       "the steps while it lasts; the step's own wait is the copy of parameters and optimizer "

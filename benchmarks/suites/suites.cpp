@@ -133,7 +133,7 @@ const std::vector<Suite>& suites() {
        run_transformer},
       {"checkpoint",
        "a 123M-parameter model with Adam: what a checkpoint costs the step loop, "
-       "synchronous save vs background save (AsyncCheckpointer)",
+       "synchronous save vs background save (AsyncCheckpointer), one file vs a DCP folder",
        run_checkpoint},
       {"transformer-memory",
        "GPT activation memory per rank, measured: one rank, tensor parallel 2, with sequence "

@@ -23,13 +23,14 @@ namespace scaletrain {
 
 enum class Strategy { kDDP, kDataParallel, kPipeline, kGrid, kZero1, kZero2, kFsdp };
 
-/// How checkpoints are written (docs/checkpoint.md). kFull: one file, rank 0's, with the whole
-/// model and optimizer state gathered to it. kSharded (zero1, zero2, fsdp): each rank writes its
-/// own shard (zero.h's format, `out_dir/world-<N>/rank-<r>/ckpt-<step>.st`) and nothing is
-/// gathered; it resumes at any world size and stage, and model.pt is still written whole at
-/// the end. kDcp: as kFull, gathered to rank 0, written as a folder in PyTorch's distributed
-/// checkpoint layout (`out_dir/ckpt-<step>/`, CheckpointLayout::kDcp in checkpoint.h) that
-/// Python's torch.distributed.checkpoint reads. Every format resumes from any other's newest.
+/// How checkpoints are written (docs/checkpoint.md); kDcp is the default. kFull: one file, rank
+/// 0's, with the whole model and optimizer state gathered to it. kSharded (zero1, zero2, fsdp):
+/// each rank writes its own shard (zero.h's format, `out_dir/world-<N>/rank-<r>/ckpt-<step>.st`)
+/// and nothing is gathered; it resumes at any world size and stage, and model.pt is still written
+/// whole at the end. kDcp: as kFull, gathered to rank 0, written as a folder in PyTorch's
+/// distributed checkpoint layout (`out_dir/ckpt-<step>/`, CheckpointLayout::kDcp in checkpoint.h)
+/// that Python's torch.distributed.checkpoint reads (the default). Every format resumes from any
+/// other's newest.
 enum class CheckpointFormat { kFull, kSharded, kDcp };
 
 /// "ddp", "dp", "pipeline", "grid", "zero1", "zero2", "fsdp"; throws UsageError naming them for
@@ -132,7 +133,7 @@ struct TrainerOptions {
   std::string out_dir = "runs/latest";
   int checkpoint_every = 0;  // steps; 0: only at the end of each epoch
   int keep = 3;              // checkpoints kept
-  CheckpointFormat checkpoint_format = CheckpointFormat::kFull;
+  CheckpointFormat checkpoint_format = CheckpointFormat::kDcp;  // the default: PyTorch's layout
   // Checkpoints written in the background (AsyncCheckpointer, checkpoint.h): the steps wait only
   // for a copy in memory; the file is on disk before the next checkpoint and before train()
   // returns. StepReport::checkpointed then means "taken, being written".

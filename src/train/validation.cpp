@@ -179,7 +179,7 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
     refuse(
         "TrainerOptions::checkpoint_format sharded is for the sharded strategies (zero1, zero2, "
         "fsdp), not " +
-        f.name + "; its checkpoints are one file (TrainerOptions::checkpoint_format full)");
+        f.name + "; its checkpoints are gathered (TrainerOptions::checkpoint_format dcp or full)");
   }
 }
 
@@ -305,8 +305,10 @@ void validate_fault_tolerance(const TrainerOptions& o) {
            " with TrainerOptions::amp fp16 is not supported; use TrainerOptions::amp bf16 or none");
   if (o.tensor_parallel.size > 1)
     refuse(what + " with TrainerOptions::tensor_parallel.size is not supported yet");
-  if (o.checkpoint_format != CheckpointFormat::kFull) {
-    refuse(what + " writes full checkpoints: leave TrainerOptions::checkpoint_format at full");
+  if (o.checkpoint_format == CheckpointFormat::kSharded) {
+    refuse(what +
+           " writes gathered checkpoints: TrainerOptions::checkpoint_format dcp (the default) "
+           "or full, not sharded");
   }
   parse_host_port(o.fault_tolerant->lighthouse, "ReplicaGroupOptions::lighthouse");
   if (o.fault_tolerant->replica_id < 0) {

@@ -19,7 +19,8 @@ wait_for() {
   while ! eval "$1" && [ $i -lt 1200 ]; do sleep 0.1; i=$((i + 1)); done
 }
 
-checkpoints() { ls "$out/run"/ckpt-*.st 2>/dev/null | wc -l; }
+# (a folder ckpt-<step>/ by default, a file ckpt-<step>.st with --checkpoint-format full)
+checkpoints() { ls "$out/run" 2>/dev/null | grep -cE '^ckpt-[0-9]+(\.st)?$'; }
 
 elastic_node() {
   on_host "$1" "$cli" $elastic -- "$cli" $train --out "$out/run" > "$2" 2>&1 &

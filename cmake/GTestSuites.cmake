@@ -1,6 +1,8 @@
 # scaletrain_discover_suites(target
 #     [EACH_TEST suite...]          suites whose tests get a ctest entry each
 #     [RUN_SERIAL pattern...]       tests (regular expressions on Suite.Test) that run alone
+#     [ONE_AT_A_TIME pattern...]    tests of EACH_TEST suites that never run beside each other
+#                                   (one RESOURCE_LOCK), though beside any other test
 #     [PROPERTIES name value...]    properties of every entry
 #     [NUMERIC_FILE file])          entries to run again under each CPU dispatch level below the
 #                                   machine's own ("include REGEX" / "exclude REGEX" lines)
@@ -23,13 +25,14 @@
 # ATen, oneDNN and MKL capped at that level (Note [Tolerances] in tests/support/tolerance.h): one
 # `ctest` then runs them beside the others, and two cores stay busy to its end.
 function(scaletrain_discover_suites target)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "NUMERIC_FILE" "EACH_TEST;RUN_SERIAL;PROPERTIES")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "NUMERIC_FILE" "EACH_TEST;RUN_SERIAL;ONE_AT_A_TIME;PROPERTIES")
   set(base "${CMAKE_CURRENT_BINARY_DIR}/${target}_suites")
   # The arguments travel in a file: suite names and patterns keep their characters.
   # (file(CONFIGURE) writes only a change: the program is linked and listed again after one.)
   set(script "${PROJECT_SOURCE_DIR}/cmake/GTestSuitesDiscover.cmake")
   file(CONFIGURE OUTPUT "${base}_arguments.cmake" CONTENT
     "set(each_test [==[${arg_EACH_TEST}]==])\nset(run_serial [==[${arg_RUN_SERIAL}]==])
+set(one_at_a_time [==[${arg_ONE_AT_A_TIME}]==])
 set(properties [==[${arg_PROPERTIES}]==])\nset(numeric_file [==[${arg_NUMERIC_FILE}]==])\n")
   set_property(TARGET ${target} APPEND PROPERTY LINK_DEPENDS "${base}_arguments.cmake" "${script}"
     ${arg_NUMERIC_FILE})

@@ -10,7 +10,9 @@
 #include <iomanip>
 #include <iostream>
 #include <numeric>
+#include <optional>
 #include <sstream>
+#include <type_traits>
 
 #include "commands.h"
 #include "scaletrain/checkpoint.h"
@@ -108,12 +110,14 @@ struct Args {
   TrainOptions o;
   std::string nproc = "auto";
   std::string backend = "auto";
-  std::string strategy = "ddp", devices, schedule = "gpipe", checkpointing = "never";
+  std::string strategy = "ddp", devices;
+  // The pipeline's flags, set only when given (PipelineTrainOptions: unset takes the default).
+  std::optional<std::string> schedule, checkpointing, balance;
   std::string seed = "0";
   std::string checkpoint_format = "dcp";
   std::string amp = "none", uneven_inputs = "fail";
-  std::string device = "auto", balance = "auto", resume = "auto";  // typed in the options
-  bool fault_tolerant = false;                                     // --fault-tolerant and its flags
+  std::string device = "auto", resume = "auto";  // typed in the options
+  bool fault_tolerant = false;                   // --fault-tolerant and its flags
   std::string lighthouse;
   int replica_id = 0;
   double ft_timeout = 10;
@@ -215,13 +219,44 @@ void apply_strategy_flags(Args& a) {
     throw UsageError(
         "--schedule is a pipeline's (gpipe, 1f1b, interleaved or zb-h1); the learning-rate "
         "schedule is --lr-schedule " +
-        a.schedule);
+        *a.schedule);
   }
-  a.o.pipeline.schedule = parse_schedule(a.schedule);
-  a.o.pipeline.checkpoint = parse_pipeline_checkpoint(a.checkpointing);
-  a.o.pipeline.balance = Balance::parse(a.balance);
+  if (a.schedule) a.o.pipeline.schedule = parse_schedule(*a.schedule);
+  if (a.checkpointing) a.o.pipeline.checkpoint = parse_pipeline_checkpoint(*a.checkpointing);
+  if (a.balance) a.o.pipeline.balance = Balance::parse(*a.balance);
   a.o.resume = Resume::parse(a.resume);
   apply_fault_tolerance_flags(a);
+}
+
+// A pipeline's own flags: each sets its field of PipelineTrainOptions only when given, so that
+// the library can name a flag given to a strategy without a pipeline (nothing compares a value
+// with its default).
+void add_pipeline_flags(CLI::App* cmd, Args& a) {
+  auto& p = a.o.pipeline;
+  const auto text = [cmd](const char* flag, std::optional<std::string>& to, const char* help) {
+    cmd->add_option_function<std::string>(
+        flag, [&to](const std::string& v) { to = v; }, help);
+  };
+  const auto number = [cmd](const char* flag, auto& to, const char* help) {
+    using T = typename std::decay_t<decltype(to)>::value_type;
+    cmd->add_option_function<T>(
+        flag, [&to](const T& v) { to = v; }, help);
+  };
+  text("--schedule", a.schedule,
+       "Pipelines: gpipe (the default), 1f1b, interleaved (with --stages-per-device) or zb-h1 "
+       "(zero bubble); the last two with --strategy pipeline, or grid of one replica");
+  number("--stages-per-device", p.stages_per_device,
+         "--schedule interleaved: stages on each device (pipeline) or process (grid); "
+         "--balance then lists that many times more (default 1)");
+  number("--chunks", p.chunks, "Pipelines: micro-batches per batch (default: twice the stages)");
+  number("--split-size", p.split_size,
+         "Pipeline: micro-batches of this many samples instead of --chunks (seed 000)");
+  text("--balance", a.balance,
+       "Pipelines: blocks per stage: auto or time (measured, the default), size, or N,M,...");
+  text("--checkpoint-activations", a.checkpointing,
+       "Pipeline, grid: recompute activations in backward: never (the default), except-last or "
+       "always");
+  number("--pipeline-stages", p.stages, "Grid: ranks per pipeline (default 2)");
 }
 
 // The model, its data and where it computes.
@@ -295,27 +330,7 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
   cmd->add_option("--devices", a.devices,
                   "dp and pipeline: the devices, e.g. cpu,cpu or cuda:0,cuda:1 (default: every "
                   "GPU, else cpu,cpu)");
-  cmd->add_option("--schedule", a.schedule,
-                  "Pipelines: gpipe, 1f1b, interleaved (with --stages-per-device) or zb-h1 (zero "
-                  "bubble); the last two with --strategy pipeline, or grid of one replica")
-      ->capture_default_str();
-  cmd->add_option("--stages-per-device", a.o.pipeline.stages_per_device,
-                  "--schedule interleaved: stages on each device (pipeline) or process (grid); "
-                  "--balance then lists that many times more")
-      ->capture_default_str();
-  cmd->add_option("--chunks", a.o.pipeline.chunks,
-                  "Pipelines: micro-batches per batch (0: twice the stages)")
-      ->capture_default_str();
-  cmd->add_option("--split-size", a.o.pipeline.split_size,
-                  "Pipeline: micro-batches of this many samples instead of --chunks (seed 000)");
-  cmd->add_option("--balance", a.balance,
-                  "Pipelines: blocks per stage: auto or time (measured), size, or N,M,...")
-      ->capture_default_str();
-  cmd->add_option("--checkpoint-activations", a.checkpointing,
-                  "Pipeline, grid: recompute activations in backward: never, except-last or always")
-      ->capture_default_str();
-  cmd->add_option("--pipeline-stages", a.o.pipeline.stages, "Grid: ranks per pipeline")
-      ->capture_default_str();
+  add_pipeline_flags(cmd, a);
   cmd->add_option(
          "--tp", a.o.tensor_parallel.size,
          "ddp, zero1, zero2, fsdp, grid: ranks per tensor-parallel group, each splitting one "

@@ -103,10 +103,12 @@ TEST_P(StrategyTransparency, EachStepIsTheExactGradientStep) {
     TrainerOptions o;
     o.strategy = c.strategy;
     for (const auto& dev : c.devices) o.devices.push_back(parse_device(dev));
-    o.pipeline.schedule = c.schedule;
-    o.pipeline.chunks = c.chunks;
+    if (c.strategy == Strategy::kPipeline || c.strategy == Strategy::kGrid) {
+      o.pipeline.schedule = c.schedule;  // a pipeline's own options: refused elsewhere
+      o.pipeline.chunks = c.chunks;
+      o.pipeline.checkpoint = c.checkpointing;
+    }
     o.max_grad_norm = c.max_norm;
-    o.pipeline.checkpoint = c.checkpointing;
     o.epochs = kSteps;
     o.batch_size = kSamples;  // one step per epoch, over every sample
     o.workers = 0;

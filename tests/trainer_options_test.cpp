@@ -100,10 +100,32 @@ TEST(TrainerOptions, AStrategysOwnOptionsAreCheckedByTheirNames) {
   auto o = fresh();
   o.pipeline.chunks = 4;
   EXPECT_NE(refusal([&] { validate(o, 1); })
-                .find("TrainerOptions::pipeline.chunks, TrainerOptions::pipeline.split_size, "
-                      "TrainerOptions::pipeline.balance, TrainerOptions::pipeline.schedule and "
-                      "TrainerOptions::pipeline.checkpoint are for the pipeline strategies "
+                .find("TrainerOptions::pipeline.chunks is for the pipeline strategies "
                       "(pipeline, grid), not TrainerOptions::strategy ddp"),
+            std::string::npos);
+  // Regression (PipelineOptionAtItsDefaultPassedUnseen): whether a field was given was guessed
+  // by comparing it with its default, so a schedule of gpipe, a balance of time or 2 grid stages
+  // given to ddp passed silently. Each field given is named, whatever its value.
+  o = fresh();
+  o.pipeline.schedule = PipelineSchedule::kGPipe;
+  o.pipeline.balance = Balance::time();
+  EXPECT_NE(refusal([&] { validate(o, 1); })
+                .find("TrainerOptions::pipeline.schedule and TrainerOptions::pipeline.balance "
+                      "are for the pipeline strategies (pipeline, grid), not "
+                      "TrainerOptions::strategy ddp"),
+            std::string::npos);
+  o = fresh();
+  o.pipeline.stages = 2;
+  EXPECT_NE(refusal([&] {
+              validate(o, 1);
+            }).find("TrainerOptions::pipeline.stages is for TrainerOptions::strategy grid"),
+            std::string::npos);
+  o = fresh();
+  o.strategy = Strategy::kPipeline;
+  o.pipeline.stages = 2;
+  EXPECT_NE(refusal([&] {
+              validate(o, 1);
+            }).find("TrainerOptions::pipeline.stages is for TrainerOptions::strategy grid"),
             std::string::npos);
   o = fresh();
   o.pipeline.balance = Balance::size();
@@ -200,6 +222,38 @@ TEST(TrainerOptions, StrategyWordsStandForParallelDims) {
     EXPECT_EQ(resolved, row.dims) << row.strategy << " tp " << row.tp << " at " << row.world << ": "
                                   << resolved.describe();
   }
+}
+
+}  // namespace
+}  // namespace scaletrain
+
+namespace scaletrain {
+namespace {
+
+// Unset fields read as their documented defaults; given ones as given, and given() names them.
+TEST(PipelineTrainOptions, ResolvedFillsTheDefaultsAndGivenNamesWhatWasSet) {
+  PipelineTrainOptions p;
+  auto r = p.resolved();
+  EXPECT_EQ(r.schedule, PipelineSchedule::kGPipe);
+  EXPECT_EQ(r.chunks, 0);
+  EXPECT_EQ(r.split_size, 0);
+  EXPECT_EQ(r.balance.by, Balance::By::kTime);
+  EXPECT_EQ(r.checkpoint, PipelineCheckpoint::kNever);
+  EXPECT_EQ(r.stages, 2);
+  EXPECT_EQ(r.stages_per_device, 1);
+  EXPECT_TRUE(p.given().empty());
+  p.stages_per_device = 2;
+  p.chunks = 0;
+  p.stages = 4;
+  r = p.resolved();
+  EXPECT_EQ(r.stages, 4);
+  EXPECT_EQ(r.stages_per_device, 2);
+  EXPECT_EQ(p.given(), (std::vector<std::string>{"TrainerOptions::pipeline.chunks",
+                                                 "TrainerOptions::pipeline.stages",
+                                                 "TrainerOptions::pipeline.stages_per_device"}));
+  EXPECT_EQ(p.given({"stages"}),
+            (std::vector<std::string>{"TrainerOptions::pipeline.chunks",
+                                      "TrainerOptions::pipeline.stages_per_device"}));
 }
 
 }  // namespace

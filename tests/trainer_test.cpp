@@ -77,8 +77,7 @@ std::map<std::string, std::string> contents_of(const fs::path& dir) {
       continue;
     }
     std::ifstream in(e.path(), std::ios::binary);
-    out[name] =
-        std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    out[name] = std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   return out;
 }
@@ -579,8 +578,13 @@ INSTANTIATE_TEST_SUITE_P(
         // The library names a strategy's own options one level down (pipeline.chunks); the
         // command line shows its flags.
         Bad{"--strategy ddp --chunks 4",
-            "--chunks, --split-size, --balance, --schedule and --checkpoint-activations are for "
-            "the pipeline strategies (pipeline, grid), not --strategy ddp"},
+            "--chunks is for the pipeline strategies (pipeline, grid), not --strategy ddp"},
+        // Regression (PipelineOptionAtItsDefaultPassedUnseen): a flag given at its default value
+        // is named as any other.
+        Bad{"--strategy ddp --schedule gpipe --checkpoint-activations never",
+            "--schedule and --checkpoint-activations are for the pipeline strategies (pipeline, "
+            "grid), not --strategy ddp"},
+        Bad{"--strategy zero1 --pipeline-stages 2", "--pipeline-stages is for --strategy grid"},
         Bad{"--strategy pipeline --nproc-per-node 1 --balance 2,x",
             "--balance '2,x': 'x' is not a positive number of blocks"},
         Bad{"--strategy grid --pipeline-stages 3", "dividing the world: 2 processes, 3 stages"},
@@ -589,7 +593,7 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"--strategy tp",
             "unknown --strategy 'tp'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp"},
         Bad{"--strategy fsdp --devices cpu,cpu", "--devices is for dp and pipeline"},
-        Bad{"--strategy zero1 --chunks 2", "are for the pipeline strategies"},
+        Bad{"--strategy zero1 --chunks 2", "--chunks is for the pipeline strategies"},
         Bad{"--strategy zero2 --amp fp16", "needs loss scaling, which the sharded strategies"},
         Bad{"--strategy grid --pipeline-stages 2 --amp fp16",
             "needs one loss scale agreed over every stage"},

@@ -104,7 +104,7 @@ void validate_zoo_shapes(const TrainOptions& o) {
                          : "--dataset text is token ids, for a GPT: give --model gpt-tiny or "
                            "gpt2-small");
   }
-  if (o.dropout > 0 && o.pipeline.checkpoint != PipelineCheckpoint::kNever) {
+  if (o.dropout > 0 && o.pipeline.resolved().checkpoint != PipelineCheckpoint::kNever) {
     throw UsageError(
         "--dropout with --checkpoint-activations: the pipeline's recomputation does not replay "
         "the random generators, so its masks would not be the forward's; leave "
@@ -253,17 +253,18 @@ void validate_zoo_data(const TrainOptions& o) {
 
 // An explicit --balance against the zoo model's chain (the trainer checks the list's length).
 void validate_zoo_balance(const TrainOptions& o) {
-  if (o.pipeline.balance.by != Balance::By::kLayers) return;
+  const Balance balance = o.pipeline.resolved().balance;
+  if (balance.by != Balance::By::kLayers) return;
   if (o.strategy != Strategy::kPipeline && o.strategy != Strategy::kGrid) return;
   ModelOptions mo;
   if (o.dataset == "folder") mo.in_channels = 3;
   const auto blocks = static_cast<int64_t>(as_sequential(make_model(o.model, mo))->size());
   int64_t total = 0;
-  for (int n : o.pipeline.balance.layers) total += n;
+  for (int n : balance.layers) total += n;
   if (total != blocks) {
-    throw UsageError("--balance '" + o.pipeline.balance.str() + "' covers " +
-                     std::to_string(total) + " blocks, and " + o.model + " has " +
-                     std::to_string(blocks) + " (its chain: as_sequential in models.h)");
+    throw UsageError("--balance '" + balance.str() + "' covers " + std::to_string(total) +
+                     " blocks, and " + o.model + " has " + std::to_string(blocks) +
+                     " (its chain: as_sequential in models.h)");
   }
 }
 

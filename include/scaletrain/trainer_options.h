@@ -94,17 +94,37 @@ struct Balance {
 };
 
 /// The pipeline strategies' own options (pipeline: stages on this process's devices; grid:
-/// stages on ranks). pipeline.h and dist_pipeline.h say what each does.
+/// stages on ranks). pipeline.h and dist_pipeline.h say what each does. A field is unset until a
+/// program (or its flag) gives it. The pipeline strategies read the options through resolved(),
+/// which puts each unset field at the default named beside it; validate() refuses a field given
+/// to a strategy that has no pipeline, naming it. Nothing compares a value with its default to
+/// guess whether it was given.
 struct PipelineTrainOptions {
-  PipelineSchedule schedule = PipelineSchedule::kGPipe;
-  int chunks = 0;          // micro-batches per batch; 0: twice the stages
-  int64_t split_size = 0;  // pipeline: >0, micro-batches of this many samples instead (seed 000)
-  Balance balance;
-  PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;  // activation checkpointing
-  int stages = 2;                                              // grid: ranks per pipeline
-  int stages_per_device = 1;  // interleaved 1F1B: stages on each device (pipeline) or rank
-                              // (grid of one replica); a Balance::of list then has that many
-                              // times more entries
+  std::optional<PipelineSchedule> schedule;  // unset: gpipe
+  std::optional<int> chunks;          // micro-batches per batch; unset or 0: twice the stages
+  std::optional<int64_t> split_size;  // pipeline: micro-batches of this many samples instead
+                                      // (seed 000); unset or 0: by chunks
+  std::optional<Balance> balance;     // unset: Balance::time()
+  std::optional<PipelineCheckpoint> checkpoint;  // activation checkpointing; unset: never
+  std::optional<int> stages;                     // grid: ranks per pipeline; unset: 2
+  std::optional<int> stages_per_device;  // interleaved 1F1B: stages on each device (pipeline) or
+                                         // rank (grid of one replica); a Balance::of list then
+                                         // has that many times more entries; unset: 1
+
+  /// Every field with its value or its default.
+  struct Resolved {
+    PipelineSchedule schedule = PipelineSchedule::kGPipe;
+    int chunks = 0;  // 0: twice the stages
+    int64_t split_size = 0;
+    Balance balance;
+    PipelineCheckpoint checkpoint = PipelineCheckpoint::kNever;
+    int stages = 2;
+    int stages_per_device = 1;
+  };
+  Resolved resolved() const;
+  /// The fields given, by their TrainerOptions names ("TrainerOptions::pipeline.chunks"...), in
+  /// the order above; `except` leaves those named out.
+  std::vector<std::string> given(const std::vector<std::string>& except = {}) const;
 };
 
 /// Tensor parallelism within each replica (tensor_parallel.h), under ddp, zero1, zero2, fsdp

@@ -64,7 +64,7 @@ class GridStrategy : public TrainStrategy {
       : TrainStrategy(d),
         whole_(model),
         loss_(task.loss),
-        stages_(o.pipeline.stages),
+        stages_(o.pipeline.resolved().stages),
         degree_(std::max(o.tensor_parallel.size, 1)),
         mesh_(parallel_dims(o).resolve(d.size()).mesh()),
         replica_(mesh_.coordinate(d.rank(), "dp")),
@@ -78,9 +78,10 @@ class GridStrategy : public TrainStrategy {
         degree_ > 1 ? std::vector<std::string>{"dp", "tp"} : std::vector<std::string>{"dp"});
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
-    const int v = v_ = o.pipeline.stages_per_device;
-    const auto balance = resolve_balance(o.pipeline.balance, chain_of(whole_, Strategy::kGrid),
-                                         stages_ * v, sample, d, dev_);
+    const auto p = o.pipeline.resolved();  // the pipeline's options, defaults filled in
+    const int v = v_ = p.stages_per_device;
+    const auto balance =
+        resolve_balance(p.balance, chain_of(whole_, Strategy::kGrid), stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
     if (degree_ > 1) split(task, o.tensor_parallel.sequence_parallel);
     stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
@@ -93,11 +94,11 @@ class GridStrategy : public TrainStrategy {
     }
     DistPipelineOptions po;
     po.stage_ranks = mesh_.group(d.rank(), "pp");
-    po.chunks = o.pipeline.chunks > 0 ? o.pipeline.chunks : 2 * stages_;
-    po.schedule = o.pipeline.schedule;
+    po.chunks = p.chunks > 0 ? p.chunks : 2 * stages_;
+    po.schedule = p.schedule;
     po.device = dev_;
     po.ddp = ddp_.get();
-    po.checkpoint = o.pipeline.checkpoint;
+    po.checkpoint = p.checkpoint;
     pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
                   : std::make_unique<DistPipeline>(stage_module_, po, d);
   }

@@ -188,16 +188,16 @@ class PipelineStrategy : public TrainStrategy {
         devices_(local_devices(o)),
         threads_(share_cores(devices_)) {
     torch::nn::Sequential chain = chain_of(model, Strategy::kPipeline);
+    const auto p = o.pipeline.resolved();  // the pipeline's options, defaults filled in
     PipelineOptions po;
     po.devices = devices_;
-    po.stages_per_device = o.pipeline.stages_per_device;
-    po.balance =
-        resolve_balance(o.pipeline.balance, chain,
-                        static_cast<int>(devices_.size()) * o.pipeline.stages_per_device, sample);
-    po.chunks = o.pipeline.chunks > 0 ? o.pipeline.chunks : 2 * static_cast<int>(devices_.size());
-    po.split_size = o.pipeline.split_size;
-    po.schedule = o.pipeline.schedule;
-    po.checkpoint = o.pipeline.checkpoint;
+    po.stages_per_device = p.stages_per_device;
+    po.balance = resolve_balance(p.balance, chain,
+                                 static_cast<int>(devices_.size()) * p.stages_per_device, sample);
+    po.chunks = p.chunks > 0 ? p.chunks : 2 * static_cast<int>(devices_.size());
+    po.split_size = p.split_size;
+    po.schedule = p.schedule;
+    po.checkpoint = p.checkpoint;
     pipe_ = std::make_unique<Pipeline>(chain, po);
   }
 

@@ -78,16 +78,14 @@ TrainTask completed(TrainTask t) {
 // other parameters, and their optimizer state was dropped. A resume keeps the checkpoint's
 // split when it is of the same pipeline; a list given on the command line still wins.
 void Run::keep_checkpoint_balance() {
-  if (!start_.resume_from || o_.strategy != Strategy::kGrid ||
-      o_.pipeline.balance.by != Balance::By::kTime) {
+  const auto p = o_.pipeline.resolved();
+  if (!start_.resume_from || o_.strategy != Strategy::kGrid || p.balance.by != Balance::By::kTime) {
     return;
   }
   const auto layout = checkpoint_value(*start_.resume_from, "grid/stages");
   const std::string same =
-      std::to_string(o_.pipeline.stages) +
-      (o_.pipeline.stages_per_device == 1 ? ""
-                                          : "x" + std::to_string(o_.pipeline.stages_per_device)) +
-      ":";
+      std::to_string(p.stages) +
+      (p.stages_per_device == 1 ? "" : "x" + std::to_string(p.stages_per_device)) + ":";
   if (layout && layout->rfind(same, 0) == 0) {
     o_.pipeline.balance = Balance::parse(layout->substr(same.size()));
   }

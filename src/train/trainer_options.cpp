@@ -4,6 +4,8 @@
 
 #include "scaletrain/trainer_options.h"
 
+#include <algorithm>
+
 #include "scaletrain/error.h"
 #include "train/balance.h"
 
@@ -21,6 +23,35 @@ Strategy parse_strategy(const std::string& name) {
                    "'; use ddp, dp, pipeline, grid, zero1, zero2 or fsdp");
 }
 
+PipelineTrainOptions::Resolved PipelineTrainOptions::resolved() const {
+  Resolved r;
+  if (schedule) r.schedule = *schedule;
+  if (chunks) r.chunks = *chunks;
+  if (split_size) r.split_size = *split_size;
+  if (balance) r.balance = *balance;
+  if (checkpoint) r.checkpoint = *checkpoint;
+  if (stages) r.stages = *stages;
+  if (stages_per_device) r.stages_per_device = *stages_per_device;
+  return r;
+}
+
+std::vector<std::string> PipelineTrainOptions::given(const std::vector<std::string>& except) const {
+  const std::pair<bool, const char*> fields[] = {
+      {schedule.has_value(), "schedule"},
+      {chunks.has_value(), "chunks"},
+      {split_size.has_value(), "split_size"},
+      {balance.has_value(), "balance"},
+      {checkpoint.has_value(), "checkpoint"},
+      {stages.has_value(), "stages"},
+      {stages_per_device.has_value(), "stages_per_device"}};
+  std::vector<std::string> out;
+  for (const auto& [set, field] : fields) {
+    if (set && std::find(except.begin(), except.end(), field) == except.end())
+      out.push_back(std::string("TrainerOptions::pipeline.") + field);
+  }
+  return out;
+}
+
 ParallelDims parallel_dims(const TrainerOptions& o) {
   ParallelDims d;
   d.tp = o.tensor_parallel.size;
@@ -36,7 +67,7 @@ ParallelDims parallel_dims(const TrainerOptions& o) {
       break;
     case Strategy::kGrid:
       d.dp_replicate = -1;
-      d.pp = o.pipeline.stages;
+      d.pp = o.pipeline.resolved().stages;
       break;
     case Strategy::kDataParallel:
     case Strategy::kPipeline:

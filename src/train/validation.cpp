@@ -32,9 +32,10 @@ void validate_trainer_numbers(const TrainerOptions& o) {
   require(o.workers >= 0 && o.workers <= kMaxLoaderWorkers, "TrainerOptions::workers",
           int64_t{o.workers},
           "from 0 (load on the training thread) to 256 loader threads per rank, e.g. 1 to 8");
-  require(o.pipeline.chunks >= 0, "TrainerOptions::pipeline.chunks", int64_t{o.pipeline.chunks},
+  const auto pipe = o.pipeline.resolved();
+  require(pipe.chunks >= 0, "TrainerOptions::pipeline.chunks", int64_t{pipe.chunks},
           "1 or more (0: twice the stages)");
-  require(o.pipeline.split_size >= 0, "TrainerOptions::pipeline.split_size", o.pipeline.split_size,
+  require(pipe.split_size >= 0, "TrainerOptions::pipeline.split_size", pipe.split_size,
           "1 or more samples (0: TrainerOptions::pipeline.chunks)");
   if (o.device && !o.device->is_cpu() && !o.device->is_cuda()) {
     throw UsageError("TrainerOptions::device " + o.device->str() +
@@ -100,6 +101,15 @@ void validate_devices(const TrainerOptions& o) {
 
 namespace {
 
+// "a", "a and b", "a, b and c".
+std::string in_words(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  }
+  return out;
+}
+
 // Which family a strategy is of: what its options may hold.
 struct Family {
   explicit Family(Strategy s)
@@ -136,16 +146,12 @@ void validate_placement(const TrainerOptions& o, const Family& f, int world) {
 // Options that belong to some strategies only: pipeline options, --amp, --uneven-inputs, the
 // sharded checkpoint format.
 void validate_strategy_options(const TrainerOptions& o, const Family& f) {
-  const auto& p = o.pipeline;
-  if ((f.ddp || f.dp || f.zero) &&
-      (p.chunks > 0 || p.split_size > 0 || p.balance.by != Balance::By::kTime ||
-       p.schedule != PipelineSchedule::kGPipe || p.checkpoint != PipelineCheckpoint::kNever)) {
-    refuse(
-        "TrainerOptions::pipeline.chunks, TrainerOptions::pipeline.split_size, "
-        "TrainerOptions::pipeline.balance, TrainerOptions::pipeline.schedule and "
-        "TrainerOptions::pipeline.checkpoint are for the pipeline strategies (pipeline, grid), "
-        "not TrainerOptions::strategy " +
-        f.name);
+  // The fields given, by name (PipelineTrainOptions::given(); pipeline.stages is the grid's
+  // alone: validate_grid() names it).
+  const auto given = o.pipeline.given({"stages"});
+  if ((f.ddp || f.dp || f.zero) && !given.empty()) {
+    refuse(in_words(given) + (given.size() == 1 ? " is" : " are") +
+           " for the pipeline strategies (pipeline, grid), not TrainerOptions::strategy " + f.name);
   }
   if (f.zero && o.amp == Amp::kFp16) {
     refuse(
@@ -185,12 +191,12 @@ void validate_strategy_options(const TrainerOptions& o, const Family& f) {
 
 // --stages-per-device and the interleaved schedule, which go together.
 void validate_interleaving(const TrainerOptions& o, const Family& f) {
-  if (o.pipeline.stages_per_device < 1) {
-    refuse("TrainerOptions::pipeline.stages_per_device " +
-           std::to_string(o.pipeline.stages_per_device) + " must be at least 1");
+  const auto p = o.pipeline.resolved();
+  if (p.stages_per_device < 1) {
+    refuse("TrainerOptions::pipeline.stages_per_device " + std::to_string(p.stages_per_device) +
+           " must be at least 1");
   }
-  if ((o.pipeline.stages_per_device > 1) !=
-      (o.pipeline.schedule == PipelineSchedule::kInterleaved1F1B)) {
+  if ((p.stages_per_device > 1) != (p.schedule == PipelineSchedule::kInterleaved1F1B)) {
     refuse(
         "TrainerOptions::pipeline.schedule interleaved and "
         "TrainerOptions::pipeline.stages_per_device go together: "
@@ -198,7 +204,7 @@ void validate_interleaving(const TrainerOptions& o, const Family& f) {
         "needs at least 2 stages per device, and more than one stage per device is "
         "interleaving");
   }
-  if (o.pipeline.schedule != PipelineSchedule::kInterleaved1F1B) return;
+  if (p.schedule != PipelineSchedule::kInterleaved1F1B) return;
   if (!f.pipeline && !f.grid) {
     refuse(
         "TrainerOptions::pipeline.schedule interleaved runs in the pipeline strategies (pipeline, "
@@ -206,20 +212,20 @@ void validate_interleaving(const TrainerOptions& o, const Family& f) {
         "not " +
         f.name);
   }
-  if (o.pipeline.split_size > 0) {
+  if (p.split_size > 0) {
     refuse(
         "TrainerOptions::pipeline.schedule interleaved takes TrainerOptions::pipeline.chunks (a "
         "multiple of the "
         "devices), not "
         "TrainerOptions::pipeline.split_size");
   }
-  const auto devices = f.grid ? o.pipeline.stages : static_cast<int>(o.devices.size());
-  if (devices > 0 && o.pipeline.chunks > 0 && o.pipeline.chunks % devices != 0) {
+  const auto devices = f.grid ? p.stages : static_cast<int>(o.devices.size());
+  if (devices > 0 && p.chunks > 0 && p.chunks % devices != 0) {
     refuse(
         "TrainerOptions::pipeline.schedule interleaved runs micro-batches in rounds of one per "
         "device: "
         "TrainerOptions::pipeline.chunks " +
-        std::to_string(o.pipeline.chunks) + " on " + std::to_string(devices) +
+        std::to_string(p.chunks) + " on " + std::to_string(devices) +
         " devices; use a multiple of " + std::to_string(devices));
   }
 }
@@ -227,35 +233,35 @@ void validate_interleaving(const TrainerOptions& o, const Family& f) {
 // A grid's stages over the world; --pipeline-stages is the grid's alone.
 void validate_grid(const TrainerOptions& o, const Family& f, int world) {
   if (!f.grid) {
-    if (o.pipeline.stages != 2)
+    if (o.pipeline.stages)
       refuse("TrainerOptions::pipeline.stages is for TrainerOptions::strategy grid");
     return;
   }
+  const auto p = o.pipeline.resolved();
   const int tp = std::max(o.tensor_parallel.size, 1);
-  if (o.pipeline.stages < 2 || world % (o.pipeline.stages * tp) != 0) {
+  if (p.stages < 2 || world % (p.stages * tp) != 0) {
     refuse(
         "TrainerOptions::strategy grid needs TrainerOptions::pipeline.stages of at least 2 "
         "dividing the world" +
         std::string(tp > 1 ? " with TrainerOptions::tensor_parallel.size " + std::to_string(tp)
                            : "") +
-        ": " + std::to_string(world) + " processes, " + std::to_string(o.pipeline.stages) +
+        ": " + std::to_string(world) + " processes, " + std::to_string(p.stages) +
         " stages; e.g. 4 processes = 2 replicas x 2 stages" +
         (tp > 1 ? ", 8 = 2 replicas x 2 stages x tp 2" : ""));
   }
-  if (world > o.pipeline.stages * tp &&
-      (o.pipeline.schedule == PipelineSchedule::kZeroBubbleH1 ||
-       o.pipeline.schedule == PipelineSchedule::kInterleaved1F1B)) {
-    refuse(std::string(o.pipeline.schedule == PipelineSchedule::kZeroBubbleH1
+  if (world > p.stages * tp && (p.schedule == PipelineSchedule::kZeroBubbleH1 ||
+                                p.schedule == PipelineSchedule::kInterleaved1F1B)) {
+    refuse(std::string(p.schedule == PipelineSchedule::kZeroBubbleH1
                            ? "TrainerOptions::pipeline.schedule zb-h1"
                            : "TrainerOptions::pipeline.schedule interleaved") +
            " across processes runs one pipeline (as many processes as "
            "TrainerOptions::pipeline.stages" +
            (tp > 1 ? " times TrainerOptions::tensor_parallel.size" : "") + ", here " +
-           std::to_string(o.pipeline.stages * tp) + ", not " + std::to_string(world) +
+           std::to_string(p.stages * tp) + ", not " + std::to_string(world) +
            "): the replicas of a grid average their stages with DDP, which takes gpipe or "
            "1f1b");
   }
-  if (o.pipeline.split_size > 0) {
+  if (p.split_size > 0) {
     refuse(
         "TrainerOptions::pipeline.split_size is for TrainerOptions::strategy pipeline; a grid's "
         "stages take "
@@ -266,10 +272,11 @@ void validate_grid(const TrainerOptions& o, const Family& f, int world) {
 // A --balance list gives one number per stage.
 void validate_balance(const TrainerOptions& o, const Family& f) {
   if (!f.pipeline && !f.grid) return;
-  const auto stages = (f.grid ? static_cast<size_t>(o.pipeline.stages)
+  const auto p = o.pipeline.resolved();
+  const auto stages = (f.grid ? static_cast<size_t>(p.stages)
                               : (o.devices.empty() ? size_t{2} : o.devices.size())) *
-                      static_cast<size_t>(std::max(o.pipeline.stages_per_device, 1));
-  const auto& b = o.pipeline.balance;
+                      static_cast<size_t>(std::max(p.stages_per_device, 1));
+  const auto& b = p.balance;
   if (b.by != Balance::By::kLayers) return;
   for (int n : b.layers) {
     if (n < 1) {

@@ -232,10 +232,16 @@ TEST(DcpInterop, WeResumePythonsModelAndAdam) {
 }
 
 // The losses of every step of a short run, from its metrics.jsonl.
+std::vector<double> metric_losses(const fs::path& out);
 std::vector<double> step_losses(const TrainOptions& o) {
   auto errors = testing::run_ranks(1, [&](Dist& d) { train(o, d); });
   EXPECT_EQ(errors, std::vector<std::string>{""});
-  std::ifstream f(fs::path(o.out_dir) / "metrics.jsonl");
+  return metric_losses(o.out_dir);
+}
+
+// The step losses of a run's folder, from its metrics.jsonl.
+std::vector<double> metric_losses(const fs::path& out) {
+  std::ifstream f(out / "metrics.jsonl");
   std::vector<double> losses;
   for (std::string line; std::getline(f, line);) {
     auto j = nlohmann::json::parse(line);
@@ -281,6 +287,48 @@ TEST(DcpInterop, InitWeightsFromAPythonDcpFolderStartsAsModelPt) {
   ASSERT_EQ(runs[0].size(), 4u);
   EXPECT_EQ(runs[1], runs[0]);
   EXPECT_EQ(runs[2], runs[0]);
+}
+
+// A Python job's DCP folder (LeNet and Adam after 3 steps, dcp.save of get_state_dict()) resumes
+// a run: its weights and Adam's moments go on from epoch 1, step 0. Against a start from the same
+// weights alone (model.pt): the first step's loss is the same (the same weights on the same
+// batch), the next ones differ (Adam's moments), and the run's last checkpoint counts Python's 3
+// steps and its own 4.
+TEST(DcpInterop, ResumeFromAPythonJobsFolderTakesItsWeightsAndAdam) {
+  testing::TempDir tmp("dcp_resume_py");
+  const fs::path folder = tmp.path / "python-ckpt", pt = tmp.path / "model.pt";
+  interop("lenet-adam " + folder.string() + " " + pt.string());
+  const std::string common = testing::cli_path() +
+                             " train --nproc-per-node 1 --device cpu --dataset synthetic "
+                             "--limit-train 256 --limit-test 64 --epochs 1 --batch-size 64 "
+                             "--optimizer adam --lr 0.01 --log-every 1 --no-progress ";
+  const auto weights = testing::run_command(common + "--resume none --init-weights " + pt.string() +
+                                            " --out " + (tmp.path / "weights").string());
+  ASSERT_EQ(weights.exit_code, 0) << weights.output;
+  const auto resumed = testing::run_command(common + "--resume " + folder.string() + " --out " +
+                                            (tmp.path / "resumed").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("started from " + folder.string() +
+                                ", a distributed checkpoint without scaletrain's training state "
+                                "(as Python's dcp.save writes): its weights and optimizer state "
+                                "go on, from epoch 1, step 0"),
+            std::string::npos)
+      << resumed.output;
+  const auto a = metric_losses(tmp.path / "weights"), b = metric_losses(tmp.path / "resumed");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  EXPECT_EQ(b[0], a[0]) << "the same weights on the same first batch";
+  EXPECT_NE(b[1], a[1]) << "Adam's moments from Python change the first step";
+  Model m = make_model("lenet");
+  torch::optim::Adam adam(m.module->parameters(), torch::optim::AdamOptions(0.01));
+  const auto state =
+      load_checkpoint((tmp.path / "resumed" / "ckpt-4").string(), *m.module, adam, "lenet");
+  ASSERT_TRUE(state.optimizer_restored);
+  const auto& s = static_cast<const torch::optim::AdamParamState&>(
+      *adam.state().at(m.module->parameters()[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(s.step(), 3 + 4);
+  // The folder is Python's own still: nothing was written into it.
+  EXPECT_FALSE(fs::exists(folder / ".scaletrain-checkpoint"));
 }
 
 // A trainer's checkpoints in PyTorch's layout (--checkpoint-format dcp, two ranks, Adam): Python

@@ -33,6 +33,10 @@ struct TrainingState {
   std::map<std::string, std::string> values;
   /// load_checkpoint(): whether the file held an optimizer state and it was loaded.
   bool optimizer_restored = false;
+  /// load_checkpoint(): false for a DCP folder another program wrote (Python's dcp.save of
+  /// get_state_dict()'s {"model": ..., "optim": ...}): it holds weights and maybe an optimizer's
+  /// state, but no training position, so epoch, steps and sampler are zeros (a start from them).
+  bool has_training_state = true;
 };
 
 /// Random number generators' states (the CPU's and each GPU's default generator), as named
@@ -138,7 +142,10 @@ class AsyncCheckpointer {
 /// copied onto the devices the model's own parameters are on, whatever device they were saved
 /// from), and returns the rest of the state, the program's own tensors and values included. Throws
 /// Error for a truncated or corrupt file and for a key that is missing or has another shape (naming
-/// the file and the key), and UsageError for a checkpoint of another model.
+/// the file and the key), and UsageError for a checkpoint of another model. A DCP folder another
+/// program wrote (Python's dcp.save of get_state_dict()) loads too: its weights, and its optimizer
+/// state into a standard `opt` over the model's parameters; it holds no training position
+/// (TrainingState::has_training_state is false).
 TrainingState load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& opt, const std::string& model_name);
 /// The same, loading the optimizer's state only when `opt` is given and the file has one

@@ -302,18 +302,68 @@ void load_optimizer_bytes(const std::string& folder, const at::Tensor& bytes,
   }
 }
 
+// Whether the folder's keys hold an optimizer under get_state_dict()'s names.
+bool holds_named_optimizer(const DcpContents& contents) {
+  for (const auto& v : contents.values) {
+    if (v.rfind("optim.param_groups.", 0) == 0) return true;
+  }
+  return false;
+}
+
+// Note [Foreign DCP folders]: a folder another program wrote, typically Python's
+// dcp.save({"model": msd, "optim": osd}) of get_state_dict(model, opt): no record, no
+// scaletrain.* key. Its weights (model.<name>) load, and its optimizer state where the
+// optimizer is a standard one over the model's parameters; it has no training position, so a
+// resume from it starts at epoch 0, step 0 (TrainingState::has_training_state false).
+TrainingState load_foreign_dcp_folder(const std::string& folder, const DcpContents& contents,
+                                      torch::nn::Module& model, torch::optim::Optimizer* opt,
+                                      const std::string& model_name) {
+  TrainingState s;
+  s.model_name = model_name;
+  s.has_training_state = false;
+  const bool named = opt && holds_named_optimizer(contents) && !optimizer_kind(*opt).empty();
+  torch::NoGradGuard no_grad;
+  try {
+    load_dcp_module_state(folder, model, named ? opt : nullptr);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) +
+                " (a folder another program wrote resumes with the keys of "
+                "dcp.save({\"model\": model.state_dict()}); --init-weights also takes the bare "
+                "names of dcp.save(model.state_dict()))");
+  }
+  s.optimizer_restored = named;
+  return s;
+}
+
 }  // namespace
+
+bool is_foreign_dcp_folder(const std::string& folder) {
+  std::error_code ec;
+  const fs::path dir(folder);
+  if (!fs::is_regular_file(dir / ".metadata", ec) || fs::exists(dir / kRecord, ec)) return false;
+  const DcpContents contents = read_distributed_checkpoint_contents(folder);
+  for (const auto& [k, info] : contents.tensors) {
+    if (k.rfind("scaletrain.", 0) == 0) return false;
+  }
+  for (const auto& k : contents.values) {
+    if (k.rfind("scaletrain.", 0) == 0) return false;
+  }
+  return true;
+}
 
 TrainingState load_dcp_checkpoint(const std::string& folder, torch::nn::Module& model,
                                   torch::optim::Optimizer* opt, const std::string& model_name) {
+  if (is_foreign_dcp_folder(folder)) {
+    return load_foreign_dcp_folder(folder, read_distributed_checkpoint_contents(folder), model, opt,
+                                   model_name);
+  }
   if (auto problem = dcp_checkpoint_problem(folder)) {
     throw Error("checkpoint '" + folder + "' " + *problem);
   }
   TrainingState s;
   read_training_values(folder, s, model_name);
   const DcpContents contents = read_distributed_checkpoint_contents(folder);
-  bool named_optimizer = false;
-  for (const auto& v : contents.values) named_optimizer |= v.rfind("optim.param_groups.", 0) == 0;
+  const bool named_optimizer = holds_named_optimizer(contents);
   const bool bytes = contents.tensors.count(key(kOptimizerBytes).name) > 0;
   {
     torch::NoGradGuard no_grad;

@@ -81,6 +81,7 @@ class Run {
   void restore_loss_sums();
   void check_model_takes(const Batch& sample);
   void report_differences(const TrainingState& saved);
+  std::string resumed_line(const std::string& from, bool optimizer_restored) const;
   at::Device collective_device() const;
   std::string agreed_run_id(const std::string& mine);
   void record_options();

@@ -78,13 +78,7 @@ void Run::resume() {
     r_.last_checkpoint = from;
     if (d_.rank() == 0) {
       drop_metrics_after(r_.metrics_path, state_.global_step);
-      log_line(LogLevel::kInfo, "resumed from " + from + " (epoch " +
-                                    std::to_string(state_.epoch + 1) + ", step " +
-                                    std::to_string(state_.step_in_epoch) + " of it)" +
-                                    (restored ? ""
-                                              : "; its optimizer state was saved by another "
-                                                "strategy: the weights go on, the optimizer "
-                                                "starts afresh"));
+      log_line(LogLevel::kInfo, resumed_line(from, restored));
     }
     // The options' learning rates win over the file's (a resume with a lower --lr is how a
     // diverged run goes on); a scheduler replays its steps from them to this epoch.
@@ -102,6 +96,25 @@ void Run::resume() {
         o_.checkpoint_format != CheckpointFormat::kSharded && holds_sharded_checkpoints(o_.out_dir);
   }
   reporter_ = std::make_unique<Reporter>(o_, d_.rank() == 0);
+}
+
+// The line that says where the run goes on from, and what of the checkpoint it takes.
+std::string Run::resumed_line(const std::string& from, bool optimizer_restored) const {
+  if (!state_.has_training_state) {  // Note [Foreign DCP folders] in checkpoint_dcp.cpp
+    return "started from " + from +
+           ", a distributed checkpoint without scaletrain's training state (as Python's "
+           "dcp.save writes): its weights " +
+           (optimizer_restored ? "and optimizer state go on"
+                               : "go on and the optimizer starts afresh (the folder holds no "
+                                 "optimizer state under get_state_dict()'s names that this "
+                                 "strategy's optimizer takes)") +
+           ", from epoch 1, step 0";
+  }
+  return "resumed from " + from + " (epoch " + std::to_string(state_.epoch + 1) + ", step " +
+         std::to_string(state_.step_in_epoch) + " of it)" +
+         (optimizer_restored ? ""
+                             : "; its optimizer state was saved by another strategy: the weights "
+                               "go on, the optimizer starts afresh");
 }
 
 // What this run's options say that the resumed one's said otherwise, and which wins: the seed

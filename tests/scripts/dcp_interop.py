@@ -146,6 +146,27 @@ def lenet(nested, plain, pt):
     print(f"LeNet: {len(sd)} tensors saved three ways")
 
 
+def lenet_adam(folder, pt):
+    """A Python job's checkpoint: LeNet and Adam after 3 steps, dcp.save of get_state_dict()."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "python"))
+    from ddp_peer import LeNet
+
+    torch.manual_seed(11)
+    model = LeNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder, no_dist=True)
+    torch.save(dict(model.state_dict()), pt)
+    print(f"LeNet and Adam after 3 steps: {len(msd)} tensors, {len(osd['state'])} with state")
+
+
 def foreign(folder):
     path = os.path.join(folder, ".metadata")
     with open(path, "rb") as f:
@@ -227,7 +248,8 @@ def trainer(folder, pt):
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
     modes = {"check": check, "check-dtensor": check_dtensor, "save": save, "lenet": lenet, "foreign": foreign,
-             "optim-load": optim_load, "optim-save": optim_save, "trainer": trainer}
+             "optim-load": optim_load, "optim-save": optim_save, "trainer": trainer,
+             "lenet-adam": lenet_adam}
     modes[mode](*args)
 
 

@@ -335,22 +335,28 @@ TEST(DcpInterop, ResumeFromAPythonJobsFolderTakesItsWeightsAndAdam) {
 // converts the epoch's folder with dcp_to_torch_save and dcp.load's it; its model is model.pt
 // bit for bit (the epoch's last step is the run's), and its Adam's state is under
 // get_state_dict()'s names.
+// The same under zero2 and fsdp (Note [ZeRO's optimizer in checkpoints]): ZeRO's sharded Adam is
+// gathered into the folder as the model's own, all 8 of LeNet's parameters with their state.
 TEST(DcpInterop, PythonReadsATrainersCheckpointFolder) {
-  testing::TempDir tmp("dcp_trainer");
-  const auto r = testing::run_command(
-      testing::cli_path() + " run --nproc-per-node 2 --master-port 0 -- " + testing::cli_path() +
-      " train --device cpu --dataset synthetic --limit-train 256 --limit-test 64 --epochs 1 "
-      "--batch-size 64 --optimizer adam --lr 0.002 --checkpoint-format dcp --no-progress --out " +
-      tmp.path.string());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const fs::path folder = tmp.path / "ckpt-4";  // 256 samples, 64 a step
-  ASSERT_TRUE(fs::is_directory(folder)) << r.output;
-  const std::string out =
-      interop("trainer " + folder.string() + " " + (tmp.path / "model.pt").string());
-  EXPECT_TRUE(std::regex_search(out, std::regex("model: [0-9]+ tensors equal to model.pt; "
-                                                "optimizer state of [0-9]+ parameters \\(exp_avg, "
-                                                "exp_avg_sq, step\\), lr 0.002; global_step 4")))
-      << out;
+  for (const std::string strategy : {"ddp", "zero2", "fsdp"}) {
+    testing::TempDir tmp("dcp_trainer_" + strategy);
+    const auto r = testing::run_command(
+        testing::cli_path() + " run --nproc-per-node 2 --master-port 0 -- " + testing::cli_path() +
+        " train --strategy " + strategy +
+        " --device cpu --dataset synthetic --limit-train 256 --limit-test 64 --epochs 1 "
+        "--batch-size 64 --optimizer adam --lr 0.002 --checkpoint-format dcp --no-progress "
+        "--out " +
+        tmp.path.string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const fs::path folder = tmp.path / "ckpt-4";  // 256 samples, 64 a step
+    ASSERT_TRUE(fs::is_directory(folder)) << r.output;
+    const std::string out =
+        interop("trainer " + folder.string() + " " + (tmp.path / "model.pt").string());
+    EXPECT_TRUE(std::regex_search(out, std::regex("model: 8 tensors equal to model.pt; "
+                                                  "optimizer state of 8 parameters \\(exp_avg, "
+                                                  "exp_avg_sq, step\\), lr 0.002; global_step 4")))
+        << strategy << ": " << out;
+  }
 }
 
 }  // namespace

@@ -146,21 +146,19 @@ TEST_P(LateReplica, TakesTheDonorsStateAndEachSampleIsTrainedOnce) {
     auto params = m.module->parameters();
     torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));
     const auto path = (dir.path / "run" / ("replica-" + std::to_string(id)) / last).string();
-    const bool ddp = GetParam() == Strategy::kDDP;  // ZeRO's file holds its gathered state
-    auto s = load_checkpoint(path, *m.module, ddp ? &opt : nullptr, "net");
+    // Every strategy's checkpoint holds an SGD over the model's parameters (ZeRO's gathered:
+    // Note [ZeRO's optimizer in checkpoints]).
+    auto s = load_checkpoint(path, *m.module, &opt, "net");
     EXPECT_EQ(s.sampler.epoch, kEpochs);
+    EXPECT_TRUE(s.optimizer_restored) << "no optimizer state in " << path;
     std::vector<at::Tensor> w, mom;
     for (auto& p : params) {
       w.push_back(p.detach().clone());
-      if (!ddp) continue;
-      auto& st =
-          static_cast<torch::optim::SGDParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
-      mom.push_back(st.momentum_buffer().clone());
+      auto it = opt.state().find(p.unsafeGetTensorImpl());
+      ASSERT_NE(it, opt.state().end()) << path;
+      mom.push_back(
+          static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone());
     }
-    for (const auto& [key, t] : s.tensors) {
-      if (key.rfind("zero/optimizer/", 0) == 0) mom.push_back(t);
-    }
-    EXPECT_FALSE(mom.empty()) << "no optimizer state in " << path;
     weights.push_back(w);
     momenta.push_back(mom);
   }

@@ -341,8 +341,9 @@ TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
 
 // A checkpoint holds the model under PyTorch's names whatever the strategy: a run trained
 // pipelined goes on under ddp (one optimizer over the model's parameters in both: its state
-// carries over), and a grid's run goes on under dp with its weights (its optimizer state is per
-// stage: the optimizer starts afresh, and the run says so).
+// carries over), a grid's run goes on under dp with its weights (its optimizer state is per
+// stage: the optimizer starts afresh, and the run says so), and ZeRO's under ddp and back with
+// its optimizer's state.
 TEST(Train, CheckpointsMoveBetweenStrategies) {
   TempDir a("cross_pipeline"), b("cross_grid");
   const std::string common =
@@ -367,6 +368,23 @@ TEST(Train, CheckpointsMoveBetweenStrategies) {
                         "2 --strategy dp --devices cpu,cpu --out " + b.path.string());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   EXPECT_NE(dp.output.find("the optimizer starts afresh"), std::string::npos) << dp.output;
+
+  // ZeRO's sharded optimizer is saved as the model's own (Note [ZeRO's optimizer in
+  // checkpoints]): ddp goes on with its momentum, and zero2 again at another world size.
+  TempDir c("cross_zero");
+  auto zero = run_command(cli_path() + " train" + common +
+                          "1 --strategy zero2 --nproc-per-node 2 --out " + c.path.string());
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  auto ddp = run_command(cli_path() + " train" + common +
+                         "2 --strategy ddp --nproc-per-node 1 --out " + c.path.string());
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  EXPECT_NE(ddp.output.find("resumed from " + c.path.string() + "/ckpt-4 "), std::string::npos)
+      << ddp.output;
+  EXPECT_EQ(ddp.output.find("starts afresh"), std::string::npos) << ddp.output;
+  auto again = run_command(cli_path() + " train" + common +
+                           "3 --strategy fsdp --nproc-per-node 2 --out " + c.path.string());
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(again.output.find("starts afresh"), std::string::npos) << again.output;
 }
 
 // Issue: pruning to --keep by step number deleted another run's newer... or this run's own

@@ -55,9 +55,8 @@ void Run::resume() {
                                 std::to_string(saved) + ")");
     } else {
       from = *start_.resume_from;
-      torch::optim::Optimizer* standard =
-          strategy_->saved_optimizer_is_standard() ? opt_.get() : nullptr;
-      state_ = load_checkpoint(from, *model_.module, standard, model_.name);
+      state_ =
+          load_checkpoint(from, *model_.module, strategy_->optimizer_to_load(*opt_), model_.name);
       strategy_->weights_loaded();
     }
     report_differences(state_);
@@ -65,7 +64,7 @@ void Run::resume() {
       state_.sampler.position *= strategy_->data_replicas();  // an older file: exact at its world
     }
     sampler_->load_state(state_.sampler);
-    const bool restored = state_.optimizer_restored || strategy_->restore_optimizer(*opt_, state_);
+    const bool restored = strategy_->restore_optimizer(*opt_, state_) || state_.optimizer_restored;
     if (auto* scaler = strategy_->scaler()) {
       std::map<std::string, at::Tensor> scaler_state;  // fp16's loss scale: an exact resume
       for (const auto& [k, t] : state_.tensors) {

@@ -77,6 +77,11 @@ class TrainStrategy {
   /// Whether this rank's optimizer is the one over the model's parameters, whose state goes in a
   /// checkpoint's standard place (every strategy but the grid).
   virtual bool saved_optimizer_is_standard() const { return true; }
+  /// The optimizer a checkpoint's standard optimizer state loads into: this rank's own where it
+  /// is standard, one that restore_optimizer() then takes it from (ZeRO's), or null.
+  virtual torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) {
+    return saved_optimizer_is_standard() ? &opt : nullptr;
+  }
   /// After a load: restores the optimizer from `state` where the file's standard place did not;
   /// returns whether it is restored.
   virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);

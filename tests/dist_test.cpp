@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "dist/heartbeat.h"
+#include "dist/store_server.h"
 #include "scaletrain/error.h"
 #include "scaletrain/version.h"
 #include "support/subprocess.h"
@@ -190,6 +191,31 @@ INSTANTIATE_TEST_SUITE_P(Sizes, DistCollectives, ::testing::Values(1, 2, 3, 4));
 
 // A rank that never joins a collective: the others fail within the group's timeout, with an error
 // naming the collective and the rank.
+// Regression (TwoTestsMetOnOnePort): ranks whose drawn port another test's store holds start
+// again on another one instead of failing (tests/support/ranks.h). The first port given here is
+// that of a store with another secret, as a test beside this one has; the ranks then meet on the
+// next and sum.
+TEST(DistCollectives, TestRanksStartAgainWhenTheirPortIsTaken) {
+  StoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.secret = std::string(testing::kTestSecret) + "-another-test";
+  so.log = [](const std::string&) {};
+  StoreServer other(so);
+  const int taken = other.port();
+  int draws = 0;
+  auto errors = testing::run_ranks(
+      2,
+      [&](Dist& d) {
+        auto t = at::ones({1});
+        d.all_reduce(t);
+        EXPECT_EQ(t.item<float>(), 2.0f);
+      },
+      std::chrono::seconds(30), "gloo",
+      [&] { return ++draws == 1 ? taken : testing::free_port(); });
+  EXPECT_EQ(errors, std::vector<std::string>(2)) << "port " << taken;
+  EXPECT_EQ(draws, 2);
+}
+
 TEST(DistCollectives, MissingRankFailsTheCollectiveNamingIt) {
   auto errors = testing::run_ranks(
       2,

@@ -196,6 +196,7 @@ def main():
                 for k in ("data", "forward", "backward", "step"):
                     f.write(f"{k},{1e3 * phases[k] / n}\n")
                 f.write(f"backward_local,{1e3 * local['backward'] / args.steps}\n")
+    dist.barrier()  # every rank past its last collective before Gloo is torn down
     dist.destroy_process_group()
 
 

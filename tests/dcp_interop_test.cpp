@@ -231,14 +231,6 @@ TEST(DcpInterop, WeResumePythonsModelAndAdam) {
   EXPECT_EQ(s.step(), 3);
 }
 
-// The losses of every step of a short run, from its metrics.jsonl.
-std::vector<double> metric_losses(const fs::path& out);
-std::vector<double> step_losses(const TrainOptions& o) {
-  auto errors = testing::run_ranks(1, [&](Dist& d) { train(o, d); });
-  EXPECT_EQ(errors, std::vector<std::string>{""});
-  return metric_losses(o.out_dir);
-}
-
 // The step losses of a run's folder, from its metrics.jsonl.
 std::vector<double> metric_losses(const fs::path& out) {
   std::ifstream f(out / "metrics.jsonl");
@@ -248,6 +240,13 @@ std::vector<double> metric_losses(const fs::path& out) {
     if (j["kind"] == "step") losses.push_back(j["loss"].get<double>());
   }
   return losses;
+}
+
+// The losses of every step of a short run in this process.
+std::vector<double> step_losses(const TrainOptions& o) {
+  auto errors = testing::run_ranks(1, [&](Dist& d) { train(o, d); });
+  EXPECT_EQ(errors, std::vector<std::string>{""});
+  return metric_losses(o.out_dir);
 }
 
 // The same LeNet from Python as model.pt, dcp.save({"model": sd}) and dcp.save(sd): the same

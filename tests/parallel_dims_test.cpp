@@ -13,15 +13,8 @@
 namespace scaletrain {
 namespace {
 
-ParallelDims dims(int dp_replicate, int dp_shard, int zero_stage, int pp, int tp) {
-  ParallelDims d;
-  d.dp_replicate = dp_replicate;
-  d.dp_shard = dp_shard;
-  d.zero_stage = zero_stage;
-  d.pp = pp;
-  d.tp = tp;
-  return d;
-}
+// Degrees in the order of the fields: {dp_replicate, dp_shard, zero_stage, pp, tp}.
+using Dims = ParallelDims;
 
 std::string error_of(const ParallelDims& d, int world) {
   try {
@@ -41,25 +34,25 @@ TEST(ParallelDims, ResolveFillsInTheRestOfTheWorld) {
   };
   const std::vector<Row> table{
       // ddp at 4: four replicas
-      {dims(-1, 1, 0, 1, 1), 4, dims(4, 1, 0, 1, 1), 4, 1},
+      {Dims({-1, 1, 0, 1, 1}), 4, Dims({4, 1, 0, 1, 1}), 4, 1},
       // ddp x tp 2 at 8: four replicas of a 2-rank model
-      {dims(-1, 1, 0, 1, 2), 8, dims(4, 1, 0, 1, 2), 4, 2},
+      {Dims({-1, 1, 0, 1, 2}), 8, Dims({4, 1, 0, 1, 2}), 4, 2},
       // zero1 x tp 2 at 4: two shards
-      {dims(1, -1, 1, 1, 2), 4, dims(1, 2, 1, 1, 2), 2, 2},
+      {Dims({1, -1, 1, 1, 2}), 4, Dims({1, 2, 1, 1, 2}), 2, 2},
       // fsdp at 3: three shards
-      {dims(1, -1, 3, 1, 1), 3, dims(1, 3, 3, 1, 1), 3, 1},
+      {Dims({1, -1, 3, 1, 1}), 3, Dims({1, 3, 3, 1, 1}), 3, 1},
       // grid: 2 replicas x 2 stages x tp 2 = 8
-      {dims(-1, 1, 0, 2, 2), 8, dims(2, 1, 0, 2, 2), 2, 4},
+      {Dims({-1, 1, 0, 2, 2}), 8, Dims({2, 1, 0, 2, 2}), 2, 4},
       // grid of one pipeline of 4 stages
-      {dims(-1, 1, 0, 4, 1), 4, dims(1, 1, 0, 4, 1), 1, 4},
+      {Dims({-1, 1, 0, 4, 1}), 4, Dims({1, 1, 0, 4, 1}), 1, 4},
       // tp the rest: 2 replicas, tp 3 at 6
-      {dims(2, 1, 0, 1, -1), 6, dims(2, 1, 0, 1, 3), 2, 3},
+      {Dims({2, 1, 0, 1, -1}), 6, Dims({2, 1, 0, 1, 3}), 2, 3},
       // all given
-      {dims(2, 1, 0, 3, 1), 6, dims(2, 1, 0, 3, 1), 2, 3},
+      {Dims({2, 1, 0, 3, 1}), 6, Dims({2, 1, 0, 3, 1}), 2, 3},
       // one process
-      {dims(1, 1, 0, 1, 1), 1, dims(1, 1, 0, 1, 1), 1, 1},
+      {Dims({1, 1, 0, 1, 1}), 1, Dims({1, 1, 0, 1, 1}), 1, 1},
       // zero2 at world 1: a stage, nothing to shard over
-      {dims(1, -1, 2, 1, 1), 1, dims(1, 1, 2, 1, 1), 1, 1},
+      {Dims({1, -1, 2, 1, 1}), 1, Dims({1, 1, 2, 1, 1}), 1, 1},
   };
   for (const auto& row : table) {
     const auto r = row.given.resolve(row.world);
@@ -73,19 +66,19 @@ TEST(ParallelDims, ResolveFillsInTheRestOfTheWorld) {
 }
 
 TEST(ParallelDims, DescribeNamesEachDegreeAboveOne) {
-  EXPECT_EQ(dims(4, 1, 0, 1, 1).describe(), "dp 4");
-  EXPECT_EQ(dims(1, 1, 0, 1, 1).describe(), "dp 1");
-  EXPECT_EQ(dims(1, 4, 1, 2, 2).describe(), "dp 4 (zero1) x pp 2 x tp 2");
-  EXPECT_EQ(dims(1, 2, 3, 1, 2).describe(), "dp 2 (fsdp) x tp 2");
-  EXPECT_EQ(dims(-1, 1, 0, 2, 1).describe(), "dp rest x pp 2");
-  EXPECT_EQ(dims(1, 1, 0, 2, 2).describe(), "pp 2 x tp 2");
-  EXPECT_EQ(dims(1, 1, 2, 1, 1).describe(), "dp 1 (zero2)");
+  EXPECT_EQ(Dims({4, 1, 0, 1, 1}).describe(), "dp 4");
+  EXPECT_EQ(Dims({1, 1, 0, 1, 1}).describe(), "dp 1");
+  EXPECT_EQ(Dims({1, 4, 1, 2, 2}).describe(), "dp 4 (zero1) x pp 2 x tp 2");
+  EXPECT_EQ(Dims({1, 2, 3, 1, 2}).describe(), "dp 2 (fsdp) x tp 2");
+  EXPECT_EQ(Dims({-1, 1, 0, 2, 1}).describe(), "dp rest x pp 2");
+  EXPECT_EQ(Dims({1, 1, 0, 2, 2}).describe(), "pp 2 x tp 2");
+  EXPECT_EQ(Dims({1, 1, 2, 1, 1}).describe(), "dp 1 (zero2)");
 }
 
 // The mesh {dp, pp, tp}: tp innermost, so a tensor-parallel group is consecutive ranks (the
 // grid's layout since it had tp); dp_replicate and dp_shard are one "dp" dimension.
 TEST(ParallelDims, MeshLaysRanksOutDpPpTp) {
-  const auto m = dims(2, 1, 0, 2, 2).mesh();
+  const auto m = Dims({2, 1, 0, 2, 2}).mesh();
   EXPECT_EQ(m.describe(), "dp=2 x pp=2 x tp=2");
   // rank: dp, pp, tp
   const std::vector<std::vector<int>> coordinates{{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1},
@@ -95,13 +88,13 @@ TEST(ParallelDims, MeshLaysRanksOutDpPpTp) {
   EXPECT_EQ(m.group(5, "pp"), (std::vector<int>{5, 7}));
   EXPECT_EQ(m.group(5, "tp"), (std::vector<int>{4, 5}));
 
-  const auto sharded = dims(1, 3, 1, 1, 2).mesh({"dp", "tp"});
+  const auto sharded = Dims({1, 3, 1, 1, 2}).mesh({"dp", "tp"});
   EXPECT_EQ(sharded.describe(), "dp=3 x tp=2");
   EXPECT_EQ(sharded.group(3, "dp"), (std::vector<int>{1, 3, 5}));
   EXPECT_EQ(sharded.group(3, "tp"), (std::vector<int>{2, 3}));
   // The order is the mesh's, whatever the order of the names.
-  EXPECT_EQ(dims(1, 3, 1, 1, 2).mesh({"tp", "dp"}).describe(), "dp=3 x tp=2");
-  EXPECT_EQ(dims(1, 1, 0, 1, 1).mesh({}).describe(), "dp=1");
+  EXPECT_EQ(Dims({1, 3, 1, 1, 2}).mesh({"tp", "dp"}).describe(), "dp=3 x tp=2");
+  EXPECT_EQ(Dims({1, 1, 0, 1, 1}).mesh({}).describe(), "dp=1");
 }
 
 TEST(ParallelDims, MeshRefusesALeftOutDegreeAboveOneAnUnknownNameAndTheUnresolved) {
@@ -113,36 +106,36 @@ TEST(ParallelDims, MeshRefusesALeftOutDegreeAboveOneAnUnknownNameAndTheUnresolve
     }
     return std::string();
   };
-  EXPECT_EQ(message(dims(2, 1, 0, 2, 1), {"dp", "tp"}),
+  EXPECT_EQ(message(Dims({2, 1, 0, 2, 1}), {"dp", "tp"}),
             "a mesh without dimension 'pp' from dp 2 x pp 2: its degree is 2, not 1");
-  EXPECT_EQ(message(dims(2, 1, 0, 1, 1), {"dp", "cp"}),
+  EXPECT_EQ(message(Dims({2, 1, 0, 1, 1}), {"dp", "cp"}),
             "ParallelDims has no mesh dimension 'cp': dp, pp or tp");
-  EXPECT_EQ(message(dims(-1, 1, 0, 1, 2), {"dp", "tp"}),
+  EXPECT_EQ(message(Dims({-1, 1, 0, 1, 2}), {"dp", "tp"}),
             "ParallelDims dp rest x tp 2 is not resolved (ParallelDims::dp_replicate -1): call "
             "resolve(world) first");
 }
 
 TEST(ParallelDims, ResolveRefusesDegreesThatDoNotMakeTheWorld) {
-  EXPECT_EQ(error_of(dims(-1, 1, 0, 2, 2), 6),
+  EXPECT_EQ(error_of(Dims({-1, 1, 0, 2, 2}), 6),
             "the world of 6 ranks does not divide by dp rest x pp 2 x tp 2 (4 ranks a "
             "dp_replicate coordinate): give a world that is a multiple of 4");
-  EXPECT_EQ(error_of(dims(2, 1, 0, 2, 1), 6),
+  EXPECT_EQ(error_of(Dims({2, 1, 0, 2, 1}), 6),
             "dp 2 x pp 2 makes 4 ranks, and the world has 6: make the degrees' product the world "
             "size (or one degree -1, the rest)");
-  EXPECT_EQ(error_of(dims(-1, 1, 0, -1, 1), 4),
+  EXPECT_EQ(error_of(Dims({-1, 1, 0, -1, 1}), 4),
             "ParallelDims::dp_replicate and ParallelDims::pp are both -1 (the rest of the world): "
             "give one of them a degree");
-  EXPECT_EQ(error_of(dims(1, 1, 0, 1, 0), 4),
+  EXPECT_EQ(error_of(Dims({1, 1, 0, 1, 0}), 4),
             "ParallelDims::tp 0: a degree is at least 1 (or -1: the rest of the world)");
-  EXPECT_EQ(error_of(dims(1, 1, 0, -2, 1), 4),
+  EXPECT_EQ(error_of(Dims({1, 1, 0, -2, 1}), 4),
             "ParallelDims::pp -2: a degree is at least 1 (or -1: the rest of the world)");
-  EXPECT_EQ(error_of(dims(1, 1, 0, 1, 1), 0), "a world of 0 ranks: it needs at least 1");
-  EXPECT_EQ(error_of(dims(1, 2, 4, 1, 1), 2),
+  EXPECT_EQ(error_of(Dims({1, 1, 0, 1, 1}), 0), "a world of 0 ranks: it needs at least 1");
+  EXPECT_EQ(error_of(Dims({1, 2, 4, 1, 1}), 2),
             "ParallelDims::zero_stage 4 is not a ZeRO stage: give 0 (none), 1, 2 or 3 (fsdp)");
-  EXPECT_EQ(error_of(dims(1, 2, 0, 1, 1), 2),
+  EXPECT_EQ(error_of(Dims({1, 2, 0, 1, 1}), 2),
             "ParallelDims::dp_shard 2 shards nothing with ParallelDims::zero_stage 0: give a stage "
             "of 1, 2 or 3, or replicate with ParallelDims::dp_replicate");
-  EXPECT_EQ(error_of(dims(2, 2, 1, 1, 1), 4),
+  EXPECT_EQ(error_of(Dims({2, 2, 1, 1, 1}), 4),
             "ParallelDims::dp_replicate 2 with dp_shard 2 (a hybrid of replicas and shards) is not "
             "supported yet: shard over the whole data-parallel dimension (dp_replicate 1, dp_shard "
             "-1)");

@@ -37,8 +37,7 @@ torch::nn::Sequential linear_tanh_stack(int layers, int64_t width) {
 
 namespace {
 
-double time_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, int repeats,
-                 std::vector<double>* all) {
+double time_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, int repeats) {
   auto mse = [](const at::Tensor& o, const at::Tensor& t) {
     return torch::nn::functional::mse_loss(o, t);
   };
@@ -48,7 +47,6 @@ double time_step(Pipeline& pipe, const at::Tensor& x, const at::Tensor& y, int r
     auto t0 = std::chrono::steady_clock::now();
     pipe.train_step(x, y, mse);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (all) all->push_back(s);
     best = std::min(best, s);
   }
   return best;
@@ -105,7 +103,7 @@ double one_stage_step_time(int layers, const at::Tensor& x, const at::Tensor& y,
   one.devices = {at::kCPU};
   one.chunks = m;
   Pipeline b(linear_tanh_stack(layers, x.size(1)), one);
-  return time_step(b, x, y, repeats, nullptr);
+  return time_step(b, x, y, repeats);
 }
 
 namespace {

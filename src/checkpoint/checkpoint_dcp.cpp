@@ -335,27 +335,30 @@ TrainingState load_foreign_dcp_folder(const std::string& folder, const DcpConten
   return s;
 }
 
-}  // namespace
-
-bool is_foreign_dcp_folder(const std::string& folder) {
+// A folder another program wrote (a .metadata, neither the record nor a scaletrain.* key): its
+// contents, read once; nullopt for scaletrain's own. Throws the reader's Error for a damaged
+// .metadata.
+std::optional<DcpContents> foreign_contents(const std::string& folder) {
   std::error_code ec;
   const fs::path dir(folder);
-  if (!fs::is_regular_file(dir / ".metadata", ec) || fs::exists(dir / kRecord, ec)) return false;
-  const DcpContents contents = read_distributed_checkpoint_contents(folder);
+  if (!fs::is_regular_file(dir / ".metadata", ec) || fs::exists(dir / kRecord, ec)) {
+    return std::nullopt;
+  }
+  DcpContents contents = read_distributed_checkpoint_contents(folder);
+  const auto ours = [](const std::string& k) { return k.rfind("scaletrain.", 0) == 0; };
   for (const auto& [k, info] : contents.tensors) {
-    if (k.rfind("scaletrain.", 0) == 0) return false;
+    if (ours(k)) return std::nullopt;
   }
-  for (const auto& k : contents.values) {
-    if (k.rfind("scaletrain.", 0) == 0) return false;
-  }
-  return true;
+  if (std::any_of(contents.values.begin(), contents.values.end(), ours)) return std::nullopt;
+  return contents;
 }
+
+}  // namespace
 
 TrainingState load_dcp_checkpoint(const std::string& folder, torch::nn::Module& model,
                                   torch::optim::Optimizer* opt, const std::string& model_name) {
-  if (is_foreign_dcp_folder(folder)) {
-    return load_foreign_dcp_folder(folder, read_distributed_checkpoint_contents(folder), model, opt,
-                                   model_name);
+  if (auto contents = foreign_contents(folder)) {
+    return load_foreign_dcp_folder(folder, *contents, model, opt, model_name);
   }
   if (auto problem = dcp_checkpoint_problem(folder)) {
     throw Error("checkpoint '" + folder + "' " + *problem);

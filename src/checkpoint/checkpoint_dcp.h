@@ -37,11 +37,8 @@ std::optional<std::string> dcp_checkpoint_problem(const std::string& folder);
 std::optional<std::string> dcp_checkpoint_run(const std::string& folder);
 /// TrainingState::values[key] of a checkpoint folder; nullopt when unreadable or absent.
 std::optional<std::string> dcp_checkpoint_value(const std::string& folder, const std::string& key);
-/// A DCP folder another program wrote (a .metadata, neither the record nor a scaletrain.* key):
-/// load_dcp_checkpoint() takes its weights and optimizer (Note [Foreign DCP folders]). Throws
-/// the reader's Error for a damaged .metadata.
-bool is_foreign_dcp_folder(const std::string& folder);
-/// load_checkpoint() of a folder.
+/// load_checkpoint() of a folder, also of one another program wrote (Note [Foreign DCP
+/// folders]).
 TrainingState load_dcp_checkpoint(const std::string& folder, torch::nn::Module& model,
                                   torch::optim::Optimizer* opt, const std::string& model_name);
 

@@ -21,9 +21,9 @@
 
 #include <cmath>
 
+#include "checkpoint/optimizer_state.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
-#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 namespace {

@@ -22,9 +22,9 @@
 #include <limits>
 #include <sstream>
 
+#include "checkpoint/checkpoint_io.h"
 #include "scaletrain/error.h"
 #include "scaletrain/log.h"
-#include "checkpoint/checkpoint_io.h"
 #include "train/run.h"
 
 namespace scaletrain {

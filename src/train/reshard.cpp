@@ -7,10 +7,10 @@
 
 #include <sstream>
 
+#include "checkpoint/optimizer_state.h"
 #include "scaletrain/error.h"
 #include "scaletrain/tensor_parallel.h"
 #include "train/run_folder.h"
-#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 namespace {

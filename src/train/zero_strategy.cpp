@@ -104,7 +104,8 @@ class ZeroStrategy : public TrainStrategy {
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
     auto full = zero_->full_optimizer_state(opt);
-    whole_opt_ = standard_like(opt, model_params());
+    const auto params = model_params();
+    whole_opt_ = standard_like(opt, params);
     if (!whole_opt_) {
       for (auto& [k, t] : full) state.tensors[kOptimizerPrefix + k] = t;
       return nullptr;
@@ -112,7 +113,7 @@ class ZeroStrategy : public TrainStrategy {
     if (full.empty()) return whole_opt_.get();  // before the first step: no state yet
     const auto step = full.count("step") ? full.at("step").item<int64_t>() : 0;
     int64_t offset = 0;
-    for (const auto& p : model_params()) {
+    for (const auto& p : params) {
       ParamState st;
       st.step = step;
       for (const auto& [k, t] : full) {

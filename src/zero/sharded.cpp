@@ -9,10 +9,10 @@
 
 #include <set>
 
+#include "checkpoint/optimizer_state.h"
 #include "dist/model_sync.h"
 #include "scaletrain/error.h"
 #include "zero/impl.h"
-#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 at::Tensor zero_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {

@@ -19,10 +19,10 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/optimizer_state.h"
 #include "dist/model_sync.h"
 #include "scaletrain/error.h"
 #include "zero/impl.h"
-#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 namespace fs = std::filesystem;

@@ -41,10 +41,10 @@
 
 #include <set>
 
+#include "checkpoint/optimizer_state.h"
 #include "dist/model_sync.h"
 #include "scaletrain/error.h"
 #include "zero/impl.h"
-#include "checkpoint/optimizer_state.h"
 
 namespace scaletrain {
 

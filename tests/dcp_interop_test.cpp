@@ -22,6 +22,7 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
+#include "scaletrain/tokens.h"
 #include "scaletrain_zoo.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
@@ -356,6 +357,36 @@ TEST(DcpInterop, PythonReadsATrainersCheckpointFolder) {
                                                   "exp_avg_sq, step\\), lr 0.002; global_step 4")))
         << strategy << ": " << out;
   }
+}
+
+// 2D: fsdp × tp 2 on 4 ranks, the GPT's attention and MLP split over tp and each slice's
+// shards over dp. The folder holds each whole parameter under the GPT's names, equal to model.pt,
+// and Adam's state of every parameter, each moment's slices and shards joined (Note [Standard
+// optimizer state] in src/train/optimizer_states.h); Python reads both.
+TEST(DcpInterop, PythonReadsAFsdpTimesTp2FolderWithItsOptimizer) {
+  testing::TempDir tmp("dcp_trainer_fsdp_tp2");
+  const fs::path text = tmp.path / "text";
+  write_byte_tokens("/usr/share/common-licenses/GPL-3", text.string(), 0.1);
+  const auto r = testing::run_command(
+      testing::cli_path() + " run --nproc-per-node 4 --master-port 0 -- " + testing::cli_path() +
+      " train --strategy fsdp --tp 2 --model gpt-tiny --dataset text --data-dir " + text.string() +
+      " --device cpu --limit-train 256 --limit-test 64 --epochs 1 --batch-size 64 --optimizer "
+      "adam --lr 0.002 --no-progress --out " +
+      (tmp.path / "out").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const fs::path folder = tmp.path / "out" / "ckpt-4";
+  ASSERT_TRUE(fs::is_directory(folder)) << r.output;
+  const std::string out =
+      interop("trainer " + folder.string() + " " + (tmp.path / "out" / "model.pt").string());
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m,
+                                std::regex("model: ([0-9]+) tensors equal to model.pt; "
+                                           "optimizer state of ([0-9]+) parameters \\(exp_avg, "
+                                           "exp_avg_sq, step\\), lr 0.002; global_step 4")))
+      << out;
+  const auto params = make_model("gpt-tiny").module->parameters().size();
+  EXPECT_EQ(std::stoul(m[2].str()), params) << out;
+  EXPECT_GE(std::stoul(m[1].str()), params) << out;
 }
 
 }  // namespace

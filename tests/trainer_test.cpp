@@ -339,11 +339,12 @@ TEST(Checkpoint, TruncatedOrCorruptFilesAreSkipped) {
   EXPECT_FALSE(newest_valid_checkpoint(dir.path.string()).has_value());
 }
 
-// A checkpoint holds the model under PyTorch's names whatever the strategy: a run trained
-// pipelined goes on under ddp (one optimizer over the model's parameters in both: its state
-// carries over), a grid's run goes on under dp with its weights (its optimizer state is per
-// stage: the optimizer starts afresh, and the run says so), and ZeRO's under ddp and back with
-// its optimizer's state.
+// A checkpoint holds the model under PyTorch's names whatever the strategy, and the optimizer's
+// state as the standard optimizer's over them (Note [Standard optimizer state]): a run trained
+// pipelined goes on under ddp, a grid's under dp and back under a grid, and ZeRO's under ddp
+// and back, none starting its optimizer afresh.
+// Regression (GridOptimizerStartedAfreshUnderAnotherStrategy): a grid kept each stage's
+// optimizer as bytes of its own, so dp after a grid started its momentum again.
 TEST(Train, CheckpointsMoveBetweenStrategies) {
   TempDir a("cross_pipeline"), b("cross_grid");
   const std::string common =
@@ -367,7 +368,17 @@ TEST(Train, CheckpointsMoveBetweenStrategies) {
   auto dp = run_command(cli_path() + " train" + common +
                         "2 --strategy dp --devices cpu,cpu --out " + b.path.string());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  EXPECT_NE(dp.output.find("the optimizer starts afresh"), std::string::npos) << dp.output;
+  EXPECT_NE(dp.output.find("resumed from " + b.path.string() + "/ckpt-4 "), std::string::npos)
+      << dp.output;
+  EXPECT_EQ(dp.output.find("starts afresh"), std::string::npos) << dp.output;
+  auto grid_again = run_command(cli_path() + " train" + common +
+                                "3 --strategy grid --nproc-per-node 2 --pipeline-stages 2 --out " +
+                                b.path.string());
+  ASSERT_EQ(grid_again.exit_code, 0) << grid_again.output;
+  EXPECT_NE(grid_again.output.find("resumed from " + b.path.string() + "/ckpt-8 "),
+            std::string::npos)
+      << grid_again.output;
+  EXPECT_EQ(grid_again.output.find("starts afresh"), std::string::npos) << grid_again.output;
 
   // ZeRO's sharded optimizer is saved as the model's own (Note [ZeRO's optimizer in
   // checkpoints]): ddp goes on with its momentum, and zero2 again at another world size.

@@ -263,6 +263,14 @@ void load_full_state(torch::nn::Module& module, const Dist& tp,
 std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, const Dist& tp,
                                                    const std::map<std::string, at::Tensor>& whole);
 
+/// The inverse of slice_full_state(), collective over `tp`: tensors shaped as this rank's slices
+/// of `module`'s parameters (`slices`, by the module's names: optimizer moments, say), each split
+/// one joined as gather_full_state() joins its parameter, the others as they are; names the
+/// module lacks are left out. Every rank must give the same names, and gets the whole tensors,
+/// on the CPU. Each is gathered where it is (NCCL: on the rank's device).
+std::map<std::string, at::Tensor> gather_full_tensors(
+    torch::nn::Module& module, const Dist& tp, const std::map<std::string, at::Tensor>& slices);
+
 /// How a planned `module`'s parameters are cut: a line "name dim chunks" per split parameter.
 /// What a checkpoint of slices keeps, so that join_slices() can put them back together where no
 /// such module is built (a resume at another degree).

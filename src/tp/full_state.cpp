@@ -120,6 +120,21 @@ std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, co
   return out;
 }
 
+std::map<std::string, at::Tensor> gather_full_tensors(
+    torch::nn::Module& module, const Dist& tp, const std::map<std::string, at::Tensor>& slices) {
+  const auto split = split_parameters(module);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : module.named_parameters()) {  // the same order on every rank
+    auto it = slices.find(p.key());
+    if (it == slices.end()) continue;
+    auto s = split.find(p.key());
+    out[p.key()] = s == split.end() || tp.size() == 1
+                       ? it->second.detach().cpu().clone()
+                       : joined(tp.all_gather(it->second.detach().contiguous()), s->second).cpu();
+  }
+  return out;
+}
+
 std::string describe_split(torch::nn::Module& module) {
   std::string out;
   for (const auto& [name, s] : split_parameters(module)) {

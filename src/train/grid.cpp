@@ -11,7 +11,7 @@
 //
 // Every rank builds the whole model and trains its stage's blocks; checkpoints gather the
 // stages' weights from replica 0 onto every rank (the file holds the whole model under PyTorch's
-// names) and each stage's optimizer state onto rank 0.
+// names) and the optimizer state of each stage onto rank 0.
 //
 // Note [Grid with tensor parallelism]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -27,8 +27,9 @@
 // src/tp/sequence_parallel.cpp): it commutes with DDP's average over dp. gather_weights()
 // assembles each stage's slices over tp and broadcasts them from replica 0; weights_loaded() cuts a
 // checkpoint's whole weights again, so a checkpoint moves between any grid, tp degree and strategy.
-// The optimizer state is per (stage, tp rank), and is reused at the same stages, balance and degree
-// only.
+// The optimizer state goes into a checkpoint as the standard optimizer's over the whole model
+// (each stage's slices joined over tp, then gathered onto rank 0: Note [Standard optimizer
+// state] in optimizer_states.h), so it goes on at any layout and degree, and under any strategy.
 
 #include <map>
 #include <optional>
@@ -43,6 +44,7 @@
 #include "scaletrain/tensor_parallel.h"
 #include "tp/partial_sums.h"
 #include "train/balance.h"
+#include "train/optimizer_states.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -87,6 +89,7 @@ class GridStrategy : public TrainStrategy {
     stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
     // The whole model's, which checkpoints gather (the same tensors without a split).
     whole_stage_params_ = degree_ > 1 ? stage_parameters(whole_, nullptr) : stage_params_;
+    for (const auto& t : parameters()) in_stage_.insert(t.unsafeGetTensorImpl());
     stage_module_ = chunks_.front();
     for (auto& c : chunks_) c->to(dev_);
     if (mesh_.size("dp") > 1) {
@@ -183,31 +186,55 @@ class GridStrategy : public TrainStrategy {
   // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
   bool counts_loss() const override { return last() && mesh_.coordinate(dist_.rank(), "tp") == 0; }
 
+  // Note [Standard optimizer state]: each stage's state (its slices joined over tp) onto rank 0,
+  // as the standard optimizer's over the whole model, which a grid of any layout, any other
+  // strategy and Python take. An optimizer of another kind saves each stage's bytes, which load
+  // at the same layout and degree only.
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    if (replica_ != 0) return nullptr;
-    // Replica 0's stages (and their tp ranks) are ranks 0 … stages · t − 1.
-    auto all =
-        bytes_to_rank_zero(dist_, optimizer_bytes(opt), stages_ * degree_, kOptimizerTag, at::kCPU);
-    for (size_t r = 0; r < all.size(); ++r) {
-      const int s = mesh_.coordinate(static_cast<int>(r), "pp");
-      const int t = mesh_.coordinate(static_cast<int>(r), "tp");
-      state.tensors[optimizer_key(s, t, degree_)] = all[r];
-    }
     if (dist_.rank() == 0) {
-      state.values["grid/stages"] = layout();
+      state.values["grid/stages"] = layout();  // the split a resume keeps
       // Always: a resume keeps the loaded file's values, and a stale degree would refuse every
       // later restore. Regression (GridStaleDegreeDroppedTheOptimizerState).
       state.values[kDegreeKey] = std::to_string(degree_);
     }
-    return nullptr;  // the stages' states travel in `state`
+    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    if (!whole_opt_) return save_optimizer_bytes(opt, state);
+    if (replica_ != 0) return nullptr;
+    // Replica 0's stages (and their tp ranks) are ranks 0 … stages · t − 1.
+    NamedStates mine = named_states(opt, trained());
+    if (degree_ > 1) mine = join_states(*split_.module, tp(), mine);
+    if (mesh_.coordinate(dist_.rank(), "tp") != 0) mine.clear();  // tp rank 0 sends the stage's
+    auto all = bytes_to_rank_zero(dist_, states_to_bytes(mine), stages_ * degree_, kOptimizerTag,
+                                  at::kCPU);
+    NamedStates stages;
+    for (const auto& bytes : all) {
+      for (auto& [name, st] : states_from_bytes(bytes)) stages[name] = std::move(st);
+    }
+    set_named_states(*whole_opt_, *whole_.module, stages);
+    return whole_opt_.get();  // rank 0's, which writes the checkpoint
   }
-
-  bool saved_optimizer_is_standard() const override { return false; }
-
+  torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
+    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    return whole_opt_.get();
+  }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
-    auto stages = state.values.find("grid/stages");
-    auto degree = state.values.find(kDegreeKey);  // absent: 1
+    if (state.optimizer_restored && whole_opt_) {  // any layout: this rank's stages' slices
+      auto whole = named_states(*whole_opt_, *whole_.module);
+      whole_opt_.reset();
+      if (degree_ > 1) whole = slice_states(*split_.module, tp(), whole);
+      NamedStates mine;
+      for (const auto& p : trained().named_parameters()) {
+        auto it = whole.find(p.key());
+        if (it != whole.end() && in_stage_.count(p.value().unsafeGetTensorImpl())) {
+          mine.insert(*it);
+        }
+      }
+      set_named_states(opt, trained(), mine);
+      return true;
+    }
+    auto stages = state.values.find("grid/stages");  // each stage's bytes (another optimizer)
+    auto degree = state.values.find(kDegreeKey);     // absent: 1
     if ((degree == state.values.end() ? "1" : degree->second) != std::to_string(degree_)) {
       return false;
     }
@@ -273,6 +300,22 @@ class GridStrategy : public TrainStrategy {
     for (auto& params : out) params = in_model_order(params, *model.module);
     return out;
   }
+  // An optimizer of another kind than SGD, Adam, AdamW: replica 0's stages' bytes onto rank 0.
+  const torch::optim::Optimizer* save_optimizer_bytes(torch::optim::Optimizer& opt,
+                                                      TrainingState& state) {
+    if (replica_ != 0) return nullptr;
+    auto all =
+        bytes_to_rank_zero(dist_, optimizer_bytes(opt), stages_ * degree_, kOptimizerTag, at::kCPU);
+    for (size_t r = 0; r < all.size(); ++r) {
+      const int s = mesh_.coordinate(static_cast<int>(r), "pp");
+      const int t = mesh_.coordinate(static_cast<int>(r), "tp");
+      state.tensors[optimizer_key(s, t, degree_)] = all[r];
+    }
+    return nullptr;  // the stages' states travel in `state`
+  }
+  // The module whose parameters this rank steps: the split build, or the whole model.
+  torch::nn::Module& trained() const { return *(degree_ > 1 ? split_ : whole_).module; }
+
   const Dist& tp() const { return groups_.at("tp"); }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
@@ -308,6 +351,9 @@ class GridStrategy : public TrainStrategy {
   std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums, this strategy's
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;
+  std::set<const void*> in_stage_;  // the parameters this rank steps, by their TensorImpl
+  // The standard optimizer of the last save or load (Note [Standard optimizer state]).
+  std::unique_ptr<torch::optim::Optimizer> whole_opt_;
 };
 
 }  // namespace

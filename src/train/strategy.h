@@ -70,18 +70,16 @@ class TrainStrategy {
   /// batch's loss (Note [Global losses] in loss_sums.cpp): one rank per replica. The ranks of a
   /// tensor-parallel group each compute the same loss, and only a grid's last stage computes it.
   virtual bool counts_loss() const { return true; }
-  /// Checkpoints: the optimizer's state goes into the file's standard place (the strategies
-  /// with one optimizer over the model's parameters), or into `state` (a grid's stages).
+  /// Checkpoints (Note [Standard optimizer state] in optimizer_states.h): the optimizer whose
+  /// state goes into the checkpoint's standard place, an SGD, Adam or AdamW over the whole model's
+  /// parameters (this rank's own where it steps them all, else one it fills from its slices,
+  /// shards or stages; collective), or null where `state` takes it (another optimizer's bytes).
   virtual const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                          TrainingState& state);
-  /// Whether this rank's optimizer is the one over the model's parameters, whose state goes in a
-  /// checkpoint's standard place (every strategy but the grid).
-  virtual bool saved_optimizer_is_standard() const { return true; }
   /// The optimizer a checkpoint's standard optimizer state loads into: this rank's own where it
-  /// is standard, one that restore_optimizer() then takes it from (ZeRO's), or null.
-  virtual torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) {
-    return saved_optimizer_is_standard() ? &opt : nullptr;
-  }
+  /// steps the whole model's parameters, one that restore_optimizer() then takes it from, or
+  /// null.
+  virtual torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) { return &opt; }
   /// After a load: restores the optimizer from `state` where the file's standard place did not;
   /// returns whether it is restored.
   virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);

@@ -8,8 +8,9 @@
 // trains, wrapped in DDP over dp. gather_weights() assembles the split weights into the whole
 // model (gather_full_state) and weights_loaded() cuts them again (load_full_state), so a
 // checkpoint saved at one degree resumes at another. The optimizer steps the split parameters:
-// its state goes into the checkpoint per rank, and comes back when the mesh is the same (at
-// another mesh the weights go on and the optimizer starts afresh, as between strategies).
+// its state goes into the checkpoint as the standard optimizer's over the whole model (the
+// slices joined, Note [Standard optimizer state] in optimizer_states.h), so it goes on at any
+// degree, under any strategy, and in Python.
 // Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
 // once per rank, so each replica's are counted t times, numerators and denominators alike: their
 // ratios are the replicas' means. The training loss is counted once per replica, on its tp rank
@@ -40,6 +41,7 @@
 #include "scaletrain/zero.h"
 #include "tp/partial_sums.h"
 #include "train/balance.h"
+#include "train/optimizer_states.h"
 #include "train/reshard.h"
 #include "train/run_folder.h"
 #include "train/strategy.h"
@@ -193,20 +195,32 @@ class TensorParallelStrategy : public TrainStrategy {
     if (zero_) zero_->scatter_full_parameters();
   }
 
-  bool saved_optimizer_is_standard() const override { return false; }
+  // Note [Standard optimizer state]: the state of every slice (and, under ZeRO, every shard)
+  // joined into the standard optimizer over the whole model, on every rank (collective); an
+  // optimizer of another kind saves each rank's bytes, which load at the same mesh only.
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    // Every rank's bytes onto rank 0, which writes the checkpoint.
-    auto all =
-        bytes_to_rank_zero(dist_, optimizer_bytes(opt), dist_.size(), kOptimizerTag, collective());
-    for (size_t r = 0; r < all.size(); ++r) {
-      state.tensors[optimizer_key(static_cast<int>(r))] = all[r];
-    }
-    state.values[kMeshKey] = layout_;
-    return nullptr;
+    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    if (!whole_opt_) return save_optimizer_bytes(opt, state);
+    const auto mine =
+        zero_ ? zero_named_states(*zero_, opt, *split_.module) : named_states(opt, *split_.module);
+    set_named_states(*whole_opt_, *whole_.module, join_states(*split_.module, tp(), mine));
+    return whole_opt_.get();
+  }
+  torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
+    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    return whole_opt_.get();
   }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
-    auto mesh = state.values.find(kMeshKey);
+    if (state.optimizer_restored && whole_opt_) {  // any mesh: this rank's slices and shards
+      const auto mine =
+          slice_states(*split_.module, tp(), named_states(*whole_opt_, *whole_.module));
+      whole_opt_.reset();
+      if (zero_) return load_zero_named_states(*zero_, opt, *split_.module, mine);
+      set_named_states(opt, *split_.module, mine);
+      return true;
+    }
+    auto mesh = state.values.find(kMeshKey);  // each rank's bytes: the same mesh only
     auto bytes = state.tensors.find(optimizer_key(dist_.rank()));
     if (mesh == state.values.end() || mesh->second != layout_ || bytes == state.tensors.end()) {
       return false;
@@ -304,6 +318,19 @@ class TensorParallelStrategy : public TrainStrategy {
     return parts;
   }
 
+  // An optimizer of another kind than SGD, Adam, AdamW: every rank's bytes onto rank 0, which
+  // writes the checkpoint.
+  const torch::optim::Optimizer* save_optimizer_bytes(torch::optim::Optimizer& opt,
+                                                      TrainingState& state) {
+    auto all =
+        bytes_to_rank_zero(dist_, optimizer_bytes(opt), dist_.size(), kOptimizerTag, collective());
+    for (size_t r = 0; r < all.size(); ++r) {
+      state.tensors[optimizer_key(static_cast<int>(r))] = all[r];
+    }
+    state.values[kMeshKey] = layout_;
+    return nullptr;
+  }
+
   const Dist& tp() const { return groups_.at("tp"); }
   std::string slice_dir(const std::string& dir) const {
     return tensor_slice_dir(dir, mesh_.size("tp"), tp().rank());
@@ -326,6 +353,8 @@ class TensorParallelStrategy : public TrainStrategy {
   std::string layout_ = mesh_.describe();      // the optimizer state's: mesh and strategy
   std::set<const void*> replicated_;  // the split model's parameters whole on every tp rank
   std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums, this strategy's
+  // The standard optimizer of the last save or load (Note [Standard optimizer state]).
+  std::unique_ptr<torch::optim::Optimizer> whole_opt_;
 };
 
 }  // namespace

@@ -8,17 +8,10 @@
 // buffers compute in bf16, gradients are reduced in fp32 into fp32 master shards; the loss is taken
 // in fp32, and checkpoints hold the fp32 master weights.
 
-#include <ATen/ops/cat.h>
-#include <ATen/ops/full.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
-
-#include "checkpoint/optimizer_state.h"
-
 #include "scaletrain/error.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
+#include "train/optimizer_states.h"
 #include "train/reshard.h"
 #include "train/strategy.h"
 
@@ -30,31 +23,9 @@ namespace {
 const std::string kOptimizerPrefix = "zero/optimizer/";
 
 // Note [ZeRO's optimizer in checkpoints]: ZeRO's optimizer steps this rank's shards of flat
-// buffers; a gathered checkpoint (dcp, full) holds its state as that of the same optimizer (SGD,
-// Adam, AdamW, one parameter group) over the module's own parameters: each state tensor of the
-// whole model (gathered, ShardedDataParallel::full_optimizer_state) cut at the parameters and
-// shaped as they are. A DCP folder then has it under get_state_dict()'s names, and a ddp run or
-// Python takes it as its own; loading goes the other way, through such an optimizer, into the
-// shards. Another optimizer keeps the flat form under kOptimizerPrefix.
-std::unique_ptr<torch::optim::Optimizer> standard_like(const torch::optim::Optimizer& opt,
-                                                       std::vector<at::Tensor> params) {
-  if (opt.param_groups().size() != 1) return nullptr;
-  const auto kind = optimizer_kind(opt);
-  const auto& o = opt.param_groups()[0].options();
-  if (kind == "sgd") {
-    return std::make_unique<torch::optim::SGD>(params,
-                                               static_cast<const torch::optim::SGDOptions&>(o));
-  }
-  if (kind == "adam") {
-    return std::make_unique<torch::optim::Adam>(params,
-                                                static_cast<const torch::optim::AdamOptions&>(o));
-  }
-  if (kind == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(params,
-                                                 static_cast<const torch::optim::AdamWOptions&>(o));
-  }
-  return nullptr;
-}
+// buffers; a gathered checkpoint (dcp, full) holds its state as the standard optimizer's (Note
+// [Standard optimizer state] in optimizer_states.h), gathered over the ranks and cut at the
+// module's parameters. Another optimizer keeps the flat form under kOptimizerPrefix.
 
 class ZeroStrategy : public TrainStrategy {
  public:
@@ -103,49 +74,27 @@ class ZeroStrategy : public TrainStrategy {
   // Note [ZeRO's optimizer in checkpoints]. Collective (the state is gathered on every rank).
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    auto full = zero_->full_optimizer_state(opt);
-    const auto params = model_params();
-    whole_opt_ = standard_like(opt, params);
+    whole_opt_ = standard_optimizer(opt, *model_.module);
     if (!whole_opt_) {
-      for (auto& [k, t] : full) state.tensors[kOptimizerPrefix + k] = t;
+      for (auto& [k, t] : zero_->full_optimizer_state(opt)) state.tensors[kOptimizerPrefix + k] = t;
       return nullptr;
     }
-    if (full.empty()) return whole_opt_.get();  // before the first step: no state yet
-    const auto step = full.count("step") ? full.at("step").item<int64_t>() : 0;
-    int64_t offset = 0;
-    for (const auto& p : params) {
-      ParamState st;
-      st.step = step;
-      for (const auto& [k, t] : full) {
-        if (k != "step")
-          st.tensors[k] = t.narrow(0, offset, p.numel()).view(p.sizes()).to(p.device());
-      }
-      set_param_state(*whole_opt_, p, st);
-      offset += p.numel();
-    }
+    set_named_states(*whole_opt_, *model_.module, zero_named_states(*zero_, opt, *model_.module));
     return whole_opt_.get();
   }
-  bool saved_optimizer_is_standard() const override { return false; }
   torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
-    whole_opt_ = standard_like(opt, model_params());
+    whole_opt_ = standard_optimizer(opt, *model_.module);
     return whole_opt_.get();
   }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
-    std::map<std::string, at::Tensor> full;
     if (state.optimizer_restored && whole_opt_) {  // through optimizer_to_load()'s optimizer
-      std::map<std::string, std::vector<at::Tensor>> parts;
-      for (const auto& p : model_params()) {
-        auto st = param_state(*whole_opt_, p);
-        if (!st) return false;  // a parameter without state: the optimizer starts afresh
-        full["step"] = at::scalar_tensor(static_cast<double>(st->step), at::kLong);
-        for (const auto& [k, t] : st->tensors) parts[k].push_back(t.reshape({-1}).cpu());
-      }
-      for (auto& [k, v] : parts) full[k] = at::cat(v);
+      const auto states = named_states(*whole_opt_, *model_.module);
       whole_opt_.reset();
-    } else {
-      for (const auto& [k, t] : state.tensors) {
-        if (k.rfind(kOptimizerPrefix, 0) == 0) full[k.substr(kOptimizerPrefix.size())] = t;
-      }
+      return load_zero_named_states(*zero_, opt, *model_.module, states);
+    }
+    std::map<std::string, at::Tensor> full;
+    for (const auto& [k, t] : state.tensors) {
+      if (k.rfind(kOptimizerPrefix, 0) == 0) full[k.substr(kOptimizerPrefix.size())] = t;
     }
     if (full.empty()) return false;
     zero_->load_full_optimizer_state(opt, full);
@@ -189,13 +138,6 @@ class ZeroStrategy : public TrainStrategy {
       auto out = model_.forward(dtype && x.is_floating_point() ? x.to(*dtype) : x);
       return dtype ? out.to(at::kFloat) : out;
     });
-  }
-
-  // The module's parameters in ZeRO's order, the order of its flat state.
-  std::vector<at::Tensor> model_params() const {
-    std::vector<at::Tensor> out;
-    for (const auto& [name, t] : zero_->named_parameters()) out.push_back(t);
-    return out;
   }
 
   Model& model_;

@@ -1,5 +1,5 @@
-// The trainer's tensor-parallel strategy (Note [Tensor-parallel strategy] in
-// src/train/tp_strategy.cpp): ddp with tensor_parallel = 2 on 2 and 4 ranks trains the zoo's GPT
+// The trainer's tensor parallelism (Note [Tensor parallelism applied first] in
+// src/train/tp_apply.h): ddp with tensor_parallel = 2 on 2 and 4 ranks trains the zoo's GPT
 // to the single rank's weights, resumes exactly at its own mesh, and resumes at another degree
 // from the same checkpoint (whose weights are the whole model's, under PyTorch's names).
 // Float64, for Note [Tensor-parallel tolerance] in tensor_parallel_test.cpp.

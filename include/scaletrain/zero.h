@@ -219,7 +219,7 @@ class ShardedDataParallel {
 /// A sharded checkpoint read whole: every parameter at its full shape, by name, and each kind of
 /// optimizer state ("exp_avg", "momentum_buffer"...) the same way. For a caller that loads it
 /// into parameters of other shapes than the saved ones (tensor parallelism at another degree:
-/// train/tp_strategy.cpp) or outside any ShardedDataParallel.
+/// src/train/zero_strategy.cpp) or outside any ShardedDataParallel.
 struct WholeShardedCheckpoint {
   TrainingState state;  // the program's state, as ShardedDataParallel::load() gives it
   std::map<std::string, at::Tensor> params;  // by name, in the masters' dtype, on the CPU

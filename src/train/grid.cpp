@@ -15,7 +15,7 @@
 //
 // Note [Grid with tensor parallelism]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// As in the tensor-parallel strategy (Note [Tensor-parallel strategy] in tp_strategy.cpp), the
+// As in the tensor-parallel strategy (Note [Tensor parallelism applied first] in tp_apply.h), the
 // trainer's Model stays whole on the CPU for checkpoints, and a second build of it, given rank
 // 0's weights and split over the rank's tp group (Model::parallelize), is the one cut into
 // stages and trained. A stage's tp ranks run the same pipeline tasks in step (their stage_ranks

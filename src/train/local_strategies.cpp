@@ -1,7 +1,6 @@
-// The strategies of one model whose optimizer covers all its parameters (Note [Strategies] in
-// strategy.cpp): ddp (DistributedDataParallel, one device per rank), dp (DataParallel's replicas
-// in one process) and pipeline (the model's blocks in stages over devices); and make_strategy(),
-// which picks any strategy from the options.
+// The strategies of one process (Note [Strategies] in strategy.cpp): dp (DataParallel's
+// replicas) and pipeline (the model's blocks in stages over devices); and make_strategy(), which
+// picks any strategy from the options.
 
 #include <torch/nn/functional/loss.h>
 
@@ -57,85 +56,6 @@ LossFn weighted(const LossFn& loss, double weight) {
   return
       [loss, weight](const at::Tensor& out, const at::Tensor& y) { return loss(out, y) * weight; };
 }
-
-// DistributedDataParallel over the ranks, one device each; mixed precision with a GradScaler.
-class DdpStrategy : public TrainStrategy {
- public:
-  DdpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
-      : TrainStrategy(d),
-        model_(model),
-        loss_(task.loss),
-        dev_(rank_device(o.device, d)),
-        amp_(o.amp != Amp::kNone),
-        fp16_(o.amp == Amp::kFp16),
-        amp_dtype_(o.amp == Amp::kFp16 ? at::kHalf : at::kBFloat16),
-        scaler_([&] {
-          GradScalerOptions so;
-          so.enabled = o.amp == Amp::kFp16;  // bf16 has fp32's range: no scaling
-          return so;
-        }()) {
-    model.module->to(dev_);
-    ddp_ = std::make_unique<DistributedDataParallel>(model.module, d, o.ddp);
-  }
-
-  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
-  int data_rank() const override { return dist_.rank(); }
-  int data_replicas() const override { return dist_.size(); }
-  at::Device device() const override { return dev_; }
-
-  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
-    std::optional<DistributedDataParallel::NoSync> local;
-    if (!sync) local.emplace(*ddp_);
-    at::Tensor out;
-    {
-      std::optional<Autocast> autocast;
-      if (amp_) autocast.emplace(dev_.type(), amp_dtype_);
-      out = ddp_->forward([&] { return model_.forward(x); });
-    }
-    at::Tensor loss = loss_(amp_ ? out.to(at::kFloat) : out, y);
-    scaler_.scale(weight != 1 ? loss * weight : loss).backward();
-    return loss.detach();
-  }
-
-  at::Tensor predict(const at::Tensor& x) override { return model_.forward(x); }
-  bool gradients_finite() override {
-    return fp16_ || TrainStrategy::gradients_finite();  // fp16: the scaler skips such steps
-  }
-  at::Tensor gradients_finite_flag() override {  // averaged gradients: the same on every rank
-    if (fp16_) return {};                        // the scaler checks, and skips such steps
-    std::vector<at::Tensor> grads;
-    for (auto& p : model_.module->parameters()) {
-      if (p.grad().defined() && p.grad().numel() > 0) grads.push_back(p.grad());
-    }
-    if (!dev_.is_cuda()) return all_finite_flag(grads);
-    // One multi-tensor pass over the gradients (GradScaler's check, scaling by exactly 1).
-    auto found = at::zeros({1}, at::TensorOptions(at::kFloat).device(dev_));
-    if (!grads.empty()) {
-      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, at::ones_like(found));
-    }
-    return found.eq(0).squeeze();
-  }
-  void optimizer_step(torch::optim::Optimizer& opt) override {
-    scaler_.step(opt);  // skips a step whose gradients overflowed (fp16)
-    scaler_.update();
-  }
-  void zero_grad(torch::optim::Optimizer&) override { ddp_->zero_grad(); }  // keeps the views
-  void end_epoch() override { ddp_->join(); }
-  void train_mode(bool on) override { model_.module->train(on); }
-  GradScaler* scaler() override { return &scaler_; }
-  std::vector<DeviceReport> devices() const override {
-    return {{dev_.str(), count(model_.module->parameters()), peak_memory(dev_)}};
-  }
-
- private:
-  Model& model_;
-  LossFn loss_;
-  at::Device dev_;
-  bool amp_, fp16_;
-  at::ScalarType amp_dtype_;
-  GradScaler scaler_;
-  std::unique_ptr<DistributedDataParallel> ddp_;
-};
 
 // DataParallel in one process: the model is the primary replica; the task builds the others.
 class DpStrategy : public TrainStrategy {
@@ -246,19 +166,19 @@ std::unique_ptr<TrainStrategy> make_zero_strategy(const TrainTask& task,
                                                   const TrainerOptions& options, const Dist& dist,
                                                   Model& model, int stage);
 
-std::unique_ptr<TrainStrategy> make_tensor_parallel_strategy(const TrainTask& task,
-                                                             const TrainerOptions& options,
-                                                             const Dist& dist, Model& model);
+std::unique_ptr<TrainStrategy> make_ddp_strategy(const TrainTask& task,
+                                                 const TrainerOptions& options, const Dist& dist,
+                                                 Model& model);
 
+// Tensor parallelism, where given, is applied inside the data-parallel strategies, first (Note
+// [Tensor parallelism applied first] in tp_apply.h); the grid applies it to each stage.
+// Regression (FsdpIgnoredTensorParallelism): --strategy fsdp --tp T trained unsplit.
 std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const TrainerOptions& options,
                                              const Dist& dist, Model& model,
                                              const at::Tensor& sample) {
   switch (options.strategy) {
     case Strategy::kDDP:
-      if (options.tensor_parallel.size > 1) {
-        return make_tensor_parallel_strategy(task, options, dist, model);
-      }
-      return std::make_unique<DdpStrategy>(task, options, dist, model);
+      return make_ddp_strategy(task, options, dist, model);
     case Strategy::kDataParallel:
       return std::make_unique<DpStrategy>(task, options, dist, model);
     case Strategy::kPipeline:
@@ -266,17 +186,10 @@ std::unique_ptr<TrainStrategy> make_strategy(const TrainTask& task, const Traine
     case Strategy::kGrid:
       return make_grid_strategy(task, options, dist, model, sample);
     case Strategy::kZero1:
+      return make_zero_strategy(task, options, dist, model, 1);
     case Strategy::kZero2:
-      if (options.tensor_parallel.size > 1) {  // ZeRO over dp, the model split over tp
-        return make_tensor_parallel_strategy(task, options, dist, model);
-      }
-      return make_zero_strategy(task, options, dist, model,
-                                options.strategy == Strategy::kZero1 ? 1 : 2);
+      return make_zero_strategy(task, options, dist, model, 2);
     case Strategy::kFsdp:
-      // Regression (FsdpIgnoredTensorParallelism): --strategy fsdp --tp T trained unsplit.
-      if (options.tensor_parallel.size > 1) {  // FSDP over dp, the model split over tp
-        return make_tensor_parallel_strategy(task, options, dist, model);
-      }
       return make_zero_strategy(task, options, dist, model, 3);
   }
   throw Error("unknown strategy");

@@ -416,7 +416,7 @@ TrainResult Run::go() {
   return r_;
 }
 
-void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_strategy.cpp
+void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_apply.cpp
 
 void validate(const TrainerOptions& o, int world) {
   validate_trainer_numbers(o);

@@ -1,97 +1,200 @@
 // The trainer's sharded strategies (Note [Strategies] in strategy.cpp): zero1, zero2 and fsdp,
-// ShardedDataParallel (zero.h) over the ranks, one device each. The optimizer steps this rank's
-// shards; a checkpoint holds the model's weights, gathered, in the standard place, and the
-// optimizer's state over the whole model in the standard place too (Note [ZeRO's optimizer in
-// checkpoints]), so it resumes at any world size, with any of the three stages, under any
-// strategy with a standard optimizer, and in Python. --amp bf16 is the sharded
+// ShardedDataParallel (zero.h), one device per rank, applied after tensor parallelism (Note
+// [Tensor parallelism applied first] in tp_apply.h): over the world at degree 1 (ZeRO), over the
+// dp groups of the mesh {dp, tp} above it (2D: ZeRO × TP and FSDP × TP; fsdp over the split
+// model's chain of blocks, each block's slices gathered over dp for its forward and backward).
+// The optimizer steps this rank's shards (of its slices). A checkpoint holds the model's
+// weights, gathered, and the optimizer's state over the whole model, both in the standard place
+// (Note [ZeRO's optimizer in checkpoints]), so it resumes at any world size and degree, with any
+// of the three stages, under any strategy, and in Python. --amp bf16 at degree 1 is the sharded
 // mixed-precision policy (Note [Mixed precision] in src/zero/sharded_step.cpp): parameters and
-// buffers compute in bf16, gradients are reduced in fp32 into fp32 master shards; the loss is taken
-// in fp32, and checkpoints hold the fp32 master weights.
+// buffers compute in bf16, gradients are reduced in fp32 into fp32 master shards, and
+// checkpoints hold the fp32 master weights; split, the layers compute under bf16 autocast
+// instead. The loss is taken in fp32.
 
+#include "scaletrain/amp.h"
 #include "scaletrain/error.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
 #include "train/optimizer_states.h"
 #include "train/reshard.h"
 #include "train/strategy.h"
+#include "train/tp_apply.h"
 
 namespace scaletrain {
 namespace {
 
-// Checkpoints written before Note [ZeRO's optimizer in checkpoints]: the state, flat, in
-// TrainingState::tensors.
+// Checkpoints written before Note [ZeRO's optimizer in checkpoints], and an optimizer other than
+// SGD, Adam and AdamW: the state, flat, in TrainingState::tensors (degree 1), or each rank's
+// bytes (split: the same mesh only).
 const std::string kOptimizerPrefix = "zero/optimizer/";
 
 // Note [ZeRO's optimizer in checkpoints]: ZeRO's optimizer steps this rank's shards of flat
 // buffers; a gathered checkpoint (dcp, full) holds its state as the standard optimizer's (Note
-// [Standard optimizer state] in optimizer_states.h), gathered over the ranks and cut at the
-// module's parameters. Another optimizer keeps the flat form under kOptimizerPrefix.
+// [Standard optimizer state] in optimizer_states.h), gathered over the ranks, cut at the
+// module's parameters and, split, joined over tp.
 
 class ZeroStrategy : public TrainStrategy {
  public:
   ZeroStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                int stage)
-      : TrainStrategy(d), model_(model), loss_(task.loss), dev_(rank_device(o.device, d)) {
-    model.module->to(dev_);
+      : TrainStrategy(d),
+        dev_(rank_device(o.device, d)),
+        tp_(task, o, d, model, dev_),
+        layout_(tp_.describe() + " " + to_string(o.strategy)) {
     ShardOptions so;
     so.stage = stage;
-    if (o.amp == Amp::kBf16) {
+    if (tp_.split()) {
+      so.shared_memory = false;  // a dp group is not every rank of its machine
+      if (o.amp == Amp::kBf16) autocast_ = at::kBFloat16;
+    } else if (o.amp == Amp::kBf16) {
       so.param_dtype = so.buffer_dtype = at::kBFloat16;
       so.reduce_dtype = at::kFloat;
     }
-    zero_ = stage == 3
-                ? std::make_unique<ShardedDataParallel>(chain_of(model, Strategy::kFsdp), d, so)
-                : std::make_unique<ShardedDataParallel>(model.module, d, so);
+    if (stage == 3) {  // FSDP gathers the blocks one unit at a time
+      chain_ = chain_of(tp_.trained(), Strategy::kFsdp);
+      zero_ = std::make_unique<ShardedDataParallel>(chain_, tp_.dp(), so);
+    } else {
+      zero_ = std::make_unique<ShardedDataParallel>(tp_.trained().module, tp_.dp(), so);
+    }
     // A checkpoint may load into the module before the first step: the full (master) values.
     zero_->gather_full_parameters();
   }
 
   std::vector<at::Tensor> parameters() override { return zero_->parameters(); }
-  int data_rank() const override { return dist_.rank(); }
-  int data_replicas() const override { return dist_.size(); }
+  int data_rank() const override { return tp_.data_rank(); }
+  int data_replicas() const override { return tp_.data_replicas(); }
   at::Device device() const override { return dev_; }
+  bool counts_loss() const override { return tp_.counts_loss(); }
 
-  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
-    at::Tensor loss = loss_(forward(x), y);
+  at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
+    at::Tensor loss = tp_.loss()(forward(x), y);
     (weight != 1 ? loss * weight : loss).backward();
+    // Once per step, after its last backward: in the gradient shards, where the gradients are.
+    if (sync) tp_.after_last_backward(*zero_, zero_parameters());
     return loss.detach();
   }
-  at::Tensor predict(const at::Tensor& x) override { return forward(x); }
+  // Evaluation runs without autocast (as ddp's does).
+  at::Tensor predict(const at::Tensor& x) override {
+    return tp_.whole_outputs(forward(x, /*autocast=*/false));
+  }
+  std::optional<SplitOutputs> predict_split(const at::Tensor& x) override {
+    if (!tp_.outputs_split()) return std::nullopt;
+    return tp_.split_outputs(forward(x, /*autocast=*/false));
+  }
 
   // Each rank sees its own shards' gradients: the ranks agree on one verdict.
   bool gradients_finite() override {
-    return on_every_rank(dist_, TrainStrategy::gradients_finite(), dev_);
+    return on_every_rank(dist_, TrainStrategy::gradients_finite(), tp_.collective());
   }
-  // Each rank holds its shards' gradients (zero padding adds nothing): their sum over the world.
+  // Each rank holds its shards' gradients (zero padding adds nothing): their sum over the world;
+  // split, an element of a replicated parameter counts 1/t on each tp rank.
   double gradient_square_sum() override {
-    return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_);
+    if (!tp_.split()) return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_);
+    const auto params = zero_parameters();
+    const double mine = tp_.square_sum(params, TpApplied::shard_parts(*zero_, params));
+    return sum_over(dist_, mine, tp_.collective());
   }
   void optimizer_step(torch::optim::Optimizer& opt) override { zero_->step(opt); }
-  void weights_loaded() override { zero_->scatter_full_parameters(); }
-  void gather_weights() override { zero_->gather_full_parameters(); }
-  void train_mode(bool on) override { model_.module->train(on); }
+  void weights_loaded() override {
+    tp_.weights_loaded();
+    zero_->scatter_full_parameters();
+  }
+  void gather_weights() override {
+    zero_->gather_full_parameters();
+    tp_.gather_weights();
+  }
+  void train_mode(bool on) override { tp_.trained().module->train(on); }
 
   // Note [ZeRO's optimizer in checkpoints]. Collective (the state is gathered on every rank).
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    whole_opt_ = standard_optimizer(opt, *model_.module);
-    if (!whole_opt_) {
-      for (auto& [k, t] : zero_->full_optimizer_state(opt)) state.tensors[kOptimizerPrefix + k] = t;
-      return nullptr;
-    }
-    set_named_states(*whole_opt_, *model_.module, zero_named_states(*zero_, opt, *model_.module));
+    auto& whole = *tp_.whole().module;
+    whole_opt_ = standard_optimizer(opt, whole);
+    if (!whole_opt_) return save_other_optimizer(opt, state);
+    set_named_states(*whole_opt_, whole,
+                     tp_.join(zero_named_states(*zero_, opt, *tp_.trained().module)));
     return whole_opt_.get();
   }
   torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
-    whole_opt_ = standard_optimizer(opt, *model_.module);
+    whole_opt_ = standard_optimizer(opt, *tp_.whole().module);
     return whole_opt_.get();
   }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
     if (state.optimizer_restored && whole_opt_) {  // through optimizer_to_load()'s optimizer
-      const auto states = named_states(*whole_opt_, *model_.module);
+      const auto whole = named_states(*whole_opt_, *tp_.whole().module);
       whole_opt_.reset();
-      return load_zero_named_states(*zero_, opt, *model_.module, states);
+      return load_zero_named_states(*zero_, opt, *tp_.trained().module, tp_.slice(whole));
     }
+    return restore_other_optimizer(opt, state);
+  }
+
+  // Note [Sharded checkpoints per slice] in run_folder.h: split, each tensor-parallel slice's
+  // ZeRO group writes and reads its own folder, resharding over the data-parallel replicas.
+  std::string save_sharded(const std::string& dir, const TrainingState& state,
+                           const torch::optim::Optimizer& opt, int keep,
+                           AsyncCheckpointer* writer) override {
+    TrainingState s = state;
+    describe_for_resharding(*zero_, *tp_.trained().module, s);
+    return zero_->save(tp_.slice_dir(dir), s, opt, keep, writer);
+  }
+  TrainingState load_sharded(const std::string& dir, int64_t step, torch::optim::Optimizer& opt,
+                             int saved_tp) override {
+    if (std::max(saved_tp, 1) == tp_.degree()) {
+      return zero_->load(tp_.slice_dir(dir), step, opt, /*reshard=*/true);
+    }
+    // Note [Sharded checkpoints at another degree] in reshard.h.
+    auto whole = read_whole_checkpoint(dir, step, saved_tp);
+    whole.state.optimizer_restored =
+        load_whole_checkpoint(whole, *tp_.whole().module, *zero_, *tp_.trained().module, opt,
+                              [&](const auto& m) { return tp_.cut(m); });
+    weights_loaded();
+    return whole.state;
+  }
+  // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
+  bool weights_finite() override {
+    return on_every_rank(dist_, all_finite(zero_->parameters()), dev_);
+  }
+  std::vector<DeviceReport> devices() const override {  // the shards the rank holds
+    int64_t n = 0;
+    for (const auto& s : zero_->parameters()) n += s.numel();
+    return {{dev_.str(), n, peak_memory(dev_)}};
+  }
+
+ private:
+  // The output in fp32 for the loss and the metrics, under bf16 (the sharded policy's compute
+  // copies, or autocast where split and `autocast`).
+  at::Tensor forward(const at::Tensor& x, bool autocast = true) {
+    std::optional<Autocast> scope;
+    if (autocast && autocast_) scope.emplace(dev_.type(), *autocast_);
+    const auto dtype = zero_->options().param_dtype;
+    at::Tensor out;
+    if (chain_) {
+      out = zero_->forward(x);
+    } else {
+      out = zero_->forward(
+          [&] { return tp_.trained().forward(dtype && x.is_floating_point() ? x.to(*dtype) : x); });
+    }
+    return dtype || scope ? out.to(at::kFloat) : out;
+  }
+
+  // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
+  std::vector<at::Tensor> zero_parameters() const {
+    return chain_ ? chain_->parameters() : tp_.trained().module->parameters();
+  }
+
+  // An optimizer other than SGD, Adam, AdamW: its state flat (degree 1), or each rank's bytes.
+  const torch::optim::Optimizer* save_other_optimizer(torch::optim::Optimizer& opt,
+                                                      TrainingState& state) {
+    if (!tp_.split()) {
+      for (auto& [k, t] : zero_->full_optimizer_state(opt)) state.tensors[kOptimizerPrefix + k] = t;
+      return nullptr;
+    }
+    tp_.save_rank_bytes(opt, state, layout_);
+    return nullptr;
+  }
+  bool restore_other_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) {
+    if (tp_.split()) return tp_.restore_rank_bytes(opt, state, layout_);
     std::map<std::string, at::Tensor> full;
     for (const auto& [k, t] : state.tensors) {
       if (k.rfind(kOptimizerPrefix, 0) == 0) full[k.substr(kOptimizerPrefix.size())] = t;
@@ -100,51 +203,14 @@ class ZeroStrategy : public TrainStrategy {
     zero_->load_full_optimizer_state(opt, full);
     return true;
   }
-  std::string save_sharded(const std::string& dir, const TrainingState& state,
-                           const torch::optim::Optimizer& opt, int keep,
-                           AsyncCheckpointer* writer) override {
-    TrainingState s = state;
-    describe_for_resharding(*zero_, *model_.module, s);
-    return zero_->save(dir, s, opt, keep, writer);
-  }
-  TrainingState load_sharded(const std::string& dir, int64_t step, torch::optim::Optimizer& opt,
-                             int saved_tp) override {
-    if (saved_tp <= 1) return zero_->load(dir, step, opt, /*reshard=*/true);
-    auto whole = read_whole_checkpoint(dir, step, saved_tp);  // slices joined
-    whole.state.optimizer_restored = load_whole_checkpoint(
-        whole, *model_.module, *zero_, *model_.module, opt, [](const auto& m) { return m; });
-    weights_loaded();
-    return whole.state;
-  }
-  // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
-  bool weights_finite() override {
-    return on_every_rank(dist_, all_finite(zero_->parameters()), dev_);
-  }
-  std::vector<DeviceReport> devices() const override {
-    int64_t n = 0;
-    for (const auto& s : zero_->parameters()) n += s.numel();
-    return {{dev_.str(), n, peak_memory(dev_)}};
-  }
 
- private:
-  // With --amp bf16, the output back in fp32 for the loss and the metrics.
-  at::Tensor forward(const at::Tensor& x) {
-    const auto dtype = zero_->options().param_dtype;
-    if (zero_->options().stage == 3) {
-      auto out = zero_->forward(x);
-      return dtype ? out.to(at::kFloat) : out;
-    }
-    return zero_->forward([&] {
-      auto out = model_.forward(dtype && x.is_floating_point() ? x.to(*dtype) : x);
-      return dtype ? out.to(at::kFloat) : out;
-    });
-  }
-
-  Model& model_;
-  LossFn loss_;
   at::Device dev_;
+  TpApplied tp_;
+  std::optional<at::ScalarType> autocast_;  // split, --amp bf16: the layers under autocast
+  std::string layout_;                      // the mesh and strategy, of a rank's bytes
+  torch::nn::Sequential chain_{nullptr};    // fsdp: the blocks, which zero_ wraps
   std::unique_ptr<ShardedDataParallel> zero_;
-  // The standard optimizer of the last save or load (Note [ZeRO's optimizer in checkpoints]).
+  // The standard optimizer of the last save or load (Note [Standard optimizer state]).
   std::unique_ptr<torch::optim::Optimizer> whole_opt_;
 };
 

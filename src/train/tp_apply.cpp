@@ -1,0 +1,201 @@
+// Note [Tensor parallelism applied first] in tp_apply.h.
+
+#include "train/tp_apply.h"
+
+#include <algorithm>
+
+#include "scaletrain/error.h"
+#include "scaletrain/tensor_parallel.h"
+#include "scaletrain/zero.h"
+#include "tp/partial_sums.h"
+#include "train/run_folder.h"
+
+namespace scaletrain {
+
+TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world,
+                     Model& whole, const at::Device& device)
+    : world_(world),
+      whole_(whole),
+      degree_(std::max(o.tensor_parallel.size, 1)),
+      device_(device),
+      loss_(task.loss) {
+  if (!split()) {
+    whole_.module->to(device_);
+    return;
+  }
+  mesh_ = parallel_dims(o).resolve(world.size()).mesh({"dp", "tp"});
+  groups_ = mesh_groups(world_, *mesh_, "tensor_parallel");
+  split_ =
+      split_build(task, whole_, world_, tp(), o.tensor_parallel.sequence_parallel, collective());
+  split_.module->to(device_);
+  replicated_ = replicated_set(*split_.module);
+  if (o.tensor_parallel.sequence_parallel) {  // summed once per step, in one all-reduce
+    deferred_ = replicated_parameters(*split_.module);
+    defer_partial_sums(deferred_);
+  }
+  if (split_.parallel_loss) loss_ = split_.parallel_loss;
+}
+
+at::Device TpApplied::collective() const {
+  return world_.backend_name == "nccl" ? device_ : at::Device(at::kCPU);
+}
+
+at::Tensor TpApplied::whole_outputs(const at::Tensor& out) const {
+  return outputs_split() ? gather_from_region(out, tp(), -1) : out;
+}
+
+std::optional<TrainStrategy::SplitOutputs> TpApplied::split_outputs(const at::Tensor& out) const {
+  if (!outputs_split()) return std::nullopt;
+  return TrainStrategy::SplitOutputs{out, ClassSlice{&tp(), tp().rank() * out.size(-1)}};
+}
+
+void TpApplied::after_last_backward() {
+  if (!split()) return;  // the whole model's own after_backward runs in its forward's place
+  if (!deferred_.empty()) sum_deferred_partial_gradients(deferred_, tp());
+  if (split_.after_backward) split_.after_backward();
+}
+
+// Sequence parallelism under ZeRO: the replicated parameters' parts of this rank's gradient
+// shards, summed over tp. The tp ranks' split models have the same shapes, so their units and
+// shards line up part for part.
+void TpApplied::after_last_backward(const ShardedDataParallel& zero,
+                                    const std::vector<at::Tensor>& zero_params) {
+  if (!split() || deferred_.empty()) return;
+  const auto parts = shard_parts(zero, zero_params);
+  std::vector<at::Tensor> replicated;
+  for (size_t i = 0; i < zero_params.size(); ++i) {
+    if (parts[i].defined() && partial_sum_deferred(zero_params[i])) replicated.push_back(parts[i]);
+  }
+  if (replicated.empty()) return;
+  auto flat = flat_copy(replicated, collective());
+  tp().all_reduce(flat);
+  torch::NoGradGuard no_grad;
+  copy_from_flat(flat, replicated);  // the parts are views of the shards' gradients
+}
+
+double TpApplied::square_sum(const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& parts) const {
+  return tp_square_sum(params, parts, replicated_, degree_);
+}
+
+// A unit's shard is a range of its parameters laid end to end; each range is cut at the
+// parameters' bounds.
+std::vector<at::Tensor> TpApplied::shard_parts(const ShardedDataParallel& zero,
+                                               const std::vector<at::Tensor>& params) {
+  const auto members = zero.unit_parameters();
+  const int64_t dp_rank = zero.dist().rank();
+  std::vector<at::Tensor> parts(params.size());  // each parameter's slice here, if any
+  for (size_t u = 0; u < zero.units().size(); ++u) {
+    const at::Tensor& grad = zero.parameters()[u].grad();
+    if (!grad.defined()) continue;
+    const auto g = grad.detach().reshape({-1});
+    const int64_t lo = dp_rank * g.numel(), hi = lo + g.numel();
+    int64_t at = 0;
+    for (size_t i : members[u]) {
+      const int64_t begin = std::max(lo, at), end = std::min(hi, at + params[i].numel());
+      at += params[i].numel();
+      if (begin < end) parts[i] = g.narrow(0, begin - lo, end - begin);
+    }
+  }
+  return parts;
+}
+
+void TpApplied::gather_weights() {
+  if (!split()) return;
+  auto full = gather_full_state(*split_.module, tp());
+  torch::NoGradGuard no_grad;
+  for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
+}
+
+void TpApplied::weights_loaded() {
+  if (split()) load_full_state(*split_.module, tp(), named_values(*whole_.module));
+}
+
+NamedStates TpApplied::join(const NamedStates& mine) const {
+  return split() ? join_states(*split_.module, tp(), mine) : mine;
+}
+
+NamedStates TpApplied::slice(const NamedStates& whole) const {
+  return split() ? slice_states(*split_.module, tp(), whole) : whole;
+}
+
+std::map<std::string, at::Tensor> TpApplied::cut(
+    const std::map<std::string, at::Tensor>& whole) const {
+  return split() ? slice_full_state(*split_.module, tp(), whole) : whole;
+}
+
+namespace {
+constexpr int kRankBytesTag = 1 << 20;  // point-to-point tags of the optimizer gather
+const char* kRankBytesMeshKey = "tensor_parallel/mesh";
+std::string rank_bytes_key(int rank) {
+  return "tensor_parallel/optimizer/rank" + std::to_string(rank);
+}
+}  // namespace
+
+void TpApplied::save_rank_bytes(const torch::optim::Optimizer& opt, TrainingState& state,
+                                const std::string& layout) const {
+  auto all =
+      bytes_to_rank_zero(world_, optimizer_bytes(opt), world_.size(), kRankBytesTag, collective());
+  for (size_t r = 0; r < all.size(); ++r) {
+    state.tensors[rank_bytes_key(static_cast<int>(r))] = all[r];
+  }
+  state.values[kRankBytesMeshKey] = layout;
+}
+
+bool TpApplied::restore_rank_bytes(torch::optim::Optimizer& opt, const TrainingState& state,
+                                   const std::string& layout) const {
+  auto mesh = state.values.find(kRankBytesMeshKey);
+  auto bytes = state.tensors.find(rank_bytes_key(world_.rank()));
+  if (mesh == state.values.end() || mesh->second != layout || bytes == state.tensors.end()) {
+    return false;
+  }
+  load_optimizer_bytes(opt, bytes->second);
+  return true;
+}
+
+std::string TpApplied::slice_dir(const std::string& dir) const {
+  return split() ? tensor_slice_dir(dir, degree_, tp().rank()) : dir;
+}
+
+void validate_tensor_parallel(const TrainerOptions& o, int world) {
+  if (o.tensor_parallel.size < 1) {
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) +
+                     ": the tensor-parallel degree is at least 1 (1: no split)");
+  }
+  if (o.tensor_parallel.sequence_parallel && o.tensor_parallel.size == 1) {
+    throw UsageError(
+        "TrainerOptions::tensor_parallel.sequence_parallel splits the sequence over a "
+        "tensor-parallel group: give "
+        "TrainerOptions::tensor_parallel.size 2 or more with it");
+  }
+  if (o.tensor_parallel.size == 1) return;
+  const bool zero = o.strategy == Strategy::kZero1 || o.strategy == Strategy::kZero2 ||
+                    o.strategy == Strategy::kFsdp;
+  const bool grid = o.strategy == Strategy::kGrid;
+  if (o.strategy != Strategy::kDDP && !zero && !grid) {
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) +
+                     " goes with TrainerOptions::strategy ddp, zero1, zero2, fsdp or grid (" +
+                     to_string(o.strategy) + " does not split layers yet)");
+  }
+  if (world % o.tensor_parallel.size != 0) {
+    throw UsageError("TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) + " does not divide the world of " +
+                     std::to_string(world) +
+                     " ranks into tensor-parallel groups; give a world that is a multiple of it");
+  }
+  // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
+  // so, in the grid's words).
+  const int per_replica = parallel_dims(o).model_ranks();
+  if (per_replica < 1 || world % per_replica != 0) return;
+  const int replicas = world / per_replica;
+  if (o.batch_size % replicas != 0) {
+    throw UsageError("TrainerOptions::batch_size " + std::to_string(o.batch_size) +
+                     " does not split over the " + std::to_string(replicas) +
+                     " data-parallel replicas of TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size));
+  }
+}
+
+}  // namespace scaletrain

@@ -1,0 +1,129 @@
+#pragma once
+// Note [Tensor parallelism applied first]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The trainer applies the dimensions of ParallelDims in order (TorchTitan's shape): tensor
+// parallelism first, then data parallelism (ddp, or ZeRO's stage) over what it gave. TpApplied is
+// the first step's result on one rank, and the data-parallel strategies (ddp_strategy.cpp,
+// zero_strategy.cpp) take it whatever the degree:
+//   - degree t = TrainerOptions::tensor_parallel.size > 1: the world is the mesh {dp: W/t, tp: t}
+//     (row-major: ranks r·t … r·t + t − 1 are replica r's tensor-parallel group). The task's
+//     Model (`whole`) stays whole on the CPU: checkpoints, model.pt and resumes read and write it
+//     under PyTorch's names, whatever the degree. A second build of it, given the whole one's
+//     weights, is split over tp (Model::parallelize) and trains (`trained()`), on the rank's
+//     device; its loss is the model's parallel loss (the vocabulary-parallel cross entropy).
+//     gather_weights() assembles the split weights into the whole model and weights_loaded()
+//     cuts them again, and the optimizer's state is joined and cut the same way (Note
+//     [Standard optimizer state] in optimizer_states.h), so a checkpoint saved at one degree
+//     resumes at another;
+//   - t = 1: `whole` itself trains, on the rank's device, and every step here is the identity:
+//     data parallelism runs over the world as it did before there was a tp dimension.
+// Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
+// once per rank, so each replica's are counted t times, numerators and denominators alike: their
+// ratios are the replicas' means. The training loss is counted once per replica, on its tp rank
+// 0 (Note [Global losses] in loss_sums.cpp), so that its sums mean the same at every layout.
+// Sequence parallelism's sum of the replicated gradients over tp runs once per step, after its
+// last backward, in one all-reduce (the plan's hooks defer to it, Note [Partial gradients summed
+// in backward] in src/tp/sequence_parallel.cpp): over the whole gradients after DDP's average,
+// or on ZeRO's gradient shards, where the gradients are by then; the sums over tp and dp
+// commute. The gradient norm counts an element of a replicated parameter 1/t on each tp rank.
+
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "scaletrain/mesh.h"
+#include "train/optimizer_states.h"
+#include "train/strategy.h"
+
+namespace scaletrain {
+
+class ShardedDataParallel;
+
+class TpApplied {
+ public:
+  /// Collective over `world` where t > 1 (the groups, rank 0's weights). UsageError when the
+  /// model cannot be split.
+  TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world, Model& whole,
+            const at::Device& device);
+
+  bool split() const { return degree_ > 1; }
+  int degree() const { return degree_; }
+  /// The model this rank trains: the split build, or the whole model.
+  Model& trained() { return split() ? split_ : whole_; }
+  const Model& trained() const { return split() ? split_ : whole_; }
+  /// Whether evaluation outputs are split over tp (the model's vocabulary-parallel head).
+  bool outputs_split() const { return split() && split_.output_split; }
+  Model& whole() { return whole_; }
+  const LossFn& loss() const { return loss_; }
+  /// The data-parallel group (the world at t = 1) and this rank's tensor-parallel group (t > 1).
+  const Dist& dp() const { return split() ? groups_.at("dp") : world_; }
+  const Dist& tp() const { return groups_.at("tp"); }
+  int data_rank() const { return split() ? mesh_->coordinate(world_.rank(), "dp") : world_.rank(); }
+  int data_replicas() const { return split() ? mesh_->size("dp") : world_.size(); }
+  bool counts_loss() const { return !split() || tp().rank() == 0; }
+  /// Where a collective's tensors go: the device with NCCL, the CPU with Gloo.
+  at::Device collective() const;
+  /// "dp 2 x tp 2", for the state of an optimizer saved as bytes per rank.
+  std::string describe() const {
+    return split() ? mesh_->describe() : "dp " + std::to_string(world_.size());
+  }
+
+  /// Evaluation outputs, whole (gathered over tp where the model's outputs are split).
+  at::Tensor whole_outputs(const at::Tensor& out) const;
+  /// The split outputs and where they lie, where the model's outputs are split over tp.
+  std::optional<TrainStrategy::SplitOutputs> split_outputs(const at::Tensor& out) const;
+
+  /// After the step's last backward, with whole gradients on every rank (ddp): sequence
+  /// parallelism's sums over tp and the model's after_backward.
+  void after_last_backward();
+  /// The same under ZeRO (`zero` over `zero_params`, the parameters of what it wraps): the
+  /// replicated parameters' parts of this rank's gradient shards summed over tp.
+  void after_last_backward(const ShardedDataParallel& zero,
+                           const std::vector<at::Tensor>& zero_params);
+  /// The square sum of `parts` (parts of `params`' gradients, by parameter), a replicated
+  /// parameter's counted 1/t (t > 1 only).
+  double square_sum(const std::vector<at::Tensor>& params,
+                    const std::vector<at::Tensor>& parts) const;
+  /// Each parameter's part of this rank's gradient shards of `zero` (views), where they hold one.
+  static std::vector<at::Tensor> shard_parts(const ShardedDataParallel& zero,
+                                             const std::vector<at::Tensor>& params);
+
+  /// Collective over tp: the whole model takes the split weights (nothing at t = 1).
+  void gather_weights();
+  /// The split build takes its slices of the whole model's weights (nothing at t = 1).
+  void weights_loaded();
+  /// The optimizer's state of the split parameters joined into the whole model's (collective
+  /// over tp), and back (Note [Standard optimizer state]); the identity at t = 1.
+  NamedStates join(const NamedStates& mine) const;
+  NamedStates slice(const NamedStates& whole) const;
+  /// Whole tensors by the model's names cut to this rank's slices.
+  std::map<std::string, at::Tensor> cut(const std::map<std::string, at::Tensor>& whole) const;
+  /// An optimizer other than SGD, Adam and AdamW, split (Note [Standard optimizer state]): every
+  /// rank's bytes into rank 0's `state`, with `layout` (collective); and back into `opt` where
+  /// the checkpoint's layout is `layout` (the same mesh and strategy only).
+  void save_rank_bytes(const torch::optim::Optimizer& opt, TrainingState& state,
+                       const std::string& layout) const;
+  bool restore_rank_bytes(torch::optim::Optimizer& opt, const TrainingState& state,
+                          const std::string& layout) const;
+  /// This slice's folder of sharded checkpoints under `dir` (`dir` at t = 1).
+  std::string slice_dir(const std::string& dir) const;
+
+ private:
+  const Dist& world_;
+  Model& whole_;
+  int degree_;
+  std::optional<DeviceMesh> mesh_;      // t > 1: {dp, tp}
+  std::map<std::string, Dist> groups_;  // "dp" and "tp", t > 1
+  at::Device device_;
+  Model split_;  // t > 1: the trained build, split over tp
+  LossFn loss_;
+  std::set<const void*> replicated_;  // the split build's parameters whole on every tp rank
+  std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums
+};
+
+/// UsageError for tensor-parallel options the world or the strategy cannot take.
+void validate_tensor_parallel(const TrainerOptions& o, int world);
+
+}  // namespace scaletrain

@@ -19,14 +19,17 @@
 //                             gathered for their forward and
 //                             backward only
 //
-// In ddp, dp and pipeline, one optimizer covers the model's parameters in the model's order, so
-// their checkpoints are interchangeable, optimizer state included: a run trained with one
-// resumes with another exactly where it left off. The sharded three keep the optimizer state
-// over the whole model, flat, in the checkpoint (zero_strategy.cpp), so they resume at any world
-// size and stage; --checkpoint-format sharded writes a file per rank instead. A grid keeps an
-// optimizer per stage; its checkpoint holds the whole model's weights (gathered from the stages)
-// and each stage's optimizer state, so it resumes exactly as a grid of the same stages, and as any
-// other strategy with its weights (the optimizer starting afresh, which the trainer says).
+// Tensor parallelism (TrainerOptions::tensor_parallel.size > 1) is applied before the others
+// (Note [Tensor parallelism applied first] in tp_apply.h): ddp, zero1, zero2 and fsdp then run
+// over the dp groups of the mesh {dp, tp}, and the grid splits each stage.
+//
+// Every checkpoint holds the whole model's weights under PyTorch's names and the optimizer's
+// state as that of the same SGD, Adam or AdamW over them (Note [Standard optimizer state] in
+// optimizer_states.h): ddp, dp and pipeline step such an optimizer; ZeRO's shards, the slices of
+// tensor parallelism and a grid's stages are joined into it on a save and cut from it on a load.
+// So a run trained with one strategy resumes with any other, at any world size and layout,
+// where it left off; --checkpoint-format sharded writes a file per rank instead (zero1, zero2,
+// fsdp).
 
 #include "train/strategy.h"
 

@@ -356,6 +356,19 @@ TEST(DcpInterop, PythonReadsATrainersCheckpointFolder) {
                                                   "optimizer state of 8 parameters \\(exp_avg, "
                                                   "exp_avg_sq, step\\), lr 0.002; global_step 4")))
         << strategy << ": " << out;
+    // Note [Checkpoints every rank writes]: ZeRO's ranks each wrote their shards (the weight
+    // the shards' bound cuts in several boxes, each rank's file about half); ddp's rank 0 all.
+    const auto contents = read_distributed_checkpoint_contents(folder.string());
+    size_t most = 0;
+    for (const auto& [name, info] : contents.tensors) most = std::max(most, info.chunks.size());
+    const bool zero = strategy != "ddp";
+    EXPECT_EQ(most > 1, zero) << strategy << ": " << most << " chunks";
+    EXPECT_EQ(fs::exists(folder / "__1_0.distcp"), zero) << strategy;
+    if (zero) {
+      const double a = static_cast<double>(fs::file_size(folder / "__0_0.distcp")),
+                   b = static_cast<double>(fs::file_size(folder / "__1_0.distcp"));
+      EXPECT_GT(std::min(a, b) / std::max(a, b), 0.8) << strategy << ": " << a << " and " << b;
+    }
   }
 }
 

@@ -168,6 +168,14 @@ DcpState checkpoint_dcp_state(const TrainingState& s, const torch::nn::Module& m
                               const torch::optim::Optimizer* opt) {
   DcpState out = dcp_module_state(model, nullptr);
   if (opt) add_optimizer(out, model, *opt);
+  DcpState training = training_dcp_state(s);
+  for (auto& t : training.tensors) out.tensors.push_back(std::move(t));
+  for (auto& v : training.values) out.values.push_back(std::move(v));
+  return out;
+}
+
+DcpState training_dcp_state(const TrainingState& s) {
+  DcpState out;
   out.values.emplace_back(key("model_name"), DcpValue::of(s.model_name));
   const std::vector<std::pair<const char*, int64_t>> ints{
       {"epoch", s.epoch},
@@ -201,6 +209,23 @@ std::string commit_dcp_checkpoint(const std::string& dir, int64_t global_step,
   save_distributed_checkpoint(folder, state, Dist{}, so);
   remove_stale_temporaries(dir, "ckpt-");
   prune_checkpoints(dir, run_id, keep);
+  return folder;
+}
+
+std::string commit_distributed_dcp_checkpoint(const std::string& dir, int64_t global_step,
+                                              const std::string& run_id, const DcpState& mine,
+                                              int keep, const Dist& dist) {
+  std::error_code ec;
+  if (dist.rank() == 0) fs::create_directories(dir, ec);
+  const std::string folder = dcp_checkpoint_path(dir, global_step);
+  DcpSaveOptions so;
+  so.replace = true;
+  so.before_publish = [&](const std::string& tmp) { write_record(tmp, run_id); };  // rank 0
+  save_distributed_checkpoint(folder, mine, dist, so);
+  if (dist.rank() == 0) {
+    remove_stale_temporaries(dir, "ckpt-");
+    prune_checkpoints(dir, run_id, keep);
+  }
   return folder;
 }
 

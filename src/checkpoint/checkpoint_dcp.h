@@ -22,6 +22,18 @@ bool is_dcp_checkpoint_name(const std::string& path);
 DcpState checkpoint_dcp_state(const TrainingState& s, const torch::nn::Module& model,
                               const torch::optim::Optimizer* opt);
 
+/// The training state's keys and values alone (scaletrain.*), for rank 0's part of a checkpoint
+/// every rank writes.
+DcpState training_dcp_state(const TrainingState& s);
+
+/// get_state_dict()'s param_groups values of `opt` (SGD, Adam, AdamW) over `model`'s parameters,
+/// and the state kinds its parameters have in Python (group 0's: "step" first for Adam and
+/// AdamW, a float32 0-d tensor), for a checkpoint whose state tensors the ranks write in parts.
+/// UsageError for another optimizer or parameters not in `model`.
+std::vector<std::pair<DcpKey, DcpValue>> dcp_optimizer_values(const torch::nn::Module& model,
+                                                              const torch::optim::Optimizer& opt);
+std::vector<std::string> dcp_optimizer_kinds(const torch::optim::Optimizer& opt);
+
 /// Writes `state` as the folder `dir/ckpt-<global_step>` (replacing one of that name) with its
 /// record of checksums, atomically; `before_rename` is called with the temporary folder just
 /// before its rename. Then prunes the run's checkpoints of both layouts to the newest `keep`.
@@ -29,6 +41,13 @@ DcpState checkpoint_dcp_state(const TrainingState& s, const torch::nn::Module& m
 std::string commit_dcp_checkpoint(const std::string& dir, int64_t global_step,
                                   const std::string& run_id, const DcpState& state, int keep,
                                   const std::function<void(const std::string&)>& before_rename);
+
+/// Collective over `dist`: commit_dcp_checkpoint() of a folder every rank writes its own boxes
+/// of (`mine`; rank 0's holds the values and the training state). Rank 0 writes the record and
+/// prunes. Every rank must see `dir` (a shared file system, as Python's dcp.save needs).
+std::string commit_distributed_dcp_checkpoint(const std::string& dir, int64_t global_step,
+                                              const std::string& run_id, const DcpState& mine,
+                                              int keep, const Dist& dist);
 
 /// What is wrong with a checkpoint folder (its record missing, a file missing, short or with
 /// another checksum), or nullopt.

@@ -153,6 +153,28 @@ void add_optimizer(DcpState& s, const torch::nn::Module& model,
 
 }  // namespace
 
+std::vector<std::pair<DcpKey, DcpValue>> dcp_optimizer_values(const torch::nn::Module& model,
+                                                              const torch::optim::Optimizer& opt) {
+  const std::string kind = kind_of(opt);
+  const auto names = names_of(model, opt);
+  std::vector<std::pair<DcpKey, DcpValue>> out;
+  for (size_t gi = 0; gi < opt.param_groups().size(); ++gi) {
+    const auto& g = opt.param_groups()[gi];
+    std::vector<V> params;
+    for (const auto& p : g.params()) params.push_back(V::of(names.at(p.unsafeGetTensorImpl())));
+    for (auto& [field, value] : group_fields(g, kind))
+      out.emplace_back(dcp_param_group_key(static_cast<int>(gi), field), value);
+    out.emplace_back(dcp_param_group_key(static_cast<int>(gi), "params"),
+                     V::list(std::move(params)));
+  }
+  return out;
+}
+
+std::vector<std::string> dcp_optimizer_kinds(const torch::optim::Optimizer& opt) {
+  if (opt.param_groups().empty()) return {};
+  return state_kinds(opt.param_groups()[0], kind_of(opt));
+}
+
 DcpState dcp_module_state(const torch::nn::Module& model, const torch::optim::Optimizer* opt) {
   DcpState s;
   for (const auto& [fqn, t] : model_tensors(model))

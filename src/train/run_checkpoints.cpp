@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 
+#include "checkpoint/checkpoint_dcp.h"
 #include "dist/text.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
@@ -202,8 +203,14 @@ void Run::save(int64_t epoch, int64_t step_in_epoch) {
 
 void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   const bool sharded = o_.checkpoint_format == CheckpointFormat::kSharded;
-  if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
-  if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
+  // Note [Checkpoints every rank writes] in zero_strategy.cpp: a synchronous DCP folder of a
+  // strategy that gives its boxes; they too gather nothing.
+  std::optional<DcpState> boxes;
+  if (o_.checkpoint_format == CheckpointFormat::kDcp && !writer_ && !o_.fault_tolerant) {
+    boxes = strategy_->own_boxes(*opt_);
+  }
+  if (!sharded && !boxes) strategy_->gather_weights();
+  if (!(sharded || boxes ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
     diverged("the weights hold NaN or inf", state_.global_step, epoch, r_.final_loss);
   }
   state_.epoch = epoch;
@@ -220,6 +227,23 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   }
   if (sharded) {
     r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep, writer_.get());
+    return;
+  }
+  if (boxes) {
+    if (d_.rank() == 0) {
+      drop_replaced_shards();
+      DcpState training = training_dcp_state(state_);
+      for (auto& t : training.tensors) boxes->tensors.push_back(std::move(t));
+      for (auto& v : training.values) boxes->values.push_back(std::move(v));
+    } else {
+      boxes->values.clear();  // rank 0's are written
+    }
+    r_.last_checkpoint = commit_distributed_dcp_checkpoint(o_.out_dir, state_.global_step,
+                                                           state_.run_id, *boxes, o_.keep, d_);
+    if (d_.rank() == 0) {
+      if (shards_left_) replacing_step_ = state_.global_step;
+      drop_replaced_shards();
+    }
     return;
   }
   const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);

@@ -13,6 +13,7 @@
 
 #include "scaletrain/amp.h"
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/trainer.h"
 
 namespace scaletrain {
@@ -83,6 +84,11 @@ class TrainStrategy {
   /// After a load: restores the optimizer from `state` where the file's standard place did not;
   /// returns whether it is restored.
   virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);
+  /// Note [Checkpoints every rank writes] in zero_strategy.cpp: this rank's boxes of the whole
+  /// model's weights and of the standard optimizer's state over them (DCP keys; parts of the
+  /// tensors, views of what the rank holds), for a DCP folder every rank writes, without
+  /// gathering; nullopt where the strategy gathers its checkpoint (the default). Not collective.
+  virtual std::optional<DcpState> own_boxes(const torch::optim::Optimizer&) { return std::nullopt; }
   /// After a checkpoint's weights were loaded into the model (a sharded strategy takes its shards
   /// from them).
   virtual void weights_loaded() {}

@@ -400,6 +400,14 @@ TEST(DcpInterop, PythonReadsAFsdpTimesTp2FolderWithItsOptimizer) {
   const auto params = make_model("gpt-tiny").module->parameters().size();
   EXPECT_EQ(std::stoul(m[2].str()), params) << out;
   EXPECT_GE(std::stoul(m[1].str()), params) << out;
+  // Note [Checkpoints every rank writes]: each of the 4 ranks wrote its shards of its slices;
+  // the fused q/k/v weight's 3 column chunks are each split over tp, then over dp.
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_TRUE(fs::exists(folder / ("__" + std::to_string(rank) + "_0.distcp"))) << rank;
+  }
+  const auto contents = read_distributed_checkpoint_contents(folder.string());
+  const auto& qkv = contents.tensors.at("model.transformer.h.0.attn.c_attn.weight");
+  EXPECT_GE(qkv.chunks.size(), 6u);
 }
 
 }  // namespace

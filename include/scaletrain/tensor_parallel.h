@@ -79,6 +79,7 @@
 #include <memory>
 #include <string>
 
+#include "scaletrain/box.h"
 #include "scaletrain/dist.h"
 
 namespace scaletrain {
@@ -270,6 +271,21 @@ std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, co
 /// on the CPU. Each is gathered where it is (NCCL: on the rank's device).
 std::map<std::string, at::Tensor> gather_full_tensors(
     torch::nn::Module& module, const Dist& tp, const std::map<std::string, at::Tensor>& slices);
+
+/// Where this rank's slice of a parameter lies in the whole one: a replicated parameter is one
+/// piece, its whole self; a split one is a piece per chunk of its style (a fused q/k/v weight:
+/// 3), each a box of the slice (`local`) placed at `global_offsets` of the whole parameter.
+struct SlicePlacement {
+  struct Piece {
+    Box local;
+    std::vector<int64_t> global_offsets;
+  };
+  std::vector<int64_t> whole_shape;
+  std::vector<Piece> pieces;
+};
+/// Each of `module`'s parameters' placement, by the module's names (every rank of `tp` holds a
+/// slice of the same shape). Not collective.
+std::map<std::string, SlicePlacement> slice_placements(torch::nn::Module& module, const Dist& tp);
 
 /// How a planned `module`'s parameters are cut: a line "name dim chunks" per split parameter.
 /// What a checkpoint of slices keeps, so that join_slices() can put them back together where no

@@ -27,13 +27,14 @@ bool is_image(const fs::path& p) {
 }
 
 // A crop box: top, left, height, width.
-struct Box {
+struct CropBox {
   int64_t top, left, h, w;
 };
 
 // torchvision's RandomResizedCrop.get_params: ten tries at a random area and aspect ratio, then
 // the centre crop of the whole image with the ratio clamped into range.
-Box random_resized_box(int64_t H, int64_t W, const ImageFolderOptions& o, std::mt19937_64& rng) {
+CropBox random_resized_box(int64_t H, int64_t W, const ImageFolderOptions& o,
+                           std::mt19937_64& rng) {
   const double area = static_cast<double>(H * W);
   std::uniform_real_distribution<double> scale(o.scale.first, o.scale.second);
   std::uniform_real_distribution<double> log_ratio(std::log(o.ratio.first),
@@ -121,7 +122,7 @@ at::Tensor ImageFolder::image(int64_t index, uint64_t seed) const {
       at::from_blob(pixels.get(), {h, w, 3}, at::kByte).permute({2, 0, 1}).to(at::kFloat).div_(255);
   std::mt19937_64 rng(seed);
   if (o_.train) {
-    Box b = random_resized_box(h, w, o_, rng);
+    CropBox b = random_resized_box(h, w, o_, rng);
     img = resize(img.slice(1, b.top, b.top + b.h).slice(2, b.left, b.left + b.w), o_.size, o_.size);
     if (std::uniform_real_distribution<double>(0, 1)(rng) < o_.flip) img = img.flip({2});
   } else {

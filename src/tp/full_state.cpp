@@ -6,6 +6,7 @@
 #include <ATen/ops/cat.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <string>
@@ -131,6 +132,37 @@ std::map<std::string, at::Tensor> gather_full_tensors(
     out[p.key()] = s == split.end() || tp.size() == 1
                        ? it->second.detach().cpu().clone()
                        : joined(tp.all_gather(it->second.detach().contiguous()), s->second).cpu();
+  }
+  return out;
+}
+
+std::map<std::string, SlicePlacement> slice_placements(torch::nn::Module& module, const Dist& tp) {
+  const auto split = split_parameters(module);
+  std::map<std::string, SlicePlacement> out;
+  for (const auto& p : module.named_parameters()) {
+    const auto shape = p.value().sizes().vec();
+    SlicePlacement& place = out[p.key()];
+    place.whole_shape = shape;
+    auto s = split.find(p.key());
+    if (s == split.end() || tp.size() == 1) {
+      place.pieces.push_back({whole(shape), std::vector<int64_t>(shape.size(), 0)});
+      continue;
+    }
+    // Chunk c of every rank lies before chunk c + 1 (joined() above): rank r's chunk c at
+    // (the chunks before it, of every rank) + r · (its size).
+    // Sizes only: a sharded strategy's module may hold no storage. Tensor::chunk's sizes:
+    // ceil(L / chunks) each, the last the rest.
+    const auto d = static_cast<size_t>(s->second.dim);
+    place.whole_shape[d] = shape[d] * tp.size();
+    const int64_t step = (shape[d] + s->second.chunks - 1) / s->second.chunks;
+    for (int64_t local = 0; local < shape[d]; local += step) {
+      const int64_t size = std::min(step, shape[d] - local);
+      SlicePlacement::Piece piece{whole(shape), std::vector<int64_t>(shape.size(), 0)};
+      piece.local.offsets[d] = local;
+      piece.local.sizes[d] = size;
+      piece.global_offsets[d] = local * tp.size() + tp.rank() * size;
+      place.pieces.push_back(std::move(piece));
+    }
   }
   return out;
 }

@@ -8,9 +8,11 @@
 #include <memory>
 #include <optional>
 
+#include "checkpoint/checkpoint_dcp.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
 #include "train/optimizer_states.h"
+#include "train/own_boxes.h"
 #include "train/strategy.h"
 #include "train/tp_apply.h"
 
@@ -146,6 +148,22 @@ class DdpStrategy : public TrainStrategy {
       return true;
     }
     return tp_.restore_rank_bytes(opt, state, tp_.describe());
+  }
+
+  // Note [Checkpoints every rank writes] in own_boxes.h: split, each rank its slices (the
+  // replicas' are the same: the lowest rank's are written); whole, rank 0 writes it all.
+  std::optional<DcpState> own_boxes(const torch::optim::Optimizer& opt) override {
+    if (!tp_.split() || !writes_own_boxes(opt)) return std::nullopt;
+    OwnBoxes boxes(module(), &tp_.tp(), opt);
+    for (const auto& p : module().named_parameters()) {
+      boxes.add(p.key(), whole(p.value().sizes().vec()), p.value(),
+                param_state(opt, p.value()).value_or(ParamState{}));
+    }
+    boxes.add_buffers(module());
+    DcpState out = boxes.take();
+    auto& whole_model = *tp_.whole().module;
+    out.values = dcp_optimizer_values(whole_model, *standard_optimizer(opt, whole_model));
+    return out;
   }
 
   std::vector<DeviceReport> devices() const override {

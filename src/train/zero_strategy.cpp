@@ -12,9 +12,6 @@
 // checkpoints hold the fp32 master weights; split, the layers compute under bf16 autocast
 // instead. The loss is taken in fp32.
 
-#include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/zeros_like.h>
-
 #include "checkpoint/checkpoint_dcp.h"
 #include "checkpoint/optimizer_state.h"
 #include "scaletrain/amp.h"
@@ -23,6 +20,7 @@
 #include "scaletrain/zero.h"
 #include "train/balance.h"
 #include "train/optimizer_states.h"
+#include "train/own_boxes.h"
 #include "train/reshard.h"
 #include "train/strategy.h"
 #include "train/tp_apply.h"
@@ -39,71 +37,6 @@ const std::string kOptimizerPrefix = "zero/optimizer/";
 // buffers; a gathered checkpoint (dcp, full) holds its state as the standard optimizer's (Note
 // [Standard optimizer state] in optimizer_states.h), gathered over the ranks, cut at the
 // module's parameters and, split, joined over tp.
-
-// Note [Checkpoints every rank writes]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A DCP checkpoint (the default format) of zero1, zero2 or fsdp at degree 1 is written by every
-// rank, each its own shards, and nothing is gathered: ZeRO's shard of a unit is a range of its
-// parameters laid end to end, so each parameter's part of it is a range of its flattened
-// elements, which flat_range_boxes() (box.h) turns into at most 2·dims − 1 boxes of the
-// parameter's shape. A rank's boxes are the weights' (the fp32 master shards) and each state
-// tensor's of the optimizer (the same ranges), under the keys of the gathered format; the
-// buffers and Adam's step, which every rank holds whole, are written once, by the lowest rank.
-// Python's dcp.load, and scaletrain at any layout, read the folder as they read a gathered one:
-// a box intersection. Rank 0 adds the training state. A background writer (--async-checkpoint),
-// an optimizer other than SGD, Adam and AdamW, and tensor parallelism gather as before.
-DcpState zero_boxes(const ShardedDataParallel& zero, const torch::optim::Optimizer& opt,
-                    const std::vector<at::Tensor>& params, torch::nn::Module& module) {
-  std::map<const void*, std::string> names;
-  for (const auto& p : module.named_parameters()) names[p.value().unsafeGetTensorImpl()] = p.key();
-  const auto kinds = dcp_optimizer_kinds(opt);
-  const auto members = zero.unit_parameters();
-  const int64_t rank = zero.dist().rank();
-  DcpState out;
-  for (size_t u = 0; u < zero.units().size(); ++u) {
-    const at::Tensor shard = zero.parameters()[u].detach().reshape({-1});
-    const auto state = param_state(opt, zero.parameters()[u]).value_or(ParamState{});
-    const int64_t lo = rank * shard.numel(), hi = lo + shard.numel();
-    int64_t at = 0;
-    for (size_t i : members[u]) {
-      const at::Tensor& p = params[i];
-      const std::string& name = names.at(p.unsafeGetTensorImpl());
-      const int64_t start = at, begin = std::max(lo, at), end = std::min(hi, at + p.numel());
-      at += p.numel();
-      for (const auto& k : kinds) {  // Adam's step, whole, on every rank
-        if (k == "step") {
-          out.tensors.push_back({dcp_optimizer_key(name, k),
-                                 at::scalar_tensor(static_cast<double>(state.step), at::kFloat),
-                                 {},
-                                 {}});
-        }
-      }
-      if (begin >= end) continue;
-      // The rank's run of the parameter's elements, cut into boxes in row-major order.
-      auto add = [&](const DcpKey& key, const at::Tensor& flat) {
-        int64_t taken = 0;
-        for (const auto& box : flat_range_boxes(p.sizes().vec(), begin - start, end - start)) {
-          out.tensors.push_back({key,
-                                 flat.narrow(0, begin - lo + taken, box.numel()).view(box.sizes),
-                                 p.sizes().vec(), box.offsets});
-          taken += box.numel();
-        }
-      };
-      add(dcp_model_key(name), shard);
-      for (const auto& k : kinds) {
-        if (k == "step") continue;
-        auto it = state.tensors.find(k);
-        add(dcp_optimizer_key(name, k),
-            it != state.tensors.end() ? it->second.detach().reshape({-1}) : at::zeros_like(shard));
-      }
-    }
-  }
-  for (const auto& b : module.named_buffers()) {  // whole on every rank
-    out.tensors.push_back(
-        {dcp_model_key(b.key()), b.value().detach(), b.value().sizes().vec(), {}});
-  }
-  return out;
-}
 
 class ZeroStrategy : public TrainStrategy {
  public:
@@ -200,15 +133,43 @@ class ZeroStrategy : public TrainStrategy {
     return restore_other_optimizer(opt, state);
   }
 
-  // Note [Checkpoints every rank writes].
+  // Note [Checkpoints every rank writes] in own_boxes.h: a shard's run of each parameter's
+  // (slice's) elements as boxes of its shape, the weights and the state alike.
   std::optional<DcpState> own_boxes(const torch::optim::Optimizer& opt) override {
-    if (tp_.split() || optimizer_kind(opt).empty() || opt.param_groups().size() != 1) {
-      return std::nullopt;
+    if (!writes_own_boxes(opt)) return std::nullopt;
+    auto& module = *tp_.trained().module;
+    OwnBoxes boxes(module, tp_.split() ? &tp_.tp() : nullptr, opt);
+    std::map<const void*, std::string> names;
+    for (const auto& p : module.named_parameters())
+      names[p.value().unsafeGetTensorImpl()] = p.key();
+    const auto params = zero_parameters();
+    const auto members = zero_->unit_parameters();
+    for (size_t u = 0; u < zero_->units().size(); ++u) {
+      const at::Tensor shard = zero_->parameters()[u].detach().reshape({-1});
+      const auto state = param_state(opt, zero_->parameters()[u]).value_or(ParamState{});
+      const int64_t lo = zero_->dist().rank() * shard.numel(), hi = lo + shard.numel();
+      int64_t at = 0;
+      for (size_t i : members[u]) {
+        const at::Tensor& p = params[i];
+        const int64_t start = at, begin = std::max(lo, at), end = std::min(hi, at + p.numel());
+        at += p.numel();
+        if (begin >= end) continue;  // none of it in this rank's shard
+        int64_t taken = begin - lo;  // the run's first element in the shard
+        for (const auto& box : flat_range_boxes(p.sizes().vec(), begin - start, end - start)) {
+          ParamState part{state.step, {}};
+          for (const auto& [k, t] : state.tensors) {
+            part.tensors[k] = t.detach().reshape({-1}).narrow(0, taken, box.numel());
+          }
+          boxes.add(names.at(p.unsafeGetTensorImpl()), box,
+                    shard.narrow(0, taken, box.numel()).view(box.sizes), part);
+          taken += box.numel();
+        }
+      }
     }
-    auto& module = *tp_.whole().module;
-    DcpState out = zero_boxes(*zero_, opt, zero_parameters(), module);
-    auto standard = standard_optimizer(opt, module);  // get_state_dict()'s param_groups
-    out.values = dcp_optimizer_values(module, *standard);
+    boxes.add_buffers(module);
+    DcpState out = boxes.take();
+    auto& whole = *tp_.whole().module;
+    out.values = dcp_optimizer_values(whole, *standard_optimizer(opt, whole));
     return out;
   }
 

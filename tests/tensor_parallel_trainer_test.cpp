@@ -627,6 +627,11 @@ TEST(TrainTensorParallel, GridTimesTensorParallelResumesExactlyAndUnderOtherStra
   };
   auto straight = run(4, data.task(), grid(full.path));
   ASSERT_NO_FATAL_FAILURE(stop_after_step(4, data.task(), grid(cut.path)));
+  // Note [Checkpoints every rank writes]: each of the 2 stages x 2 tp ranks wrote its slices.
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_TRUE(fs::exists(cut.path / "ckpt-5" / ("__" + std::to_string(rank) + "_0.distcp")))
+        << rank;
+  }
   fs::copy(cut.path, other.path,
            fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   auto o = grid(cut.path);

@@ -36,6 +36,7 @@
 #include <set>
 #include <string>
 
+#include "checkpoint/checkpoint_dcp.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist_pipeline.h"
@@ -45,6 +46,7 @@
 #include "tp/partial_sums.h"
 #include "train/balance.h"
 #include "train/optimizer_states.h"
+#include "train/own_boxes.h"
 #include "train/strategy.h"
 
 namespace scaletrain {
@@ -192,12 +194,6 @@ class GridStrategy : public TrainStrategy {
   // at the same layout and degree only.
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    if (dist_.rank() == 0) {
-      state.values["grid/stages"] = layout();  // the split a resume keeps
-      // Always: a resume keeps the loaded file's values, and a stale degree would refuse every
-      // later restore. Regression (GridStaleDegreeDroppedTheOptimizerState).
-      state.values[kDegreeKey] = std::to_string(degree_);
-    }
     whole_opt_ = standard_optimizer(opt, *whole_.module);
     if (!whole_opt_) return save_optimizer_bytes(opt, state);
     if (replica_ != 0) return nullptr;
@@ -246,6 +242,43 @@ class GridStrategy : public TrainStrategy {
     }
     load_optimizer_bytes(opt, bytes->second);
     return true;
+  }
+
+  void describe_layout(TrainingState& state) const override {
+    state.values["grid/stages"] = layout();  // the split a resume keeps
+    // Always: a resume keeps the loaded file's values, and a stale degree would refuse every
+    // later restore. Regression (GridStaleDegreeDroppedTheOptimizerState).
+    state.values[kDegreeKey] = std::to_string(degree_);
+  }
+
+  // Note [Checkpoints every rank writes] in own_boxes.h: each rank its stages' parameters (their
+  // slices, split), their optimizer state and their blocks' buffers; the replicas' are the same
+  // (the lowest rank's are written).
+  std::optional<DcpState> own_boxes(const torch::optim::Optimizer& opt) override {
+    if (!writes_own_boxes(opt)) return std::nullopt;
+    OwnBoxes boxes(trained(), degree_ > 1 ? &tp() : nullptr, opt);
+    for (const auto& p : trained().named_parameters()) {
+      if (!in_stage_.count(p.value().unsafeGetTensorImpl())) continue;
+      boxes.add(p.key(), whole(p.value().sizes().vec()), p.value(),
+                param_state(opt, p.value()).value_or(ParamState{}));
+    }
+    // This rank's blocks' buffers, and those of no block (every rank's), by the model's names.
+    std::set<const void*> mine, blocks;
+    for (auto& chunk : chunks_) {
+      for (const auto& b : chunk->buffers()) mine.insert(b.unsafeGetTensorImpl());
+    }
+    for (const auto& b : chain_of(degree_ > 1 ? split_ : whole_, Strategy::kGrid)->buffers()) {
+      blocks.insert(b.unsafeGetTensorImpl());
+    }
+    for (const auto& b : trained().buffers()) {
+      if (!blocks.count(b.unsafeGetTensorImpl())) mine.insert(b.unsafeGetTensorImpl());
+    }
+    for (const auto& b : trained().named_buffers()) {
+      if (mine.count(b.value().unsafeGetTensorImpl())) boxes.add_buffer(b.key(), b.value());
+    }
+    DcpState out = boxes.take();
+    out.values = dcp_optimizer_values(*whole_.module, *standard_optimizer(opt, *whole_.module));
+    return out;
   }
 
   void train_mode(bool on) override { (degree_ > 1 ? split_ : whole_).module->train(on); }

@@ -68,10 +68,12 @@ void OwnBoxes::put(const DcpKey& key, const std::string& name, const Box& region
 }
 
 void OwnBoxes::add_buffers(torch::nn::Module& module) {
-  for (const auto& b : module.named_buffers()) {
-    const at::Tensor v = b.value().detach();
-    out_.tensors.push_back({dcp_model_key(b.key()), v, v.sizes().vec(), {}});
-  }
+  for (const auto& b : module.named_buffers()) add_buffer(b.key(), b.value());
+}
+
+void OwnBoxes::add_buffer(const std::string& name, const at::Tensor& value) {
+  const at::Tensor v = value.detach();
+  out_.tensors.push_back({dcp_model_key(name), v, v.sizes().vec(), {}});
 }
 
 bool writes_own_boxes(const torch::optim::Optimizer& opt) {

@@ -36,8 +36,9 @@ class OwnBoxes {
   /// the same; a kind it lacks is written as zeros, Adam's step once per parameter).
   void add(const std::string& name, const Box& region, const at::Tensor& weight,
            const ParamState& state);
-  /// Every buffer of `module`, whole.
+  /// Every buffer of `module`, whole; or one, by name.
   void add_buffers(torch::nn::Module& module);
+  void add_buffer(const std::string& name, const at::Tensor& value);
   DcpState take() { return std::move(out_); }
 
  private:

@@ -220,6 +220,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
   state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel.size, 1));
+  strategy_->describe_layout(state_);
   auto sums = at::tensor({loss_sum_.sum, loss_sum_.weight}, at::kDouble);
   state_.tensors[kEpochLossKey] = at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
   if (auto* scaler = strategy_->scaler()) {

@@ -84,6 +84,9 @@ class TrainStrategy {
   /// After a load: restores the optimizer from `state` where the file's standard place did not;
   /// returns whether it is restored.
   virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);
+  /// Values a checkpoint keeps of this strategy's layout (a grid's stages), into `state`; each
+  /// save calls it, whoever writes.
+  virtual void describe_layout(TrainingState&) const {}
   /// Note [Checkpoints every rank writes] in zero_strategy.cpp: this rank's boxes of the whole
   /// model's weights and of the standard optimizer's state over them (DCP keys; parts of the
   /// tensors, views of what the rank holds), for a DCP folder every rank writes, without

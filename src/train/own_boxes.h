@@ -3,7 +3,9 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A DCP checkpoint (the default format) of a strategy whose ranks hold parts of the model —
 // ZeRO's shards, tensor parallelism's slices, both — is written by every rank, each its own
-// parts, and nothing is gathered. Every part is described the same way: the region of the
+// parts: no optimizer state is gathered, and no rank writes another's part (the weights are
+// still assembled in every rank's model at a checkpoint, as the program's on_epoch expects:
+// Strategies/StrategyTransparency.*grid*). Every part is described the same way: the region of the
 // parameter as the rank holds it (a ZeRO shard's run of a parameter's flattened elements is at
 // most 2·dims − 1 boxes, flat_range_boxes() in box.h; a tensor-parallel slice is whole), placed
 // in the whole parameter by the slice's placement (one box per chunk of its style,

@@ -203,14 +203,15 @@ void Run::save(int64_t epoch, int64_t step_in_epoch) {
 
 void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   const bool sharded = o_.checkpoint_format == CheckpointFormat::kSharded;
-  // Note [Checkpoints every rank writes] in zero_strategy.cpp: a synchronous DCP folder of a
-  // strategy that gives its boxes; they too gather nothing.
+  // Note [Checkpoints every rank writes] in own_boxes.h: a synchronous DCP folder of a
+  // strategy that gives its boxes. The weights are assembled in every rank's model all the same
+  // (what a program's on_epoch sees there, as after any other checkpoint).
   std::optional<DcpState> boxes;
   if (o_.checkpoint_format == CheckpointFormat::kDcp && !writer_ && !o_.fault_tolerant) {
     boxes = strategy_->own_boxes(*opt_);
   }
-  if (!sharded && !boxes) strategy_->gather_weights();
-  if (!(sharded || boxes ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
+  if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
+  if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
     diverged("the weights hold NaN or inf", state_.global_step, epoch, r_.final_loss);
   }
   state_.epoch = epoch;

@@ -10,13 +10,12 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
-#include <cstring>
 #include <set>
-#include <sstream>
 
 #include "scaletrain/error.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
+#include "train/strategy.h"
 
 namespace scaletrain {
 namespace {
@@ -161,27 +160,19 @@ at::Tensor states_to_bytes(const NamedStates& states) {
     ar.write(name + "#step", at::scalar_tensor(static_cast<double>(st.step), at::kLong), true);
     for (const auto& [kind, t] : st.tensors) ar.write(name + "#" + kind, t.detach().cpu(), true);
   }
-  std::ostringstream out;
-  ar.save_to(out);
-  const std::string s = out.str();
-  auto t = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
-  std::memcpy(t.data_ptr(), s.data(), s.size());
-  return t;
+  return archive_bytes(ar);
 }
 
 NamedStates states_from_bytes(const at::Tensor& bytes) {
-  const auto b = bytes.contiguous().cpu();
-  std::istringstream in(
-      std::string(static_cast<const char*>(b.data_ptr()), static_cast<size_t>(b.numel())));
   torch::serialize::InputArchive ar;
-  ar.load_from(in);
+  load_archive_bytes(bytes, ar);
   NamedStates out;
   for (const auto& key : ar.keys()) {
-    const auto at = key.rfind('#');
-    if (at == std::string::npos) continue;
+    const auto mark = key.rfind('#');
+    if (mark == std::string::npos) continue;
     at::Tensor t;
     ar.read(key, t, true);
-    const std::string name = key.substr(0, at), kind = key.substr(at + 1);
+    const std::string name = key.substr(0, mark), kind = key.substr(mark + 1);
     if (kind == "step") {
       out[name].step = t.item<int64_t>();
     } else {

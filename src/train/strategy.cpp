@@ -126,9 +126,7 @@ bool TrainStrategy::gradients_finite() {
   return all_finite(grads);  // averaged gradients: the same bits on every rank
 }
 
-at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive ar;
-  opt.save(ar);
+at::Tensor archive_bytes(torch::serialize::OutputArchive& ar) {
   std::ostringstream out;
   ar.save_to(out);
   const std::string s = out.str();
@@ -137,12 +135,22 @@ at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt) {
   return t;
 }
 
-void load_optimizer_bytes(torch::optim::Optimizer& opt, const at::Tensor& bytes) {
-  const auto t = bytes.contiguous();
+void load_archive_bytes(const at::Tensor& bytes, torch::serialize::InputArchive& ar) {
+  const auto t = bytes.contiguous().cpu();
   std::istringstream in(
       std::string(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel())));
-  torch::serialize::InputArchive ar;
   ar.load_from(in);
+}
+
+at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive ar;
+  opt.save(ar);
+  return archive_bytes(ar);
+}
+
+void load_optimizer_bytes(torch::optim::Optimizer& opt, const at::Tensor& bytes) {
+  torch::serialize::InputArchive ar;
+  load_archive_bytes(bytes, ar);
   opt.load(ar);
 }
 

@@ -3,6 +3,8 @@
 // goes, and what this rank holds. Note [Strategies] in strategy.cpp.
 
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <map>
 #include <memory>
@@ -137,6 +139,9 @@ bool all_finite(const std::vector<at::Tensor>& tensors);
 /// all_finite's verdict as a bool tensor on the first tensor's device, without waiting for it
 /// (true for no tensors, on the CPU).
 at::Tensor all_finite_flag(const std::vector<at::Tensor>& tensors);
+/// A LibTorch archive as bytes (a uint8 tensor on the CPU), and back into `ar`.
+at::Tensor archive_bytes(torch::serialize::OutputArchive& ar);
+void load_archive_bytes(const at::Tensor& bytes, torch::serialize::InputArchive& ar);
 /// An optimizer's state as bytes (its torch::serialize archive), for a checkpoint's tensors where
 /// each rank's or stage's optimizer has a place of its own; and back into `opt`.
 at::Tensor optimizer_bytes(const torch::optim::Optimizer& opt);

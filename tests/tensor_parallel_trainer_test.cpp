@@ -18,6 +18,7 @@
 
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
+#include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
 #include "support/ranks.h"
@@ -720,6 +721,47 @@ TEST(TrainTensorParallel, BadCombinationsAreNamed) {
   b.amp = Amp::kFp16;
   expect(b, 4,
          "TrainerOptions::amp fp16 needs loss scaling, which the sharded strategies do not do");
+}
+
+}  // namespace
+}  // namespace scaletrain
+
+namespace scaletrain {
+namespace {
+
+// Regression (RanksWithoutTheSharedFolderFailedTheSave): with every rank writing its own part of
+// a DCP checkpoint (Note [Checkpoints every rank writes]), ranks on hosts that share no folder
+// failed the first save. Here rank 1's output folder is another one, as on a host of its own:
+// rank 0 writes each checkpoint whole, and the run ends as the one whose ranks share a folder
+// (where both write), the checkpoints holding the same tensors.
+TEST(OwnBoxes, RanksThatDoNotSeeTheFolderLeaveEachCheckpointToRankZero) {
+  const TokenTask data;
+  TempDir mine("own_boxes_rank0"), elsewhere("own_boxes_rank1"), shared("own_boxes_shared");
+  auto fsdp = [](const fs::path& out) {
+    auto o = options(out, 1);
+    o.strategy = Strategy::kFsdp;
+    return o;
+  };
+  TrainResult apart;
+  auto errors = testing::run_ranks(2, [&](Dist& d) {
+    auto r = train(data.task(), fsdp(d.rank() == 0 ? mine.path : elsewhere.path), d);
+    if (d.rank() == 0) apart = r;
+  });
+  ASSERT_EQ(errors, std::vector<std::string>(2));
+  auto together = run(2, data.task(), fsdp(shared.path));
+  EXPECT_TRUE(fs::exists(mine.path / "ckpt-8" / "__0_0.distcp"));
+  EXPECT_FALSE(fs::exists(mine.path / "ckpt-8" / "__1_0.distcp"));
+  EXPECT_TRUE(fs::exists(shared.path / "ckpt-8" / "__1_0.distcp"));
+  const auto a = final_weights(apart.weights_path), b = final_weights(together.weights_path);
+  for (const auto& [name, v] : a) EXPECT_TRUE(at::equal(v, b.at(name))) << name;
+  const auto ta = load_distributed_checkpoint_tensors((mine.path / "ckpt-8").string()),
+             tb = load_distributed_checkpoint_tensors((shared.path / "ckpt-8").string());
+  ASSERT_EQ(ta.size(), tb.size());
+  for (const auto& [key, v] : tb) {
+    if (key.rfind("scaletrain.", 0) == 0) continue;  // generators and loss sums: rank 0's file
+    ASSERT_TRUE(ta.count(key)) << key;
+    EXPECT_TRUE(at::equal(v, ta.at(key))) << key;
+  }
 }
 
 }  // namespace

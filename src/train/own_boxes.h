@@ -15,7 +15,8 @@
 // and so are the parts data-parallel replicas share. Python's dcp.load, and scaletrain at any
 // layout, read the folder as they read a gathered one: a box intersection. Rank 0 adds the
 // training state and get_state_dict()'s param_groups. A background writer (--async-checkpoint),
-// an optimizer other than SGD, Adam and AdamW, and fault-tolerant replicas gather as before.
+// an optimizer other than SGD, Adam and AdamW, fault-tolerant replicas, and ranks that do not
+// all see the output folder (Run::out_dir_shared()) gather as before.
 
 #include <map>
 #include <set>

@@ -77,6 +77,7 @@ class Run {
   void save(int64_t epoch, int64_t step_in_epoch);
   void save_now(int64_t epoch, int64_t step_in_epoch);
   void drop_replaced_shards();
+  bool out_dir_shared();
   void restore_rank_state();
   void restore_loss_sums();
   void check_model_takes(const Batch& sample);
@@ -124,6 +125,8 @@ class Run {
   // and the step of the full checkpoint that replaces them once on disk (-1: none written yet).
   bool shards_left_ = false;
   int64_t replacing_step_ = -1;
+  // Whether every rank sees rank 0's output folder (out_dir_shared()), once asked.
+  std::optional<bool> shared_out_;
   // Last, so that it is destroyed first: a write in progress ends while the folder is locked.
   std::unique_ptr<AsyncCheckpointer> writer_;
 };

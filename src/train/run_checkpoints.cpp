@@ -209,6 +209,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   std::optional<DcpState> boxes;
   if (o_.checkpoint_format == CheckpointFormat::kDcp && !writer_ && !o_.fault_tolerant) {
     boxes = strategy_->own_boxes(*opt_);
+    if (boxes && !out_dir_shared()) boxes.reset();
   }
   if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
   if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
@@ -263,6 +264,37 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   }
   r_.last_checkpoint = dcp ? dcp_checkpoint_path(o_.out_dir, state_.global_step)
                            : checkpoint_path(o_.out_dir, state_.global_step);
+}
+
+// Collective, the first time: whether every rank sees the folder rank 0 writes in (hosts without
+// a shared file system do not). Where one does not, rank 0 writes every checkpoint, gathered, as
+// it always could, and says so once; the ranks writing their own parts would fail.
+// Regression (RanksWithoutTheSharedFolderFailedTheSave): each rank writing its part made a job
+// on hosts that share no folder fail at its first checkpoint, where it had run before.
+bool Run::out_dir_shared() {
+  if (shared_out_) return *shared_out_;
+  if (d_.size() == 1) return *(shared_out_ = true);
+  namespace fs = std::filesystem;
+  const fs::path probe = fs::path(o_.out_dir) / (".scaletrain-shared-" + state_.run_id + "-" +
+                                                 std::to_string(state_.global_step));
+  if (d_.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(o_.out_dir, ec);
+    std::ofstream(probe).put('1');
+  }
+  on_every_rank(d_, true, collective_device());  // rank 0's file is there
+  shared_out_ = on_every_rank(d_, fs::exists(probe), collective_device());
+  if (d_.rank() == 0) {
+    std::error_code ec;
+    fs::remove(probe, ec);
+    if (!*shared_out_) {
+      log_line(LogLevel::kInfo,
+               "checkpoints: not every rank sees " + o_.out_dir +
+                   ", so rank 0 writes each one whole (with a folder every rank sees, each "
+                   "rank writes its own part)");
+    }
+  }
+  return *shared_out_;
 }
 
 // Note [Format switch] in run_folder.cpp: the shards go once the full checkpoint of

@@ -87,10 +87,16 @@ def dtensor_rank(rank, folder, ref_path, store):
     dcp.load(state, checkpoint_id=folder)
     for key, value in state.items():
         same(key + " (DTensor)", value.full_tensor(), ref[key])
-    # Both ranks past their last collective before either tears Gloo down: a rank that closed
-    # its pairs while the other still read from them aborted the other (SIGABRT, 1 run in 4).
+    # Both ranks past their last collective, then out without tearing Gloo down: a rank that
+    # closed its pairs while the other still read from them aborted the other (SIGABRT, 1 run
+    # in 4), and with a barrier before destroy_process_group() one run of a fresh clone's suite
+    # still aborted in the teardown ("terminate called without an active exception").
+    # Regression (PythonRankAbortedAtTeardown): everything is checked by now, so the rank leaves
+    # at once with status 0, which mp.spawn takes as success.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_dtensor(folder, ref_path):
@@ -124,10 +130,16 @@ def save_rank(rank, folder, store):
                  "model.h": Shard(0)}
     model = {k.split(".", 1)[1]: distribute_tensor(t[k], mesh, [p]) for k, p in placement.items()}
     dcp.save({"model": model, "step": t["step"]}, checkpoint_id=folder)
-    # Both ranks past their last collective before either tears Gloo down: a rank that closed
-    # its pairs while the other still read from them aborted the other (SIGABRT, 1 run in 4).
+    # Both ranks past their last collective, then out without tearing Gloo down: a rank that
+    # closed its pairs while the other still read from them aborted the other (SIGABRT, 1 run
+    # in 4), and with a barrier before destroy_process_group() one run of a fresh clone's suite
+    # still aborted in the teardown ("terminate called without an active exception").
+    # Regression (PythonRankAbortedAtTeardown): everything is checked by now, so the rank leaves
+    # at once with status 0, which mp.spawn takes as success.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def save(folder, ref_path):

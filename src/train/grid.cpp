@@ -15,21 +15,23 @@
 //
 // Note [Grid with tensor parallelism]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// As in the tensor-parallel strategy (Note [Tensor parallelism applied first] in tp_apply.h), the
-// trainer's Model stays whole on the CPU for checkpoints, and a second build of it, given rank
-// 0's weights and split over the rank's tp group (Model::parallelize), is the one cut into
-// stages and trained. A stage's tp ranks run the same pipeline tasks in step (their stage_ranks
-// differ only in the tp coordinate), so the split layers' collectives meet; activations go from
-// a stage's tp rank k to the next stage's tp rank k. The last stage takes the model's parallel
-// loss (vocabulary-parallel cross entropy). Sequence parallelism's sum of the replicated
-// gradients over tp runs once per step, after its last backward, in one all-reduce (the plan's
-// hooks defer to it, Note [Partial gradients summed in backward] in
-// src/tp/sequence_parallel.cpp): it commutes with DDP's average over dp. gather_weights()
-// assembles each stage's slices over tp and broadcasts them from replica 0; weights_loaded() cuts a
-// checkpoint's whole weights again, so a checkpoint moves between any grid, tp degree and strategy.
-// The optimizer state goes into a checkpoint as the standard optimizer's over the whole model
-// (each stage's slices joined over tp, then gathered onto rank 0: Note [Standard optimizer
-// state] in optimizer_states.h), so it goes on at any layout and degree, and under any strategy.
+// The dimensions are applied in order: tensor parallelism first (TpApplied, Note [Tensor
+// parallelism applied first] in tp_apply.h, on this mesh), then the pipeline cuts what it gave
+// into stages, then DDP goes over each stage's replicas. The trainer's Model stays whole on the
+// CPU for checkpoints, and at t > 1 a second build of it, given rank 0's weights and split over
+// the rank's tp group (Model::parallelize), is the one cut into stages and trained. A stage's tp
+// ranks run the same pipeline tasks in step (their stage_ranks differ only in the tp coordinate),
+// so the split layers' collectives meet; activations go from a stage's tp rank k to the next
+// stage's tp rank k. The last stage takes the model's parallel loss (vocabulary-parallel cross
+// entropy). Sequence parallelism's sum of the replicated gradients over tp runs once per step,
+// after its last backward, in one all-reduce (the plan's hooks defer to it, Note [Partial gradients
+// summed in backward] in src/tp/sequence_parallel.cpp): it commutes with DDP's average over dp.
+// gather_weights() assembles each stage's slices over tp and broadcasts them from replica 0;
+// weights_loaded() cuts a checkpoint's whole weights again, so a checkpoint moves between any grid,
+// tp degree and strategy. The optimizer state goes into a checkpoint as the standard optimizer's
+// over the whole model (each stage's slices joined over tp, then gathered onto rank 0: Note
+// [Standard optimizer state] in optimizer_states.h), so it goes on at any layout and degree, and
+// under any strategy.
 
 #include <map>
 #include <optional>
@@ -43,11 +45,11 @@
 #include "scaletrain/error.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
-#include "tp/partial_sums.h"
 #include "train/balance.h"
 #include "train/optimizer_states.h"
 #include "train/own_boxes.h"
 #include "train/strategy.h"
+#include "train/tp_apply.h"
 
 namespace scaletrain {
 namespace {
@@ -66,36 +68,34 @@ class GridStrategy : public TrainStrategy {
   GridStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                const at::Tensor& sample)
       : TrainStrategy(d),
-        whole_(model),
-        loss_(task.loss),
         stages_(o.pipeline.resolved().stages),
         degree_(std::max(o.tensor_parallel.size, 1)),
         mesh_(parallel_dims(o).resolve(d.size()).mesh()),
         replica_(mesh_.coordinate(d.rank(), "dp")),
         stage_(mesh_.coordinate(d.rank(), "pp")),
         dev_(rank_device(o.device, d)),
-        bf16_(o.amp == Amp::kBf16) {
-    // The mesh {dp, pp, tp}: DDP over this stage's replicas (its "dp" group), the pipeline along
-    // this replica's stages (its "pp" group), the split over "tp".
-    groups_ = mesh_groups(
-        d, mesh_, "grid",
-        degree_ > 1 ? std::vector<std::string>{"dp", "tp"} : std::vector<std::string>{"dp"});
+        bf16_(o.amp == Amp::kBf16),
+        // The mesh {dp, pp, tp}: the split over "tp" first, then the pipeline along this
+        // replica's stages (its "pp" group), then DDP over this stage's replicas (its "dp" group).
+        tp_(task, o, d, model, dev_, mesh_,
+            mesh_groups(d, mesh_, "grid",
+                        degree_ > 1 ? std::vector<std::string>{"dp", "tp"}
+                                    : std::vector<std::string>{"dp"})) {
     // Interleaved: stages_ · v pipeline stages, stage k on rank k mod stages_ as its chunk
     // k / stages_ (each rank's parameters: its chunks', in the model's order).
     const auto p = o.pipeline.resolved();  // the pipeline's options, defaults filled in
     const int v = v_ = p.stages_per_device;
-    const auto balance =
-        resolve_balance(p.balance, chain_of(whole_, Strategy::kGrid), stages_ * v, sample, d, dev_);
+    const auto balance = resolve_balance(p.balance, chain_of(tp_.whole(), Strategy::kGrid),
+                                         stages_ * v, sample, d, dev_);
     balance_.assign(balance.begin(), balance.end());
-    if (degree_ > 1) split(task, o.tensor_parallel.sequence_parallel);
-    stage_params_ = stage_parameters(degree_ > 1 ? split_ : whole_, &chunks_);
+    stage_params_ = stage_parameters(tp_.trained(), &chunks_);
     // The whole model's, which checkpoints gather (the same tensors without a split).
-    whole_stage_params_ = degree_ > 1 ? stage_parameters(whole_, nullptr) : stage_params_;
+    whole_stage_params_ = tp_.split() ? stage_parameters(tp_.whole(), nullptr) : stage_params_;
     for (const auto& t : parameters()) in_stage_.insert(t.unsafeGetTensorImpl());
     stage_module_ = chunks_.front();
     for (auto& c : chunks_) c->to(dev_);
     if (mesh_.size("dp") > 1) {
-      ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, groups_.at("dp"), o.ddp);
+      ddp_ = std::make_unique<DistributedDataParallel>(stage_module_, tp_.dp(), o.ddp);
     }
     DistPipelineOptions po;
     po.stage_ranks = mesh_.group(d.rank(), "pp");
@@ -118,7 +118,7 @@ class GridStrategy : public TrainStrategy {
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
     if (!sync && ddp_) local.emplace(*ddp_);
-    LossFn loss = loss_;
+    LossFn loss = tp_.loss();
     if (bf16_) {  // the loss in float32, as ddp's under autocast
       loss = [base = loss](const at::Tensor& out, const at::Tensor& t) {
         return base(out.to(at::kFloat), t);
@@ -138,14 +138,13 @@ class GridStrategy : public TrainStrategy {
     auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
     // Once per step, after its last backward: over what the step accumulated (Note [Partial
     // gradients summed in backward]: it commutes with DDP's average over dp).
-    if (sync && !deferred_.empty()) sum_deferred_partial_gradients(deferred_, tp());
-    if (sync && split_.after_backward) split_.after_backward();
+    if (sync) tp_.after_last_backward();
     return out.defined() && weight != 1 ? out / weight : out;  // the batch's own loss
   }
 
   at::Tensor predict(const at::Tensor& x) override {
     at::Tensor out = pipe_->forward(first() ? x : at::Tensor());
-    return out.defined() && split_.output_split ? gather_from_region(out, tp(), -1) : out;
+    return out.defined() ? tp_.whole_outputs(out) : out;
   }
 
   // Each rank holds its stages' gradients, the same in each of the replicas: the world's sum
@@ -155,7 +154,7 @@ class GridStrategy : public TrainStrategy {
     const auto params = parameters();
     std::vector<at::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
-    const double mine = tp_square_sum(params, grads, replicated_, degree_);
+    const double mine = tp_.square_sum(params, grads);
     return sum_over(dist_, mine, dev_) / data_replicas();
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
@@ -163,16 +162,9 @@ class GridStrategy : public TrainStrategy {
   }
 
   void gather_weights() override {
-    if (degree_ > 1) {  // this rank's stages' slices assembled over tp into the whole model
-      auto whole = whole_.module->named_parameters();
-      torch::NoGradGuard no_grad;
-      for (auto& chunk : chunks_) {  // (the other stages' blocks of split_ stay on the CPU)
-        auto full = gather_full_state(*chunk, tp());  // under the chunk's own names
-        for (const auto& p : chunk->named_parameters()) {
-          whole[split_names_.at(p.value().unsafeGetTensorImpl())].copy_(full.at(p.key()));
-        }
-      }
-    }
+    // This rank's stages' slices assembled over tp into the whole model (the other stages'
+    // blocks of the split build stay on the CPU, untrained), then each stage's from its owner.
+    tp_.gather_weights(chunks_);
     torch::NoGradGuard no_grad;
     for (int s = 0; s < stages_; ++s) {  // from replica 0's stage s (its tp rank 0)
       auto& params = whole_stage_params_[static_cast<size_t>(s)];
@@ -181,9 +173,7 @@ class GridStrategy : public TrainStrategy {
       copy_from_flat(flat, params);
     }
   }
-  void weights_loaded() override {
-    if (degree_ > 1) load_full_state(*split_.module, tp(), named_values(*whole_.module));
-  }
+  void weights_loaded() override { tp_.weights_loaded(); }
 
   // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
   bool counts_loss() const override { return last() && mesh_.coordinate(dist_.rank(), "tp") == 0; }
@@ -194,12 +184,11 @@ class GridStrategy : public TrainStrategy {
   // at the same layout and degree only.
   const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
                                                  TrainingState& state) override {
-    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    whole_opt_ = standard_optimizer(opt, whole_module());
     if (!whole_opt_) return save_optimizer_bytes(opt, state);
     if (replica_ != 0) return nullptr;
     // Replica 0's stages (and their tp ranks) are ranks 0 … stages · t − 1.
-    NamedStates mine = named_states(opt, trained());
-    if (degree_ > 1) mine = join_states(*split_.module, tp(), mine);
+    NamedStates mine = tp_.join(named_states(opt, trained()));
     if (mesh_.coordinate(dist_.rank(), "tp") != 0) mine.clear();  // tp rank 0 sends the stage's
     auto all = bytes_to_rank_zero(dist_, states_to_bytes(mine), stages_ * degree_, kOptimizerTag,
                                   at::kCPU);
@@ -207,22 +196,21 @@ class GridStrategy : public TrainStrategy {
     for (const auto& bytes : all) {
       for (auto& [name, st] : states_from_bytes(bytes)) stages[name] = std::move(st);
     }
-    set_named_states(*whole_opt_, *whole_.module, stages);
+    set_named_states(*whole_opt_, whole_module(), stages);
     return whole_opt_.get();  // rank 0's, which writes the checkpoint
   }
   torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
-    whole_opt_ = standard_optimizer(opt, *whole_.module);
+    whole_opt_ = standard_optimizer(opt, whole_module());
     return whole_opt_.get();
   }
   bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state) override {
     if (state.optimizer_restored && whole_opt_) {  // any layout: this rank's stages' slices
-      auto whole = named_states(*whole_opt_, *whole_.module);
+      const auto all = tp_.slice(named_states(*whole_opt_, whole_module()));
       whole_opt_.reset();
-      if (degree_ > 1) whole = slice_states(*split_.module, tp(), whole);
       NamedStates mine;
       for (const auto& p : trained().named_parameters()) {
-        auto it = whole.find(p.key());
-        if (it != whole.end() && in_stage_.count(p.value().unsafeGetTensorImpl())) {
+        auto it = all.find(p.key());
+        if (it != all.end() && in_stage_.count(p.value().unsafeGetTensorImpl())) {
           mine.insert(*it);
         }
       }
@@ -256,7 +244,7 @@ class GridStrategy : public TrainStrategy {
   // (the lowest rank's are written).
   std::optional<DcpState> own_boxes(const torch::optim::Optimizer& opt) override {
     if (!writes_own_boxes(opt)) return std::nullopt;
-    OwnBoxes boxes(trained(), degree_ > 1 ? &tp() : nullptr, opt);
+    OwnBoxes boxes(trained(), tp_.split() ? &tp_.tp() : nullptr, opt);
     for (const auto& p : trained().named_parameters()) {
       if (!in_stage_.count(p.value().unsafeGetTensorImpl())) continue;
       boxes.add(p.key(), whole(p.value().sizes().vec()), p.value(),
@@ -267,7 +255,7 @@ class GridStrategy : public TrainStrategy {
     for (auto& chunk : chunks_) {
       for (const auto& b : chunk->buffers()) mine.insert(b.unsafeGetTensorImpl());
     }
-    for (const auto& b : chain_of(degree_ > 1 ? split_ : whole_, Strategy::kGrid)->buffers()) {
+    for (const auto& b : chain_of(tp_.trained(), Strategy::kGrid)->buffers()) {
       blocks.insert(b.unsafeGetTensorImpl());
     }
     for (const auto& b : trained().buffers()) {
@@ -277,11 +265,11 @@ class GridStrategy : public TrainStrategy {
       if (mine.count(b.value().unsafeGetTensorImpl())) boxes.add_buffer(b.key(), b.value());
     }
     DcpState out = boxes.take();
-    out.values = dcp_optimizer_values(*whole_.module, *standard_optimizer(opt, *whole_.module));
+    out.values = dcp_optimizer_values(whole_module(), *standard_optimizer(opt, whole_module()));
     return out;
   }
 
-  void train_mode(bool on) override { (degree_ > 1 ? split_ : whole_).module->train(on); }
+  void train_mode(bool on) override { trained().train(on); }
   std::vector<DeviceReport> devices() const override {
     int64_t n = 0;
     for (auto& p : stage_params_[static_cast<size_t>(stage_)]) n += p.numel();
@@ -298,20 +286,6 @@ class GridStrategy : public TrainStrategy {
       s += (k ? "," : "") + std::to_string(balance_[k]);
     }
     return s;
-  }
-
-  // A second build of the task's model with rank 0's weights, split over this rank's tp group.
-  void split(const TrainTask& task, bool sequence_parallel) {
-    split_ = split_build(task, whole_, dist_, tp(), sequence_parallel, dev_);
-    if (split_.parallel_loss) loss_ = split_.parallel_loss;
-    replicated_ = replicated_set(*split_.module);
-    if (sequence_parallel) {  // summed once per step, in one all-reduce (step())
-      deferred_ = replicated_parameters(*split_.module);
-      defer_partial_sums(deferred_);
-    }
-    for (const auto& p : split_.module->named_parameters()) {
-      split_names_[p.value().unsafeGetTensorImpl()] = p.key();
-    }
   }
 
   // The whole model's parameters of each stage, in the model's order.
@@ -347,9 +321,9 @@ class GridStrategy : public TrainStrategy {
     return nullptr;  // the stages' states travel in `state`
   }
   // The module whose parameters this rank steps: the split build, or the whole model.
-  torch::nn::Module& trained() const { return *(degree_ > 1 ? split_ : whole_).module; }
-
-  const Dist& tp() const { return groups_.at("tp"); }
+  torch::nn::Module& trained() { return *tp_.trained().module; }
+  // The task's model: on every rank, whole, for checkpoints.
+  torch::nn::Module& whole_module() { return *tp_.whole().module; }
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ == stages_ - 1; }
 
@@ -365,23 +339,17 @@ class GridStrategy : public TrainStrategy {
     return out;
   }
 
-  Model& whole_;                      // the task's model: on every rank, whole, for checkpoints
-  Model split_;                       // tp > 1: the trained build, split over tp
-  std::set<const void*> replicated_;  // tp > 1: the split build's parameters whole on each
-  std::map<const void*, std::string> split_names_;  // tp > 1: its parameters' names
-  LossFn loss_;
   int stages_, degree_;
   DeviceMesh mesh_;
   int replica_, stage_, v_ = 1;
   std::vector<int64_t> balance_;  // blocks per pipeline stage
   at::Device dev_;
   bool bf16_ = false;  // the stage's forwards under bf16 autocast (Note [Grid under autocast])
+  TpApplied tp_;       // the model this rank trains, split over "tp" where t > 1
   std::vector<std::vector<at::Tensor>> stage_params_;        // per stage, in the model's order
   std::vector<std::vector<at::Tensor>> whole_stage_params_;  // the same of the whole model
   torch::nn::Sequential stage_module_{nullptr};  // chunks_[0]: the stage (no interleaving)
   std::vector<torch::nn::Sequential> chunks_;    // this rank's stages, in the model's order
-  std::map<std::string, Dist> groups_;           // "dp", and "tp" when split
-  std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums, this strategy's
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistPipeline> pipe_;
   std::set<const void*> in_stage_;  // the parameters this rank steps, by their TensorImpl

@@ -25,9 +25,26 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
   }
   mesh_ = parallel_dims(o).resolve(world.size()).mesh({"dp", "tp"});
   groups_ = mesh_groups(world_, *mesh_, "tensor_parallel");
+  build_split(task, o);
+  split_.module->to(device_);
+}
+
+TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world,
+                     Model& whole, const at::Device& device, DeviceMesh mesh,
+                     std::map<std::string, Dist> groups)
+    : world_(world),
+      whole_(whole),
+      degree_(std::max(o.tensor_parallel.size, 1)),
+      mesh_(std::move(mesh)),
+      groups_(std::move(groups)),
+      device_(device),
+      loss_(task.loss) {
+  if (split()) build_split(task, o);
+}
+
+void TpApplied::build_split(const TrainTask& task, const TrainerOptions& o) {
   split_ =
       split_build(task, whole_, world_, tp(), o.tensor_parallel.sequence_parallel, collective());
-  split_.module->to(device_);
   replicated_ = replicated_set(*split_.module);
   if (o.tensor_parallel.sequence_parallel) {  // summed once per step, in one all-reduce
     deferred_ = replicated_parameters(*split_.module);
@@ -105,6 +122,22 @@ void TpApplied::gather_weights() {
   auto full = gather_full_state(*split_.module, tp());
   torch::NoGradGuard no_grad;
   for (auto& p : whole_.module->named_parameters()) p.value().copy_(full.at(p.key()));
+}
+
+void TpApplied::gather_weights(const std::vector<torch::nn::Sequential>& parts) {
+  if (!split()) return;
+  std::map<const void*, std::string> names;  // the trained build's parameters' names
+  for (const auto& p : split_.module->named_parameters()) {
+    names[p.value().unsafeGetTensorImpl()] = p.key();
+  }
+  auto whole = whole_.module->named_parameters();
+  torch::NoGradGuard no_grad;
+  for (auto part : parts) {                      // (a handle: the same module)
+    auto full = gather_full_state(*part, tp());  // under the part's own names
+    for (const auto& p : part->named_parameters()) {
+      whole[names.at(p.value().unsafeGetTensorImpl())].copy_(full.at(p.key()));
+    }
+  }
 }
 
 void TpApplied::weights_loaded() {

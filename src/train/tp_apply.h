@@ -17,6 +17,8 @@
 //     resumes at another;
 //   - t = 1: `whole` itself trains, on the rank's device, and every step here is the identity:
 //     data parallelism runs over the world as it did before there was a tp dimension.
+// The grid applies it the same way on its mesh {dp, pp, tp} (grid.cpp), then cuts the trained
+// model into pipeline stages, then puts DDP over each stage's replicas: tp, then pp, then dp.
 // Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
 // once per rank, so each replica's are counted t times, numerators and denominators alike: their
 // ratios are the replicas' means. The training loss is counted once per replica, on its tp rank
@@ -47,6 +49,11 @@ class TpApplied {
   /// model cannot be split.
   TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world, Model& whole,
             const at::Device& device);
+  /// The same on a mesh of the caller's (the grid's {dp, pp, tp}) and its groups, which hold
+  /// "dp" and, where t > 1, "tp". The trained build stays on the CPU: the caller moves the parts
+  /// this rank trains (a pipeline's stages) to `device`.
+  TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world, Model& whole,
+            const at::Device& device, DeviceMesh mesh, std::map<std::string, Dist> groups);
 
   bool split() const { return degree_ > 1; }
   int degree() const { return degree_; }
@@ -57,11 +64,12 @@ class TpApplied {
   bool outputs_split() const { return split() && split_.output_split; }
   Model& whole() { return whole_; }
   const LossFn& loss() const { return loss_; }
-  /// The data-parallel group (the world at t = 1) and this rank's tensor-parallel group (t > 1).
-  const Dist& dp() const { return split() ? groups_.at("dp") : world_; }
+  /// The data-parallel group (the world at t = 1 without a mesh of the caller's) and this rank's
+  /// tensor-parallel group (t > 1).
+  const Dist& dp() const { return mesh_ ? groups_.at("dp") : world_; }
   const Dist& tp() const { return groups_.at("tp"); }
-  int data_rank() const { return split() ? mesh_->coordinate(world_.rank(), "dp") : world_.rank(); }
-  int data_replicas() const { return split() ? mesh_->size("dp") : world_.size(); }
+  int data_rank() const { return mesh_ ? mesh_->coordinate(world_.rank(), "dp") : world_.rank(); }
+  int data_replicas() const { return mesh_ ? mesh_->size("dp") : world_.size(); }
   bool counts_loss() const { return !split() || tp().rank() == 0; }
   /// Where a collective's tensors go: the device with NCCL, the CPU with Gloo.
   at::Device collective() const;
@@ -92,6 +100,8 @@ class TpApplied {
 
   /// Collective over tp: the whole model takes the split weights (nothing at t = 1).
   void gather_weights();
+  /// The same for `parts` of the trained build alone (a pipeline's stages on this rank).
+  void gather_weights(const std::vector<torch::nn::Sequential>& parts);
   /// The split build takes its slices of the whole model's weights (nothing at t = 1).
   void weights_loaded();
   /// The optimizer's state of the split parameters joined into the whole model's (collective
@@ -114,13 +124,15 @@ class TpApplied {
   const Dist& world_;
   Model& whole_;
   int degree_;
-  std::optional<DeviceMesh> mesh_;      // t > 1: {dp, tp}
-  std::map<std::string, Dist> groups_;  // "dp" and "tp", t > 1
+  std::optional<DeviceMesh> mesh_;      // t > 1: {dp, tp}; or the caller's
+  std::map<std::string, Dist> groups_;  // "dp" and "tp" where mesh_ is set (t > 1: "tp")
   at::Device device_;
   Model split_;  // t > 1: the trained build, split over tp
   LossFn loss_;
   std::set<const void*> replicated_;  // the split build's parameters whole on every tp rank
   std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums
+
+  void build_split(const TrainTask& task, const TrainerOptions& o);
 };
 
 /// UsageError for tensor-parallel options the world or the strategy cannot take.

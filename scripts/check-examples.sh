@@ -3,7 +3,7 @@
 # a CMake project of its own configured against it (find_package(scaletrain)), built and run,
 # and its result checked. CTest runs it (tests/CMakeLists.txt: Examples.*).
 #   scripts/check-examples.sh BUILD install          install into BUILD/examples/prefix
-#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer|tensor_parallel
+#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer|tensor_parallel|python_model
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -104,6 +104,14 @@ case $what in
     "$bin" "$work/tp1" 1
     misuse "$bin" "$work/misused" 2
     misuse "$bin" "$work/misused" two
+    ;;
+  python_model)
+    # A model Python defines and saves; trained here under fsdp; Python takes its weights back.
+    py=$root/.venv/bin/python
+    "$py" "$root/examples/python_model/make_model.py" "$work/spirals.pt"
+    "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/spirals.pt" "$work/out"
+    "$py" -c 'import sys, torch; m = torch.jit.load(sys.argv[1]); m.load_state_dict(torch.load(sys.argv[2])); print("[examples] Python loaded", sys.argv[2], "by name")' "$work/spirals.pt" "$work/out/model.pt"
+    misuse "$bin" "$work/none.pt" "$work/misused"
     ;;
   pipeline) "$bin" cpu,cpu 8 && misuse "$bin" cpu,cpu,cpu 8 ;;
   data_parallel) "$bin" cpu,cpu && misuse "$bin" "" ;;

@@ -11,6 +11,7 @@
 #include "kernels/ops.h"
 #include "scaletrain/blocks.h"
 #include "scaletrain/error.h"
+#include "scaletrain/python_model.h"
 
 namespace scaletrain {
 namespace {
@@ -292,7 +293,16 @@ std::vector<std::string> model_names() {
   return {"toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small"};
 }
 
+bool is_python_model_name(const std::string& name) {
+  const auto ends = [&](const std::string& tail) {
+    return name.size() > tail.size() &&
+           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  return ends(".pt") || ends(".pth") || is_python_model_file(name);
+}
+
 Model make_model(const std::string& name, const ModelOptions& o) {
+  if (is_python_model_name(name)) return load_python_model(name);
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));
@@ -323,7 +333,8 @@ Model make_model(const std::string& name, const ModelOptions& o) {
   }
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
-  throw UsageError("unknown model '" + name + "'; the models are: " + known);
+  throw UsageError("unknown model '" + name + "'; the models are: " + known +
+                   ", or a TorchScript module's file (FILE.pt, saved by Python's torch.jit.save)");
 }
 
 }  // namespace scaletrain

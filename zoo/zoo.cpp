@@ -29,6 +29,7 @@ namespace fs = std::filesystem;
 // A GPT's vocabulary: at least the byte tokens the text data holds, and split evenly over --tp
 // (gpt2-small's 50257 rows divide by no degree; nanoGPT pads them to 50304, a multiple of 128).
 void validate_vocabulary(const TrainOptions& o) {
+  if (is_python_model_name(o.model)) return;  // validate_python_model()
   const bool gpt = o.model.rfind("gpt", 0) == 0;
   if (o.vocab_size != 0 && !gpt) {
     throw UsageError(
@@ -65,7 +66,7 @@ void validate_zoo_numbers(const TrainOptions& o) {
   require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
   require(o.dropout >= 0 && o.dropout < 1, "--dropout", o.dropout, "in [0, 1), e.g. 0.1");
   require(o.context >= 0, "--context", o.context, "0 (the model's own) or a positive length");
-  if (o.context > 0 && o.model.rfind("gpt", 0) != 0) {
+  if (o.context > 0 && o.model.rfind("gpt", 0) != 0 && !is_python_model_name(o.model)) {
     throw UsageError(
         "--context is for --model gpt-tiny and gpt2-small (the zoo's other models "
         "take no sequences)");
@@ -97,7 +98,7 @@ std::function<void(const StepReport&)> kill_at_step_hook() {
 // Note [Model against data]; these say which flag to change).
 void validate_zoo_shapes(const TrainOptions& o) {
   const bool gpt = o.model == "gpt-tiny" || o.model == "gpt2-small";
-  if (gpt != (o.dataset == "text")) {
+  if (gpt != (o.dataset == "text") && !is_python_model_name(o.model)) {
     throw UsageError(gpt ? "--model " + o.model +
                                " reads token ids: give --dataset text (--data-dir with "
                                "train.bin and val.bin, docs/text.md)"
@@ -130,6 +131,23 @@ void validate_zoo_shapes(const TrainOptions& o) {
                      std::to_string(o.image_size) +
                      " crops the folder's to that size: give --image-size 28, or use --model "
                      "resnet18 (any size)");
+  }
+}
+
+// A Python model reads what it was written for: the trainer checks it against the data with one
+// sample (Note [Model against data]). Token windows need their length and the ids' bound from
+// the command line, since the module's own are not known here.
+void validate_python_model(const TrainOptions& o) {
+  if (!is_python_model_name(o.model)) return;
+  if (o.dataset == "text" && (o.context <= 0 || o.vocab_size <= 0)) {
+    throw UsageError("--model " + o.model +
+                     " with --dataset text: give --context (the sequence length the module "
+                     "takes) and --vocab-size (its embedding's rows; every token id is below it)");
+  }
+  if (o.dataset != "text" && (o.context > 0 || o.vocab_size > 0)) {
+    throw UsageError(
+        "--context and --vocab-size are for --dataset text (token windows); --dataset " +
+        o.dataset + " gives images");
   }
 }
 
@@ -287,6 +305,7 @@ std::string train_backend(const TrainOptions& o, const std::string& requested, i
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
+  validate_python_model(o);
   validate_zoo_data(o);
   validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);

@@ -49,7 +49,11 @@ struct ModelOptions {
 
 /// "toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small". Throws
 /// UsageError naming the known models for any other name.
+/// A name that is a path (it ends in .pt or .pth, or names a file) loads that Python model
+/// (load_python_model, python_model.h); `options` do not apply to it.
 Model make_model(const std::string& name, const ModelOptions& options = {});
+/// Whether make_model() takes `name` as a Python model's file.
+bool is_python_model_name(const std::string& name);
 
 /// The names make_model() knows.
 std::vector<std::string> model_names();

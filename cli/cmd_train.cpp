@@ -263,8 +263,10 @@ void add_pipeline_flags(CLI::App* cmd, Args& a) {
 void add_model_flags(CLI::App* cmd, Args& a) {
   auto& o = a.o;
   cmd->add_option("--model", o.model,
-                  "toy, mlp, lenet, resnet18, resnet50, resnet101, gpt-tiny or gpt2-small; or "
-                  "FILE.pt, a TorchScript module saved by Python (docs/python_models.md)")
+                  "toy, mlp, lenet, resnet18, resnet50, resnet101, gpt-tiny, gpt2-small or "
+                  "llama-tiny; a Hugging Face folder of a Llama (config.json and safetensors, "
+                  "docs/llama.md); or FILE.pt, a TorchScript module saved by Python "
+                  "(docs/python_models.md)")
       ->capture_default_str();
   cmd->add_option("--dataset", o.dataset,
                   "fashion-mnist, synthetic, folder (ImageNet-style train/ and val/), or text "

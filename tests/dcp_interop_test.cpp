@@ -24,6 +24,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/tokens.h"
 #include "scaletrain_zoo.h"
+#include "support/python.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -33,21 +34,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string interop(const std::string& args) {
-  auto r = testing::run_command(std::string(VENV_DIR) + "/bin/python " +
-                                    testing::script_path("dcp_interop.py") + " " + args + " 2>&1",
-                                300);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  return r.output;
-}
+std::string interop(const std::string& args) { return testing::run_python("dcp_interop.py", args); }
 
 std::map<std::string, at::Tensor> read_dict(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::map<std::string, at::Tensor> out;
-  for (const auto& kv : torch::pickle_load(bytes).toGenericDict())
-    out[kv.key().toStringRef()] = kv.value().toTensor();
-  return out;
+  return testing::read_tensor_dict(p.string());
 }
 
 void write_dict(const fs::path& p, const std::map<std::string, at::Tensor>& tensors) {

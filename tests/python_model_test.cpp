@@ -5,7 +5,6 @@
 // agree to rounding, and Python loads the trained model.pt into its module by name.
 
 #include <gtest/gtest.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cmath>
 #include <filesystem>
@@ -18,6 +17,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/python_model.h"
 #include "scaletrain/trainer.h"
+#include "support/python.h"
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
@@ -28,11 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string python(const std::string& args) {
-  auto r = testing::run_command(std::string(VENV_DIR) + "/bin/python " +
-                                    testing::script_path("python_models.py") + " " + args + " 2>&1",
-                                300);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  return r.output;
+  return testing::run_python("python_models.py", args);
 }
 
 // The modules and data Python wrote, made once for the suite.
@@ -118,13 +114,7 @@ Trained train_here(const Setup& s, const fs::path& out,
 }
 
 std::map<std::string, at::Tensor> read_dict(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::map<std::string, at::Tensor> out;
-  for (const auto& kv : torch::pickle_load(bytes).toGenericDict()) {
-    out[kv.key().toStringRef()] = kv.value().toTensor();
-  }
-  return out;
+  return testing::read_tensor_dict(p.string());
 }
 
 // Trains `s` here and in eager Python on the same batches; returns Python's verdict.

@@ -8,8 +8,11 @@
 #include <torch/nn/modules/linear.h>
 
 #include "gpt.h"
+#include "hf_folder.h"
 #include "kernels/ops.h"
+#include "llama.h"
 #include "scaletrain/blocks.h"
+#include "scaletrain/checkpoint.h"
 #include "scaletrain/error.h"
 #include "scaletrain/python_model.h"
 
@@ -290,7 +293,30 @@ Model wrap(const std::string& name, std::shared_ptr<M> m) {
 }  // namespace
 
 std::vector<std::string> model_names() {
-  return {"toy", "mlp", "lenet", "resnet18", "resnet50", "resnet101", "gpt-tiny", "gpt2-small"};
+  return {"toy",       "mlp",      "lenet",      "resnet18",  "resnet50",
+          "resnet101", "gpt-tiny", "gpt2-small", "llama-tiny"};
+}
+
+LlamaConfig llama_config_of(const std::string& name, const ModelOptions& o) {
+  LlamaConfig c = is_hf_folder(name) ? llama_config_from_hf(name) : llama_config(name);
+  if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
+  if (o.context > 0) c.max_positions = o.context;
+  c.checkpoint_blocks = o.checkpoint_activations;
+  return c;
+}
+
+// A Llama: the zoo's size, or a Hugging Face folder's config and weights.
+Model make_llama(const std::string& name, const ModelOptions& o) {
+  const LlamaConfig c = llama_config_of(name, o);
+  auto m = std::make_shared<LlamaImpl>(c);
+  if (is_hf_folder(name)) load_weights(name, *m);
+  Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
+  if (!c.tied_head) model.blocks = [m] { return m->blocks(); };
+  model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+  model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
+  model.output_split = true;
+  model.flops_per_sample = llama_flops_per_token(c) * c.max_positions;
+  return model;
 }
 
 bool is_python_model_name(const std::string& name) {
@@ -303,6 +329,7 @@ bool is_python_model_name(const std::string& name) {
 
 Model make_model(const std::string& name, const ModelOptions& o) {
   if (is_python_model_name(name)) return load_python_model(name);
+  if (name == "llama-tiny" || is_hf_folder(name)) return make_llama(name, o);
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));

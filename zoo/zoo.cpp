@@ -12,6 +12,7 @@
 #include <filesystem>
 
 #include "gpt.h"
+#include "hf_folder.h"
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/data.h"
 #include "scaletrain/image_folder.h"
@@ -26,20 +27,44 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The zoo's models of token ids: the GPTs, the Llama, a Hugging Face folder's Llama.
+bool reads_tokens(const std::string& m) {
+  return m.rfind("gpt", 0) == 0 || m == "llama-tiny" || is_hf_folder(m);
+}
+
+// Their vocabulary and context before --vocab-size and --context.
+std::pair<int64_t, int64_t> token_shape(const std::string& m) {
+  if (m.rfind("gpt", 0) == 0) {
+    const GPTConfig c = gpt_config(m);
+    return {c.vocab_size, c.block_size};
+  }
+  const LlamaConfig c = llama_config_of(m);
+  return {c.vocab_size, c.max_positions};
+}
+
 // A GPT's vocabulary: at least the byte tokens the text data holds, and split evenly over --tp
 // (gpt2-small's 50257 rows divide by no degree; nanoGPT pads them to 50304, a multiple of 128).
 void validate_vocabulary(const TrainOptions& o) {
   if (is_python_model_name(o.model)) return;  // validate_python_model()
-  const bool gpt = o.model.rfind("gpt", 0) == 0;
+  const bool gpt = reads_tokens(o.model);
   if (o.vocab_size != 0 && !gpt) {
     throw UsageError(
-        "--vocab-size is for --model gpt-tiny and gpt2-small (the zoo's other "
-        "models take no tokens)");
+        "--vocab-size is for --model gpt-tiny, gpt2-small, llama-tiny or a Hugging Face folder "
+        "(the zoo's other models take no tokens)");
   }
   require(o.vocab_size == 0 || o.vocab_size >= 256, "--vocab-size", o.vocab_size,
           "0 (the model's own) or at least 256 (the text data's byte tokens)");
   if (!gpt || o.tensor_parallel.size <= 1) return;
-  const int64_t vocab = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
+  if (o.model.rfind("gpt", 0) != 0) {  // a Llama: its key/value heads split over the ranks
+    const int64_t kv = llama_config_of(o.model).n_kv_heads;
+    if (kv % o.tensor_parallel.size != 0) {
+      throw UsageError("--tp " + std::to_string(o.tensor_parallel.size) + " splits " + o.model +
+                       "'s " + std::to_string(kv) +
+                       " key/value heads (num_key_value_heads), which it does not divide: use a "
+                       "degree that divides them");
+    }
+  }
+  const int64_t vocab = o.vocab_size > 0 ? o.vocab_size : token_shape(o.model).first;
   if (vocab % o.tensor_parallel.size != 0) {
     const int64_t padded = (vocab + 127) / 128 * 128;
     const int64_t fix = padded % o.tensor_parallel.size == 0
@@ -66,10 +91,10 @@ void validate_zoo_numbers(const TrainOptions& o) {
   require(o.image_size >= 8, "--image-size", o.image_size, "at least 8 pixels");
   require(o.dropout >= 0 && o.dropout < 1, "--dropout", o.dropout, "in [0, 1), e.g. 0.1");
   require(o.context >= 0, "--context", o.context, "0 (the model's own) or a positive length");
-  if (o.context > 0 && o.model.rfind("gpt", 0) != 0 && !is_python_model_name(o.model)) {
+  if (o.context > 0 && !reads_tokens(o.model) && !is_python_model_name(o.model)) {
     throw UsageError(
-        "--context is for --model gpt-tiny and gpt2-small (the zoo's other models "
-        "take no sequences)");
+        "--context is for --model gpt-tiny, gpt2-small, llama-tiny or a Hugging Face folder (the "
+        "zoo's other models take no sequences)");
   }
   if (o.dropout > 0 && o.model != "mlp" && o.model.rfind("gpt", 0) != 0) {
     throw UsageError(
@@ -97,7 +122,7 @@ std::function<void(const StepReport&)> kill_at_step_hook() {
 // The zoo's models against the data's shape (the trainer checks any model with one sample too,
 // Note [Model against data]; these say which flag to change).
 void validate_zoo_shapes(const TrainOptions& o) {
-  const bool gpt = o.model == "gpt-tiny" || o.model == "gpt2-small";
+  const bool gpt = reads_tokens(o.model);
   if (gpt != (o.dataset == "text") && !is_python_model_name(o.model)) {
     throw UsageError(gpt ? "--model " + o.model +
                                " reads token ids: give --dataset text (--data-dir with "
@@ -168,12 +193,14 @@ void validate_zoo_names(const TrainOptions& o) {
   if (!o.init_weights.empty() && !fs::exists(o.init_weights)) {
     throw UsageError("--init-weights '" + o.init_weights + "': no such file");
   }
-  if (!o.init_weights.empty() && fs::is_directory(o.init_weights) &&
-      !fs::exists(fs::path(o.init_weights) / ".metadata")) {
+  const auto has = [&](const char* file) { return fs::exists(fs::path(o.init_weights) / file); };
+  if (!o.init_weights.empty() && fs::is_directory(o.init_weights) && !has(".metadata") &&
+      !has("model.safetensors") && !has("model.safetensors.index.json")) {
     throw UsageError("--init-weights '" + o.init_weights +
                      "' is a folder without a .metadata; give a weights file (a state dict saved "
-                     "by torch.save or safetensors, or a model.pt of scaletrain) or a folder "
-                     "written by torch.distributed.checkpoint's dcp.save");
+                     "by torch.save or safetensors, or a model.pt of scaletrain), a folder "
+                     "written by torch.distributed.checkpoint's dcp.save, or a Hugging Face "
+                     "folder (model.safetensors, or its shards and their index)");
   }
 }
 
@@ -187,11 +214,11 @@ struct Data {
 Data load_text(const TrainOptions& o) {
   Data d;
   TokenWindowOptions w;
-  w.block_size = o.context > 0 ? o.context : gpt_config(o.model).block_size;
+  w.block_size = o.context > 0 ? o.context : token_shape(o.model).second;
   w.samples = o.limit_train;
   w.seed = o.seed;
   // The embedding's rows: an id past them is named with its file and place (tokens.h).
-  w.vocab_size = o.vocab_size > 0 ? o.vocab_size : gpt_config(o.model).vocab_size;
+  w.vocab_size = o.vocab_size > 0 ? o.vocab_size : token_shape(o.model).first;
   d.train = token_windows(o.data_dir + "/train.bin", w);
   w.mode = TokenWindowOptions::Mode::kStrided;
   w.samples = 0;
@@ -353,7 +380,18 @@ TrainTask zoo_task(const TrainOptions& o) {
 
 TrainResult train(const TrainOptions& o, const Dist& d) {
   validate(o, d.size());
-  return train(zoo_task(o), o, d);
+  TrainResult r = train(zoo_task(o), o, d);
+  // A Llama's weights also as a Hugging Face folder, for transformers' from_pretrained.
+  if (d.rank() == 0 && !r.left_behind && reads_tokens(o.model) && o.model.rfind("gpt", 0) != 0) {
+    ModelOptions mo;
+    mo.vocab_size = o.vocab_size;
+    mo.context = o.context;
+    const LlamaConfig c = llama_config_of(o.model, mo);
+    LlamaImpl trained(c);
+    load_weights(r.weights_path, trained);
+    write_hf_folder(o.out_dir + "/hf", c, trained);
+  }
+  return r;
 }
 
 }  // namespace scaletrain

@@ -13,6 +13,10 @@
 //             context 1024, vocabulary 50257), an untied LM head (lm_head) so that every
 //             strategy can split it; token ids [batch, positions] to logits [batch, positions,
 //             vocabulary]; blocks embed, h0 ..., head
+//   llama-tiny  the Llama family's decoder with Hugging Face's names (llama.h: RMSNorm, rotary
+//             embeddings, grouped-query attention, SwiGLU; 2 layers, 4 heads over 2 key/value
+//             heads, 64 wide, context 64, bytes); a Hugging Face folder (config.json of
+//             model_type llama and its safetensors, hf_folder.h) builds and loads the same
 //   resnet50, resnet101  torchvision's (Bottleneck [3,4,6,3] / [3,4,23,3], ImageNet stem);
 //             use in_channels 3 and num_classes 1000 for torchvision's exact model
 //
@@ -54,6 +58,11 @@ struct ModelOptions {
 Model make_model(const std::string& name, const ModelOptions& options = {});
 /// Whether make_model() takes `name` as a Python model's file.
 bool is_python_model_name(const std::string& name);
+
+/// A Llama's config: "llama-tiny"'s or a Hugging Face folder's (hf_folder.h), with the options'
+/// vocabulary, context and activation checkpointing where given.
+struct LlamaConfig;
+LlamaConfig llama_config_of(const std::string& name, const ModelOptions& options = {});
 
 /// The names make_model() knows.
 std::vector<std::string> model_names();

@@ -177,13 +177,19 @@ std::optional<std::string> checkpoint_value(const std::string& path, const std::
 /// (torch.load, weights_only or not). Tensors are saved from the CPU; written atomically.
 void save_weights(const std::string& path, const torch::nn::Module& model);
 
+/// Named tensors as one safetensors file (in this order; from the CPU), written atomically:
+/// e.g. one shard of a Hugging Face folder.
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
 /// Loads a state dict into `model`, converting to the model's devices and dtypes: a file of
 /// save_weights(), a safetensors file (Python: safetensors.torch.save_file(model.state_dict(),
 /// path)), or torch.save of a plain dict (Python: torch.save(dict(model.state_dict()), path);
 /// LibTorch cannot read the OrderedDict of a bare state_dict(), and the error says so), or a
 /// folder of torch.distributed.checkpoint (Python: dcp.save({"model": model.state_dict()}, ...)
 /// or dcp.save(model.state_dict(), ...); keys under "model." or at the top, whichever names more
-/// of the model's; distributed_checkpoint.h). Every
+/// of the model's; distributed_checkpoint.h), or a Hugging Face folder (save_pretrained's:
+/// model.safetensors, or the shards model.safetensors.index.json lists). Every
 /// key must match, with the same shape: otherwise Error naming the missing keys, the
 /// unexpected ones and the shape mismatches, and `model` is left unchanged.
 void load_weights(const std::string& path, torch::nn::Module& model);

@@ -20,6 +20,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
+#include <set>
 
 #include "runtime/atomic_file.h"
 #include "scaletrain/checkpoint.h"
@@ -203,11 +205,49 @@ std::map<std::string, at::Tensor> read_weights_file(const std::string& path) {
   return loaded;
 }
 
+// A Hugging Face folder's weights: model.safetensors, or every shard its index lists; nullopt
+// for a folder of neither.
+std::optional<std::map<std::string, at::Tensor>> read_hf_weights(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (!fs::exists(index)) {
+    const fs::path one = fs::path(dir) / "model.safetensors";
+    if (!fs::exists(one)) return std::nullopt;
+    return read_weights_file(one.string());
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(std::ifstream(index)).at("weight_map");
+  } catch (const std::exception& e) {
+    throw Error("'" + index.string() + "' is not a safetensors index (a JSON object whose " +
+                "weight_map maps each tensor to its shard): " + e.what());
+  }
+  std::set<std::string> shards;
+  for (const auto& [name, file] : j.items()) shards.insert(file.get<std::string>());
+  std::map<std::string, at::Tensor> out;
+  for (const auto& file : shards) out.merge(read_weights_file((fs::path(dir) / file).string()));
+  return out;
+}
+
 }  // namespace
 
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  for (const auto& [name, t] : tensors) state.emplace_back(name, t.detach().cpu().contiguous());
+  const std::vector<char> bytes = safetensors_bytes(state);
+  write_atomically(path, std::string_view(bytes.data(), bytes.size()), "safetensors");
+}
+
 void load_weights(const std::string& path, torch::nn::Module& model) {
-  std::map<std::string, at::Tensor> loaded =
-      std::filesystem::is_directory(path) ? read_dcp_weights(path, model) : read_weights_file(path);
+  std::map<std::string, at::Tensor> loaded;
+  if (!std::filesystem::is_directory(path)) {
+    loaded = read_weights_file(path);
+  } else if (auto hf = read_hf_weights(path)) {
+    loaded = std::move(*hf);
+  } else {
+    loaded = read_dcp_weights(path, model);
+  }
   std::vector<std::string> missing, shapes;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   for (const auto& [name, t] : state_of(model)) {

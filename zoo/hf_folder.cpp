@@ -1,0 +1,145 @@
+#include "hf_folder.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/error.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+int64_t whole_field(const nlohmann::json& j, const std::string& key, const std::string& file,
+                    std::optional<int64_t> fallback = std::nullopt) {
+  if (!j.contains(key) || j.at(key).is_null()) {
+    if (fallback) return *fallback;
+    throw UsageError(file + ": no \"" + key + "\" (a Llama's config names it)");
+  }
+  if (!j.at(key).is_number_integer() || j.at(key).get<int64_t>() <= 0) {
+    throw UsageError(file + ": \"" + key + "\" is " + j.at(key).dump() +
+                     ", not a positive whole number");
+  }
+  return j.at(key).get<int64_t>();
+}
+
+double real_field(const nlohmann::json& j, const std::string& key, const std::string& file,
+                  double fallback) {
+  if (!j.contains(key) || j.at(key).is_null()) return fallback;
+  if (!j.at(key).is_number() || j.at(key).get<double>() <= 0) {
+    throw UsageError(file + ": \"" + key + "\" is " + j.at(key).dump() + ", not a positive number");
+  }
+  return j.at(key).get<double>();
+}
+
+}  // namespace
+
+bool is_hf_folder(const std::string& path) {
+  return fs::is_directory(path) && fs::is_regular_file(fs::path(path) / "config.json");
+}
+
+LlamaConfig llama_config_from_hf(const std::string& dir) {
+  const std::string file = (fs::path(dir) / "config.json").string();
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(std::ifstream(file));
+  } catch (const std::exception& e) {
+    throw UsageError(file + " is not JSON: " + e.what());
+  }
+  const std::string type = j.value("model_type", std::string("(none)"));
+  if (type != "llama") {
+    throw UsageError(file + ": model_type \"" + type +
+                     "\"; scaletrain builds \"llama\" from a Hugging Face folder (Llama 2 and 3, "
+                     "and the models of their shape)");
+  }
+  if (j.contains("rope_scaling") && !j.at("rope_scaling").is_null()) {
+    throw UsageError(file + ": \"rope_scaling\" " + j.at("rope_scaling").dump() +
+                     " is not supported yet (plain rotary embeddings only); remove it to train "
+                     "at the model's original context");
+  }
+  for (const char* bias : {"attention_bias", "mlp_bias"}) {
+    if (j.value(bias, false)) throw UsageError(file + ": \"" + bias + "\" true is not supported");
+  }
+  if (j.value("hidden_act", std::string("silu")) != "silu") {
+    throw UsageError(file + ": \"hidden_act\" " + j.at("hidden_act").dump() +
+                     "; a Llama's MLP is SwiGLU (\"silu\")");
+  }
+  LlamaConfig c;
+  c.vocab_size = whole_field(j, "vocab_size", file);
+  c.hidden_size = whole_field(j, "hidden_size", file);
+  c.intermediate_size = whole_field(j, "intermediate_size", file);
+  c.n_layers = whole_field(j, "num_hidden_layers", file);
+  c.n_heads = whole_field(j, "num_attention_heads", file);
+  c.n_kv_heads = whole_field(j, "num_key_value_heads", file, c.n_heads);
+  c.head_dim = whole_field(j, "head_dim", file, c.hidden_size / c.n_heads);
+  c.max_positions = whole_field(j, "max_position_embeddings", file);
+  c.rope_theta = real_field(j, "rope_theta", file, 10000.0);
+  c.rms_norm_eps = real_field(j, "rms_norm_eps", file, 1e-6);
+  c.tied_head = j.value("tie_word_embeddings", false);
+  return c;
+}
+
+std::string hf_config_json(const LlamaConfig& c) {
+  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}},
+                      {"model_type", "llama"},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.intermediate_size},
+                      {"num_hidden_layers", c.n_layers},
+                      {"num_attention_heads", c.n_heads},
+                      {"num_key_value_heads", c.n_kv_heads},
+                      {"head_dim", c.dim()},
+                      {"max_position_embeddings", c.max_positions},
+                      {"rope_theta", c.rope_theta},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"tie_word_embeddings", c.tied_head},
+                      {"hidden_act", "silu"},
+                      {"attention_bias", false},
+                      {"mlp_bias", false},
+                      {"torch_dtype", "float32"}};
+  return j.dump(2) + "\n";
+}
+
+// Note [Hugging Face folder written whole]: the folder is made beside its place (DIR.tmp) and
+// renamed into it, so a reader finds a whole folder or none, never shards of two runs.
+void write_hf_folder(const std::string& dir, const LlamaConfig& config,
+                     const torch::nn::Module& module, int64_t shard_bytes) {
+  const fs::path tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
+  int64_t in_shard = 0, total = 0;
+  for (const auto& p : module.named_parameters()) {
+    const int64_t n = static_cast<int64_t>(p.value().nbytes());
+    if (in_shard > 0 && in_shard + n > shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().emplace_back(p.key(), p.value());
+    in_shard += n;
+    total += n;
+  }
+  std::ofstream(tmp / "config.json") << hf_config_json(config);
+  if (shards.size() == 1) {
+    save_safetensors((tmp / "model.safetensors").string(), shards[0]);
+  } else {
+    nlohmann::json map = nlohmann::json::object();
+    const auto name = [&](size_t k) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+      return std::string(buf);
+    };
+    for (size_t k = 0; k < shards.size(); ++k) {
+      save_safetensors((tmp / name(k)).string(), shards[k]);
+      for (const auto& [key, t] : shards[k]) map[key] = name(k);
+    }
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+    std::ofstream(tmp / "model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  fs::remove_all(dir);
+  fs::rename(tmp, dir);
+}
+
+}  // namespace scaletrain

@@ -203,6 +203,48 @@ TEST(Tokens, ReadsLlmcShards) {
   expect_usage_error([&] { TokenFile g((dir.path / "v2.bin").string()); }, {"v2.bin", "version 2"});
 }
 
+// llm.c's shards for Llama 3's vocabulary of 128,256: magic 20240801, version 7, uint32 ids. The
+// windows read ids past 65535, and the vocabulary check names one past the model's.
+TEST(Tokens, ReadsLlmcShardsOfUint32Ids) {
+  TempDir dir("tokens_llmc32");
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240801;
+  header[1] = 7;
+  header[2] = 5;
+  const std::vector<uint32_t> ids{128000, 9906, 11, 1917, 128255};
+  const std::string head(reinterpret_cast<const char*>(header.data()), 1024);
+  write_file(dir.path / "shard.bin",
+             head + std::string(reinterpret_cast<const char*>(ids.data()), 20));
+  const std::string path = (dir.path / "shard.bin").string();
+  TokenFile f(path);
+  EXPECT_EQ(f.size(), 5);
+  EXPECT_EQ(f.id_bytes(), 4);
+  EXPECT_EQ(f.at(0), 128000u);
+  EXPECT_EQ(f.at(4), 128255u);
+  EXPECT_TRUE(at::equal(f.window(1, 3), at::tensor({9906, 11, 1917}, at::kLong)));
+  TokenWindowOptions o;
+  o.block_size = 4;
+  o.mode = TokenWindowOptions::Mode::kStrided;
+  o.vocab_size = 128256;
+  const Batch b = token_windows(path, o).batch({0}, 0);
+  EXPECT_TRUE(at::equal(b.inputs[0], at::tensor({128000, 9906, 11, 1917}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.targets[0], at::tensor({9906, 11, 1917, 128255}, at::kLong)));
+  o.vocab_size = 128255;  // one short: the last target is out of it
+  expect_usage_error([&] { token_windows(path, o).batch({0}, 0); },
+                     {path, "holds id 128255 at token 4", "at least 128256"});
+  header[2] = 6;  // counts one more id than the file holds
+  write_file(dir.path / "short.bin",
+             std::string(reinterpret_cast<const char*>(header.data()), 1024) +
+                 std::string(reinterpret_cast<const char*>(ids.data()), 20));
+  expect_usage_error([&] { TokenFile g((dir.path / "short.bin").string()); },
+                     {"short.bin", "6 tokens of 4 bytes"});
+  header[1] = 2;
+  write_file(dir.path / "v2.bin", std::string(reinterpret_cast<const char*>(header.data()), 1024) +
+                                      std::string(24, '\0'));
+  expect_usage_error([&] { TokenFile g((dir.path / "v2.bin").string()); },
+                     {"v2.bin", "version 2", "20240801 version 7"});
+}
+
 TEST(Tokens, FolderIsReadInPathOrderWithoutTheOutputFolder) {
   TempDir dir("tokens_folder");
   write_file(dir.path / "text" / "b.txt", "BBBB");

@@ -4,7 +4,9 @@
 //
 //   train.bin, val.bin   token ids as little-endian uint16, one after another, nothing else
 //                        (nanoGPT); or llm.c's shard: a header of 256 int32 (magic 20240520,
-//                        version 1, the token count) and then the same ids
+//                        version 1, the token count) and then the same ids; or llm.c's shard
+//                        of uint32 ids for vocabularies past 65536 (Llama 3's 128,256): magic
+//                        20240801, version 7
 //
 //   scaletrain::write_byte_tokens("shakespeare.txt", "data/shakespeare");   // bytes as tokens
 //   scaletrain::TokenWindowOptions w;
@@ -37,7 +39,7 @@ class TokenFile {
  public:
   /// Maps `path`. Throws UsageError naming the path when it is missing or not a regular file,
   /// is empty, holds an odd number of bytes (not uint16 ids), or is an llm.c file of another
-  /// version or whose header's count disagrees with its size.
+  /// version or whose header's count disagrees with its size (in its ids' width).
   explicit TokenFile(const std::string& path);
   ~TokenFile();
   TokenFile(const TokenFile&) = delete;
@@ -46,20 +48,22 @@ class TokenFile {
   /// Number of tokens (an llm.c header is not counted).
   int64_t size() const { return size_; }
   /// Token i; throws Error naming the file for i outside [0, size()).
-  uint16_t at(int64_t i) const;
+  uint32_t at(int64_t i) const;
   /// Tokens [start, start + len) as an int64 tensor [len] of its own (a copy); throws Error
   /// naming the file for a range outside it.
   at::Tensor window(int64_t start, int64_t len) const;
-  /// The ids themselves, size() of them.
-  const uint16_t* data() const { return tokens_; }
+  /// The ids themselves, size() of them, each id_bytes() wide (2: uint16, 4: uint32).
+  const void* ids() const { return tokens_; }
+  int id_bytes() const { return id_bytes_; }
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
-  const uint16_t* tokens_ = nullptr;
+  const void* tokens_ = nullptr;
   int64_t size_ = 0;
+  int id_bytes_ = 2;
 };
 
 struct TokenWindowOptions {
@@ -78,7 +82,7 @@ struct TokenWindowOptions {
   uint64_t seed = 0;  // kRandom: which windows (a different seed, other windows)
   /// The model's vocabulary: every id of a window read must lie below it, else the batch throws
   /// UsageError naming the file, the id and its position (an embedding's own error names
-  /// neither). 0: any uint16 id. Each window is checked as it is copied: no pass over the file.
+  /// neither). 0: any id. Each window is checked as it is copied: no pass over the file.
   int64_t vocab_size = 0;
 };
 

@@ -30,30 +30,40 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// llm.c's shard header: 256 int32, [0] the magic, [1] the version (1: uint16 ids), [2] the count.
+// llm.c's shard header: 256 int32, [0] the magic, [1] the version, [2] the count. GPT-2's
+// shards (magic 20240520, version 1) hold uint16 ids, Llama 3's (20240801, version 7) uint32.
 constexpr int64_t kHeaderBytes = 256 * 4;
-constexpr int32_t kMagic = 20240520;
+constexpr int32_t kMagic16 = 20240520, kMagic32 = 20240801;
 
-// The ids' offset in a file of `bytes` bytes mapped at `p`: past an llm.c header, if it has one.
-// nanoGPT's files have none; one whose first two ids read as the magic would start with id
-// 55240, outside GPT-2's 50257 and the bytes' 256.
-int64_t header_bytes(const std::string& path, const unsigned char* p, int64_t bytes) {
+struct Layout {
+  int64_t header = 0;  // bytes before the ids
+  int id_bytes = 2;
+};
+
+// Where the ids of a file of `bytes` bytes mapped at `p` start, and their width: past an llm.c
+// header, if it has one. nanoGPT's files have none; one whose first two ids read as a magic
+// would start with id 55240 or 58753, outside GPT-2's 50257 and the bytes' 256.
+Layout layout_of(const std::string& path, const unsigned char* p, int64_t bytes) {
   int32_t head[3] = {0, 0, 0};
-  if (bytes < kHeaderBytes) return 0;
+  if (bytes < kHeaderBytes) return {};
   std::memcpy(head, p, sizeof head);
-  if (head[0] != kMagic) return 0;
-  if (head[1] != 1) {
-    throw UsageError("token file '" + path + "' is llm.c's version " + std::to_string(head[1]) +
-                     " (uint32 ids); only version 1, uint16 ids, is read: write it again with "
-                     "a vocabulary below 65536");
+  if (head[0] != kMagic16 && head[0] != kMagic32) return {};
+  const bool wide = head[0] == kMagic32;
+  if (head[1] != (wide ? 7 : 1)) {
+    throw UsageError("token file '" + path + "' is llm.c's " + (wide ? "uint32" : "uint16") +
+                     " shard of version " + std::to_string(head[1]) + "; read are magic " +
+                     std::to_string(kMagic16) + " version 1 (uint16 ids) and magic " +
+                     std::to_string(kMagic32) +
+                     " version 7 (uint32 ids): write it again with llm.c's write_datafile");
   }
-  if (2 * int64_t{head[2]} != bytes - kHeaderBytes) {
+  const int width = wide ? 4 : 2;
+  if (width * int64_t{head[2]} != bytes - kHeaderBytes) {
     throw UsageError("token file '" + path + "' has llm.c's header, which counts " +
-                     std::to_string(head[2]) + " tokens, and " +
-                     std::to_string(bytes - kHeaderBytes) +
+                     std::to_string(head[2]) + " tokens of " + std::to_string(width) +
+                     " bytes, and " + std::to_string(bytes - kHeaderBytes) +
                      " bytes after it: the file is truncated or not a token file; write it again");
   }
-  return kHeaderBytes;
+  return {kHeaderBytes, width};
 }
 
 // splitmix64: output i of the stream seeded with `seed`, unrelated to its neighbours.
@@ -120,19 +130,31 @@ std::string byte_ids(const std::string& text, size_t begin, size_t end) {
 // vocabulary met the embedding as "index out of range in self" with a backtrace at tp 1 (tp 2's
 // vocabulary-parallel loss named the token, but not the file). Tokens [start, start + len) of
 // `f` are checked as a window is read: one max over ids the copy reads anyway.
-void check_vocabulary(const TokenFile& f, int64_t start, int64_t len, int64_t vocab) {
-  if (vocab <= 0 || vocab > 65535) return;  // 0: unchecked; uint16 ids are all below 65536
-  const uint16_t* t = f.data() + start;
-  uint16_t top = 0;
+template <typename Id>
+void check_vocabulary(const TokenFile& f, const Id* ids, int64_t start, int64_t len,
+                      int64_t vocab) {
+  if (vocab <= 0) return;  // unchecked
+  const Id* t = ids + start;
+  Id top = 0;
   for (int64_t k = 0; k < len; ++k) top = std::max(top, t[k]);
-  if (top < vocab) return;
-  const int64_t at = std::find_if(t, t + len, [&](uint16_t id) { return id >= vocab; }) - t;
+  if (static_cast<int64_t>(top) < vocab) return;
+  const int64_t at =
+      std::find_if(t, t + len, [&](Id id) { return static_cast<int64_t>(id) >= vocab; }) - t;
   throw UsageError("token file '" + f.path() + "' holds id " + std::to_string(t[at]) +
                    " at token " + std::to_string(start + at) +
                    " (counted from 0), outside the model's vocabulary of " + std::to_string(vocab) +
-                   " ids: give a vocabulary of at least " + std::to_string(t[at] + 1) +
+                   " ids: give a vocabulary of at least " + std::to_string(int64_t{t[at]} + 1) +
                    " (TokenWindowOptions::vocab_size), or write the file again with the "
                    "model's tokenizer");
+}
+
+// Window s's inputs and targets (T tokens from `start`, and from start + 1) into x and y.
+template <typename Id>
+void copy_window(const TokenFile& f, const Id* ids, int64_t start, int64_t T, int64_t vocab,
+                 int64_t* x, int64_t* y) {
+  check_vocabulary(f, ids, start, T + 1, vocab);
+  std::copy(ids + start, ids + start + T, x);
+  std::copy(ids + start + 1, ids + start + T + 1, y);
 }
 
 }  // namespace
@@ -166,27 +188,29 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   }
   map_bytes_ = static_cast<size_t>(bytes);
   const auto* base = static_cast<const unsigned char*>(map_);
-  int64_t skip = 0;
+  Layout layout;
   try {
-    skip = header_bytes(path, base, bytes);
+    layout = layout_of(path, base, bytes);
   } catch (...) {
     ::munmap(map_, map_bytes_);
     throw;
   }
-  tokens_ = reinterpret_cast<const uint16_t*>(base + skip);
-  size_ = (bytes - skip) / 2;
+  tokens_ = base + layout.header;
+  id_bytes_ = layout.id_bytes;
+  size_ = (bytes - layout.header) / id_bytes_;
 }
 
 TokenFile::~TokenFile() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
-uint16_t TokenFile::at(int64_t i) const {
+uint32_t TokenFile::at(int64_t i) const {
   if (i < 0 || i >= size_) {
     throw Error("token " + std::to_string(i) + " of '" + path_ + "', which holds " +
                 std::to_string(size_));
   }
-  return tokens_[i];
+  return id_bytes_ == 4 ? static_cast<const uint32_t*>(tokens_)[i]
+                        : static_cast<const uint16_t*>(tokens_)[i];
 }
 
 at::Tensor TokenFile::window(int64_t start, int64_t len) const {
@@ -195,7 +219,14 @@ at::Tensor TokenFile::window(int64_t start, int64_t len) const {
                 path_ + "', which holds " + std::to_string(size_));
   }
   auto out = at::empty({len}, at::kLong);
-  std::copy(tokens_ + start, tokens_ + start + len, out.data_ptr<int64_t>());
+  int64_t* o = out.data_ptr<int64_t>();
+  if (id_bytes_ == 4) {
+    const auto* t = static_cast<const uint32_t*>(tokens_);
+    std::copy(t + start, t + start + len, o);
+  } else {
+    const auto* t = static_cast<const uint16_t*>(tokens_);
+    std::copy(t + start, t + start + len, o);
+  }
   return out;
 }
 
@@ -237,7 +268,6 @@ DataSource token_windows(const std::string& path, const TokenWindowOptions& o) {
     auto x = at::empty({B, T}, at::kLong), y = at::empty({B, T}, at::kLong);
     int64_t* xp = x.data_ptr<int64_t>();
     int64_t* yp = y.data_ptr<int64_t>();
-    const uint16_t* t = file->data();
     for (int64_t b = 0; b < B; ++b) {
       const int64_t i = indices[static_cast<size_t>(b)];
       if (i < 0 || i >= size) {
@@ -249,9 +279,13 @@ DataSource token_windows(const std::string& path, const TokenWindowOptions& o) {
                                 ? i * T
                                 : static_cast<int64_t>(splitmix(seed, static_cast<uint64_t>(i)) %
                                                        static_cast<uint64_t>(n - T));
-      check_vocabulary(*file, start, T + 1, vocab);
-      std::copy(t + start, t + start + T, xp + b * T);
-      std::copy(t + start + 1, t + start + T + 1, yp + b * T);
+      if (file->id_bytes() == 4) {
+        copy_window(*file, static_cast<const uint32_t*>(file->ids()), start, T, vocab, xp + b * T,
+                    yp + b * T);
+      } else {
+        copy_window(*file, static_cast<const uint16_t*>(file->ids()), start, T, vocab, xp + b * T,
+                    yp + b * T);
+      }
     }
     return Batch{x, y, 0};
   };

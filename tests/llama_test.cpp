@@ -1,5 +1,5 @@
 // The zoo's Llama against transformers' LlamaForCausalLM (the project's .venv,
-// tests/scripts/llama_reference.py): a random tiny Llama written by save_pretrained (GQA, 2
+// tests/scripts/hf_reference.py): a random tiny Llama written by save_pretrained (GQA, 2
 // layers, vocabulary 256) loads from its folder (whole, sharded, tied) and gives transformers'
 // logits, loss and gradients to fp32 rounding, whole and split over tensor-parallel ranks; the
 // rotary embeddings are transformers' bit for bit; a run's OUT/hf folder loads back in
@@ -29,7 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string reference(const std::string& args) {
-  return testing::run_python("llama_reference.py", args);
+  return testing::run_python("hf_reference.py", args);
 }
 
 const fs::path& made() {
@@ -106,6 +106,61 @@ TEST(Llama, SplitOverTwoRanksGivesTransformersLogitsAndLoss) {
   }
 }
 
+// GPT2LMHeadModel's folder: the zoo's GPT with its tied head and GELU in tanh form, its Conv1D
+// weights transposed on the way in; the logits, loss and gradients are transformers' (the
+// gradients compared in the zoo's layout, transformers' taken through the same conversion).
+TEST(HfGpt2, FolderGivesTransformersLogitsLossAndGradients) {
+  const auto r = testing::read_tensor_dict((made() / "gpt2_ref.pt").string());
+  Model m = make_model((made() / "gpt2").string());
+  EXPECT_FALSE(m.module->named_parameters().contains("lm_head.weight")) << "tied, as GPT-2's";
+  auto logits = m.forward(r.at("ids"));
+  EXPECT_LE(max_diff(logits, r.at("logits")), bound(r.at("logits")));
+  auto loss = m.parallel_loss(logits, r.at("targets"));
+  EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), bound(r.at("loss")));
+  loss.backward();
+  std::map<std::string, at::Tensor> grads;  // transformers' names and shapes
+  for (const auto& [k, v] : r) {
+    if (k.rfind("grad.", 0) == 0 && k != "grad.lm_head.weight") grads[k.substr(5)] = v;
+  }
+  const auto want = gpt_from_hf(grads);
+  int compared = 0;
+  for (const auto& p : m.module->named_parameters()) {
+    EXPECT_LE(max_diff(p.value().grad(), want.at(p.key())), bound(want.at(p.key()))) << p.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, 28);
+}
+
+// A run from GPT-2's folder under ddp on 2 processes: OUT/hf loads in from_pretrained with the
+// run's weights (Conv1D transposed back).
+TEST(HfGpt2, RunFromAFolderGivesAFolderThatTransformersLoads) {
+  testing::TempDir dir("gpt2_run");
+  const std::string st = testing::cli_path();
+  auto data =
+      testing::run_command(st + " data text --input " + testing::script_path("hf_reference.py") +
+                           " --out " + (dir.path / "text").string() + " 2>&1");
+  ASSERT_EQ(data.exit_code, 0) << data.output;
+  auto r = testing::run_command(st + " train --model " + (made() / "gpt2").string() +
+                                    " --dataset text --data-dir " + (dir.path / "text").string() +
+                                    " --context 16 --limit-train 32 --limit-test 16 --epochs 1 "
+                                    "--batch-size 8 --device cpu --optimizer adam --lr 1e-3 "
+                                    "--nproc-per-node 2 --out " +
+                                    (dir.path / "out").string() + " 2>&1",
+                                300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string said = reference("check " + (dir.path / "out").string());
+  const auto j = nlohmann::json::parse(said.substr(said.rfind('{')));
+  EXPECT_TRUE(j.at("differ").empty()) << said;
+  EXPECT_TRUE(j.at("missing").empty()) << said;
+  auto long_context =
+      testing::run_command(st + " train --model " + (made() / "gpt2").string() +
+                               " --dataset text --data-dir " + (dir.path / "text").string() +
+                               " --context 65 --out " + (dir.path / "bad").string() + " 2>&1",
+                           60);
+  EXPECT_EQ(long_context.exit_code, 2) << long_context.output;
+  EXPECT_NE(long_context.output.find("64 positions"), std::string::npos) << long_context.output;
+}
+
 TEST(Llama, RefusesWhatItCannotBuildByName) {
   const auto refused = [](const std::function<void()>& f) {
     try {
@@ -155,7 +210,7 @@ TEST(Llama, RunFromAFolderGivesAFolderThatTransformersLoads) {
   testing::TempDir dir("llama_run");
   const std::string st = testing::cli_path();
   auto data =
-      testing::run_command(st + " data text --input " + testing::script_path("llama_reference.py") +
+      testing::run_command(st + " data text --input " + testing::script_path("hf_reference.py") +
                            " --out " + (dir.path / "text").string() + " 2>&1");
   ASSERT_EQ(data.exit_code, 0) << data.output;
   const std::string run = st + " train --model " + (made() / "hf").string() +

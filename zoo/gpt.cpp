@@ -95,16 +95,17 @@ TORCH_MODULE(Attention);
 class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(const GPTConfig& c, std::shared_ptr<const DropoutContext> dropout)
-      : dropout_(std::move(dropout)) {
+      : tanh_(c.gelu_tanh), dropout_(std::move(dropout)) {
     c_fc = register_module("c_fc", ParallelLinear(c.n_embd, 4 * c.n_embd));
     c_proj = register_module("c_proj", ParallelLinear(4 * c.n_embd, c.n_embd));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return dropout_->residual(c_proj(at::gelu(c_fc(x))), is_training());
+    return dropout_->residual(c_proj(at::gelu(c_fc(x), tanh_ ? "tanh" : "none")), is_training());
   }
   ParallelLinear c_fc{nullptr}, c_proj{nullptr};
 
  private:
+  bool tanh_;
   std::shared_ptr<const DropoutContext> dropout_;
 };
 TORCH_MODULE(Mlp);

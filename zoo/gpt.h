@@ -27,6 +27,7 @@ struct GPTConfig {
   int64_t n_embd = 64;
   double dropout = 0;              // attention and residual dropout
   bool tied_head = true;           // the LM head is wte's weight (GPT-2); false: lm_head of its own
+  bool gelu_tanh = false;          // the MLP's GELU in its tanh form (GPT-2's "gelu_new")
   bool checkpoint_blocks = false;  // training: each block recomputed in backward
                                    // (activation_checkpoint.h), its activations not kept
 };

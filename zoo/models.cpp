@@ -305,6 +305,31 @@ LlamaConfig llama_config_of(const std::string& name, const ModelOptions& o) {
   return c;
 }
 
+// A GPT: the zoo's sizes (an untied head, so that every strategy can split it), or a Hugging
+// Face folder's GPT-2 (its config, its head tied as transformers ties it, its weights).
+Model make_gpt(const std::string& name, const ModelOptions& o) {
+  const bool hf = is_hf_folder(name);
+  GPTConfig c = hf ? gpt_config_from_hf(name) : gpt_config(name);
+  if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
+  if (o.context > 0 && !hf) c.block_size = o.context;  // a folder's positions are its weights'
+  c.dropout = o.dropout;
+  c.checkpoint_blocks = o.checkpoint_activations;
+  if (!hf) c.tied_head = false;
+  auto m = std::make_shared<GPTImpl>(c);
+  if (hf) {
+    auto tensors = gpt_from_hf(read_weights(name));
+    if (c.tied_head) tensors.erase("lm_head.weight");  // the same tensor as wte's
+    load_state_dict(std::move(tensors), *m, name);
+  }
+  Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
+  if (!c.tied_head) model.blocks = [m] { return m->blocks(); };
+  model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+  model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
+  model.output_split = true;
+  model.flops_per_sample = gpt_flops_per_token(c) * c.block_size;
+  return model;
+}
+
 // A Llama: the zoo's size, or a Hugging Face folder's config and weights.
 Model make_llama(const std::string& name, const ModelOptions& o) {
   const LlamaConfig c = llama_config_of(name, o);
@@ -329,7 +354,9 @@ bool is_python_model_name(const std::string& name) {
 
 Model make_model(const std::string& name, const ModelOptions& o) {
   if (is_python_model_name(name)) return load_python_model(name);
-  if (name == "llama-tiny" || is_hf_folder(name)) return make_llama(name, o);
+  if (name == "llama-tiny" || (is_hf_folder(name) && hf_model_type(name) != "gpt2")) {
+    return make_llama(name, o);
+  }
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));
@@ -340,24 +367,7 @@ Model make_model(const std::string& name, const ModelOptions& o) {
   if (name == "resnet101") {
     return wrap(name, std::make_shared<ResNetBottleneckImpl>(o, std::vector<int>{3, 4, 23, 3}));
   }
-  if (name == "gpt-tiny" || name == "gpt2-small") {
-    GPTConfig c = gpt_config(name);
-    if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
-    if (o.context > 0) c.block_size = o.context;
-    c.dropout = o.dropout;
-    c.checkpoint_blocks = o.checkpoint_activations;
-    c.tied_head = false;
-    auto m = std::make_shared<GPTImpl>(c);
-    Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); },
-                [m] { return m->blocks(); }};
-    model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
-    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) {
-      return m->loss(out, y);
-    };
-    model.output_split = true;
-    model.flops_per_sample = gpt_flops_per_token(c) * c.block_size;
-    return model;
-  }
+  if (name == "gpt-tiny" || name == "gpt2-small" || is_hf_folder(name)) return make_gpt(name, o);
   std::string known;
   for (auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;
   throw UsageError("unknown model '" + name + "'; the models are: " + known +

@@ -32,10 +32,16 @@ bool reads_tokens(const std::string& m) {
   return m.rfind("gpt", 0) == 0 || m == "llama-tiny" || is_hf_folder(m);
 }
 
+// The Llamas among them: llama-tiny and a Hugging Face folder of another type than "gpt2" (which
+// the Llama's config refuses by name if it is not "llama").
+bool is_llama(const std::string& m) {
+  return m == "llama-tiny" || (is_hf_folder(m) && hf_model_type(m) != "gpt2");
+}
+
 // Their vocabulary and context before --vocab-size and --context.
 std::pair<int64_t, int64_t> token_shape(const std::string& m) {
-  if (m.rfind("gpt", 0) == 0) {
-    const GPTConfig c = gpt_config(m);
+  if (!is_llama(m)) {
+    const GPTConfig c = is_hf_folder(m) ? gpt_config_from_hf(m) : gpt_config(m);
     return {c.vocab_size, c.block_size};
   }
   const LlamaConfig c = llama_config_of(m);
@@ -54,8 +60,20 @@ void validate_vocabulary(const TrainOptions& o) {
   }
   require(o.vocab_size == 0 || o.vocab_size >= 256, "--vocab-size", o.vocab_size,
           "0 (the model's own) or at least 256 (the text data's byte tokens)");
+  if (is_hf_folder(o.model)) {  // its vocabulary and positions are its weights'
+    if (o.vocab_size != 0) {
+      throw UsageError("--vocab-size with the Hugging Face folder " + o.model +
+                       ": its vocabulary is its weights' (" +
+                       std::to_string(token_shape(o.model).first) + " rows); leave it out");
+    }
+    if (o.context > token_shape(o.model).second) {
+      throw UsageError("--context " + std::to_string(o.context) + " is longer than " + o.model +
+                       "'s " + std::to_string(token_shape(o.model).second) +
+                       " positions (its config's max_position_embeddings or n_positions)");
+    }
+  }
   if (!gpt || o.tensor_parallel.size <= 1) return;
-  if (o.model.rfind("gpt", 0) != 0) {  // a Llama: its key/value heads split over the ranks
+  if (is_llama(o.model)) {  // its key/value heads split over the ranks
     const int64_t kv = llama_config_of(o.model).n_kv_heads;
     if (kv % o.tensor_parallel.size != 0) {
       throw UsageError("--tp " + std::to_string(o.tensor_parallel.size) + " splits " + o.model +
@@ -378,18 +396,38 @@ TrainTask zoo_task(const TrainOptions& o) {
   return t;
 }
 
+namespace {
+// OUT/hf from the run's model.pt: the model built again, its weights loaded, written in
+// Hugging Face's layout.
+void write_hf_out(const TrainOptions& o, const std::string& weights) {
+  ModelOptions mo;
+  mo.vocab_size = o.vocab_size;
+  mo.context = o.context;
+  const std::string out = o.out_dir + "/hf";
+  if (is_llama(o.model)) {
+    const LlamaConfig c = llama_config_of(o.model, mo);
+    LlamaImpl trained(c);
+    load_weights(weights, trained);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& p : trained.named_parameters()) tensors.emplace_back(p.key(), p.value());
+    write_hf_folder(out, hf_config_json(c), tensors);
+    return;
+  }
+  GPTConfig c = gpt_config_from_hf(o.model);
+  if (mo.vocab_size > 0) c.vocab_size = mo.vocab_size;
+  GPTImpl trained(c);  // its positions the folder's (--context only shortens the windows)
+  load_weights(weights, trained);
+  write_hf_folder(out, hf_config_json(c), gpt_to_hf(trained));
+}
+}  // namespace
+
 TrainResult train(const TrainOptions& o, const Dist& d) {
   validate(o, d.size());
   TrainResult r = train(zoo_task(o), o, d);
-  // A Llama's weights also as a Hugging Face folder, for transformers' from_pretrained.
-  if (d.rank() == 0 && !r.left_behind && reads_tokens(o.model) && o.model.rfind("gpt", 0) != 0) {
-    ModelOptions mo;
-    mo.vocab_size = o.vocab_size;
-    mo.context = o.context;
-    const LlamaConfig c = llama_config_of(o.model, mo);
-    LlamaImpl trained(c);
-    load_weights(r.weights_path, trained);
-    write_hf_folder(o.out_dir + "/hf", c, trained);
+  // A Llama's or a Hugging Face GPT-2's weights also as a Hugging Face folder, for
+  // transformers' from_pretrained.
+  if (d.rank() == 0 && !r.left_behind && (is_llama(o.model) || is_hf_folder(o.model))) {
+    write_hf_out(o, r.weights_path);
   }
   return r;
 }

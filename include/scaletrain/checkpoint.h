@@ -194,4 +194,12 @@ void save_safetensors(const std::string& path,
 /// unexpected ones and the shape mismatches, and `model` is left unchanged.
 void load_weights(const std::string& path, torch::nn::Module& model);
 
+/// The tensors of a weights file (as load_weights() reads it) or of a Hugging Face folder, by
+/// name, on the CPU, for a program that renames or reshapes them before loading.
+std::map<std::string, at::Tensor> read_weights(const std::string& path);
+
+/// load_weights() from tensors the program holds; `source` names them in the errors.
+void load_state_dict(std::map<std::string, at::Tensor> state, torch::nn::Module& model,
+                     const std::string& source);
+
 }  // namespace scaletrain

@@ -205,6 +205,12 @@ std::map<std::string, at::Tensor> read_weights_file(const std::string& path) {
   return loaded;
 }
 
+bool read_hf_weights_exist(const std::string& dir) {
+  namespace fs = std::filesystem;
+  return fs::exists(fs::path(dir) / "model.safetensors.index.json") ||
+         fs::exists(fs::path(dir) / "model.safetensors");
+}
+
 // A Hugging Face folder's weights: model.safetensors, or every shard its index lists; nullopt
 // for a folder of neither.
 std::optional<std::map<std::string, at::Tensor>> read_hf_weights(const std::string& dir) {
@@ -239,15 +245,19 @@ void save_safetensors(const std::string& path,
   write_atomically(path, std::string_view(bytes.data(), bytes.size()), "safetensors");
 }
 
+std::map<std::string, at::Tensor> read_weights(const std::string& path) {
+  if (!std::filesystem::is_directory(path)) return read_weights_file(path);
+  if (auto hf = read_hf_weights(path)) return std::move(*hf);
+  throw Error("'" + path + "' holds no model.safetensors nor model.safetensors.index.json");
+}
+
 void load_weights(const std::string& path, torch::nn::Module& model) {
-  std::map<std::string, at::Tensor> loaded;
-  if (!std::filesystem::is_directory(path)) {
-    loaded = read_weights_file(path);
-  } else if (auto hf = read_hf_weights(path)) {
-    loaded = std::move(*hf);
-  } else {
-    loaded = read_dcp_weights(path, model);
-  }
+  const bool dcp = std::filesystem::is_directory(path) && !read_hf_weights_exist(path);
+  load_state_dict(dcp ? read_dcp_weights(path, model) : read_weights(path), model, path);
+}
+
+void load_state_dict(std::map<std::string, at::Tensor> loaded, torch::nn::Module& model,
+                     const std::string& path) {
   std::vector<std::string> missing, shapes;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   for (const auto& [name, t] : state_of(model)) {

@@ -25,6 +25,12 @@ Modes, one process per rank started with torchrun's environment, gloo:
 
     torchrun --nproc-per-node 2 benchmarks/python/transformer_peer.py --mode tp --csv out.csv
 
+--arch llama trains the zoo's Llama instead (zoo/llama.h, Hugging Face's names: model.embed_tokens,
+model.layers.<i>.{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+mlp.{gate,up,down}_proj}, model.norm, lm_head): RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU; its plan splits q/k/v/gate/up by columns and o/down by rows, and sequence
+parallelism covers the RMSNorms.
+
 Rank 0 writes `step,<seconds>` per timed step, `rss,<rank>,<bytes>` per rank (peak resident
 memory), `params,<count>` and `loss,<last loss>` to --csv.
 """
@@ -129,6 +135,140 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, width, heads, kv_heads):
+        super().__init__()
+        self.head_dim = width // heads
+        self.q_proj = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
+
+    def forward(self, x):  # x: the whole sequence (a colwise layer gathers a slice)
+        q = self.q_proj(x)
+        b, t, d = q.shape[0], q.shape[1], self.head_dim
+        q = q.view(b, t, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        angles = torch.outer(torch.arange(t).float(), inv)
+        both = torch.cat((angles, angles), -1)
+        cos, sin = both.cos(), both.sin()
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMlp(nn.Module):
+    def __init__(self, width, inner):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, inner, bias=False)
+        self.up_proj = nn.Linear(width, inner, bias=False)
+        self.down_proj = nn.Linear(inner, width, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, width, heads, kv_heads, inner):
+        super().__init__()
+        self.input_layernorm = RMSNorm(width)
+        self.self_attn = LlamaAttention(width, heads, kv_heads)
+        self.post_attention_layernorm = RMSNorm(width)
+        self.mlp = LlamaMlp(width, inner)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, layers, heads, kv_heads, width, inner):
+        super().__init__()
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(vocab, width),
+            layers=nn.ModuleList(LlamaLayer(width, heads, kv_heads, inner) for _ in range(layers)),
+            norm=RMSNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        for name, p in self.named_parameters():
+            if "norm" not in name:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def blocks(self):
+        return self.model.layers
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+
+class LlamaStage(nn.Module):
+    """Layers [begin, end) of a Llama, its embedding on the first stage, its head on the last."""
+
+    def __init__(self, llama, begin, end):
+        super().__init__()
+        layers = len(llama.model.layers)
+        self.embed_tokens = llama.model.embed_tokens if begin == 0 else None
+        self.layers = nn.ModuleList(llama.model.layers[i] for i in range(begin, end))
+        self.norm = llama.model.norm if end == layers else None
+        self.lm_head = llama.lm_head if end == layers else None
+
+    def forward(self, x):
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)) if self.lm_head is not None else x
+
+
+def parallelize_llama(model, tp, sp, mesh=None):
+    """The Llama's plan through DTensor, as TorchTitan lays it out."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (tp,))
+    seq = Shard(1) if sp else Replicate()
+    plan = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    if sp:
+        plan["model.norm"] = SequenceParallel()
+    for i in range(len(model.model.layers)):
+        b = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                     "mlp.up_proj"):
+            plan[b + name] = ColwiseParallel(input_layouts=seq)
+        plan[b + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[b + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if sp:
+            plan[b + "input_layernorm"] = SequenceParallel()
+            plan[b + "post_attention_layernorm"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+
+
 def interleave_qkv(model, tp):
     """Orders each c_attn's rows as [q_0 k_0 v_0 q_1 k_1 v_1 ...] (r: rank r's heads), so that
     ColwiseParallel's contiguous row shards give every rank its own heads of q, k and v, as
@@ -175,6 +315,9 @@ def parallelize(model, tp, sp, mesh=None):
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["ddp", "tp", "tp-sp", "fsdp", "fsdp-tp", "pp-tp"], default="ddp")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads")
+    p.add_argument("--intermediate", type=int, default=0, help="llama: the MLP's width")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
@@ -195,10 +338,14 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.context, args.layers, args.heads, args.width)
+    if args.arch == "llama":
+        model = Llama(args.vocab, args.layers, args.heads, args.kv_heads, args.width,
+                      args.intermediate)
+    else:
+        model = GPT(args.vocab, args.context, args.layers, args.heads, args.width)
     params = sum(p.numel() for p in model.parameters())
     if args.expect_params and params != args.expect_params:
-        raise SystemExit(f"the Python GPT has {params} parameters, the C++ one "
+        raise SystemExit(f"the Python {args.arch} has {params} parameters, the C++ one "
                          f"{args.expect_params}: the architectures differ")
     mode = args.mode
     # Data-parallel degree and this rank's replica: the batch splits over the replicas; the ranks
@@ -218,15 +365,15 @@ def main():
             dp_mesh = init_device_mesh("cpu", (world,))
         else:
             mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-            parallelize(model, 2, False, mesh["tp"])
+            split(args, model, 2, False, mesh["tp"])
             dp_mesh = mesh["dp"]
-        for block in model.transformer.h:
+        for block in blocks(model):
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     elif mode == "pp-tp":
         return pipelined(args, model, rank, world, params)
     else:
-        parallelize(model, world, mode == "tp-sp")
+        split(args, model, world, mode == "tp-sp")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1 + replica)
     data = torch.randint(args.vocab, (args.batch_size // dp, args.context + 1), generator=gen)
@@ -235,6 +382,14 @@ def main():
     report(args, rank, world, times, params, loss)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def blocks(model):
+    return model.model.layers if isinstance(model, Llama) else model.transformer.h
+
+
+def split(args, model, tp, sp, mesh=None):
+    (parallelize_llama if args.arch == "llama" else parallelize)(model, tp, sp, mesh)
 
 
 def timed(args, step):
@@ -257,10 +412,11 @@ def pipelined(args, model, rank, world, params):
     if world != 4:
         raise SystemExit(f"pp-tp runs on 4 ranks (pp 2 x tp 2), not {world}")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    parallelize(model, 2, False, mesh["tp"])
-    stage_index, half = mesh.get_local_rank("pp"), len(model.transformer.h) // 2
-    module = Stage(model, 0, half) if stage_index == 0 else Stage(model, half,
-                                                                 len(model.transformer.h))
+    split(args, model, 2, False, mesh["tp"])
+    layers = len(blocks(model))
+    stage_index, half = mesh.get_local_rank("pp"), layers // 2
+    cut = LlamaStage if args.arch == "llama" else Stage
+    module = cut(model, 0, half) if stage_index == 0 else cut(model, half, layers)
     stage = PipelineStage(module, stage_index, 2, torch.device("cpu"),
                           group=mesh["pp"].get_group())
 
@@ -307,7 +463,7 @@ def make_step(model, opt, x, y, mode):
             return float(loss.detach())
         return step
     from torch.distributed.tensor.parallel import loss_parallel
-    wpe = model.transformer.wpe.weight
+    wpe = model.transformer.wpe.weight if isinstance(model, GPT) else None
 
     def step():
         opt.zero_grad()
@@ -315,7 +471,7 @@ def make_step(model, opt, x, y, mode):
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
-        if mode == "tp-sp":  # each rank used its own positions: their gradients are summed
+        if mode == "tp-sp" and wpe is not None:  # each rank used its own positions: summed
             dist.all_reduce(wpe.grad)
         opt.step()
         return float(loss.detach().full_tensor())

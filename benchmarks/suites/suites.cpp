@@ -131,6 +131,11 @@ const std::vector<Suite>& suites() {
        "vs PyTorch's Python path side by side: DDP, tensor parallel 2, tensor + sequence "
        "parallel 2",
        run_transformer},
+      {"llama",
+       "Llama (GQA, SwiGLU, RMSNorm, rotary) on 2 and 4 CPU processes: tokens/s and peak RSS "
+       "per rank, scaletrain vs PyTorch's Python path on the same model: DDP, tensor parallel, "
+       "sequence parallel, FSDP2, FSDP x TP, pipeline x TP",
+       run_llama},
       {"checkpoint",
        "a 123M-parameter model with Adam: what a checkpoint costs the step loop, "
        "synchronous save vs background save (AsyncCheckpointer), one file vs a DCP folder",

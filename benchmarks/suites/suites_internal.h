@@ -66,6 +66,7 @@ SuiteResult run_dp_scaling(const SuiteOptions& o);
 SuiteResult run_pipeline_memory(const SuiteOptions& o);
 SuiteResult run_stem_conv(const SuiteOptions& o);
 SuiteResult run_transformer(const SuiteOptions& o);
+SuiteResult run_llama(const SuiteOptions& o);
 SuiteResult run_checkpoint(const SuiteOptions& o);
 SuiteResult run_transformer_memory(const SuiteOptions& o);
 SuiteResult run_resilience(const SuiteOptions& o);

@@ -1,4 +1,4 @@
-// Suite `transformer`: the zoo's GPT (src/models/gpt.h, nanoGPT's layout, an untied head) trained
+// Suite `transformer`: the zoo's GPT (zoo/gpt.h, nanoGPT's layout, an untied head) trained
 // with AdamW on 2 and 4 local CPU processes, one intra-op thread each, each configuration beside
 // PyTorch's own Python path on the same architecture (benchmarks/python/transformer_peer.py, the
 // same torch from the project's .venv, launched the same way in the same run):
@@ -18,6 +18,11 @@
 //               stages, 1F1B over --chunks            |   (torch.distributed.pipelining),
 //               micro-batches                         |   Schedule1F1B, loss_parallel()
 //
+// Suite `llama`: the same configurations with the zoo's Llama (zoo/llama.h: RMSNorm, rotary
+// embeddings, grouped-query attention, SwiGLU, an untied head) on both sides; the plan splits
+// q/k/v/gate/up by columns and o/down by rows (the key/value heads over the ranks), sequence
+// parallelism covers the RMSNorms.
+//
 // The global batch, steps, data shape and optimizer are the same on both sides. Each launch
 // reports the median of its timed steps (after warm-up) as tokens/s and every rank's peak
 // resident memory. Rounds alternate which side goes first, so that the machine's drift hits
@@ -34,6 +39,7 @@
 #include <map>
 
 #include "gpt.h"
+#include "llama.h"
 #include "scaletrain/ddp.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/dist_pipeline.h"
@@ -48,8 +54,10 @@ namespace {
 
 // The model and the run's size, as the worker and the Python peer take them.
 struct RunSize {
-  GPTConfig gpt;
-  int64_t batch = 4;  // global, sequences of gpt.block_size tokens
+  std::string arch = "gpt";  // or "llama"
+  GPTConfig gpt;             // the GPT's, and for a Llama its layers, heads, width, context, vocab
+  int64_t kv_heads = 0, intermediate = 0;  // a Llama's
+  int64_t batch = 4;                       // global, sequences of gpt.block_size tokens
   int steps = 20, warmup = 3;
   int chunks = 4;  // pp-tp: micro-batches per step
 };
@@ -62,6 +70,9 @@ RunSize size_of(const std::map<std::string, std::string>& kv) {
   s.gpt.block_size = std::stoll(arg_or(kv, "--context", "128"));
   s.gpt.vocab_size = std::stoll(arg_or(kv, "--vocab", "512"));
   s.gpt.tied_head = false;  // every strategy can split an untied head (the zoo's choice)
+  s.arch = arg_or(kv, "--arch", "gpt");
+  s.kv_heads = std::stoll(arg_or(kv, "--kv-heads", "0"));
+  s.intermediate = std::stoll(arg_or(kv, "--intermediate", "0"));
   s.batch = std::stoll(arg_or(kv, "--batch-size", "4"));
   s.steps = std::stoi(arg_or(kv, "--steps", "20"));
   s.warmup = std::stoi(arg_or(kv, "--warmup", "3"));
@@ -71,11 +82,47 @@ RunSize size_of(const std::map<std::string, std::string>& kv) {
 
 std::vector<std::string> size_args(const RunSize& s) {
   const GPTConfig& c = s.gpt;
-  return {"--layers", std::to_string(c.n_layer),    "--heads",      std::to_string(c.n_head),
-          "--width",  std::to_string(c.n_embd),     "--context",    std::to_string(c.block_size),
-          "--vocab",  std::to_string(c.vocab_size), "--batch-size", std::to_string(s.batch),
-          "--steps",  std::to_string(s.steps),      "--warmup",     std::to_string(s.warmup),
-          "--chunks", std::to_string(s.chunks)};
+  return {
+      "--layers",   std::to_string(c.n_layer),    "--heads",        std::to_string(c.n_head),
+      "--width",    std::to_string(c.n_embd),     "--context",      std::to_string(c.block_size),
+      "--vocab",    std::to_string(c.vocab_size), "--batch-size",   std::to_string(s.batch),
+      "--steps",    std::to_string(s.steps),      "--warmup",       std::to_string(s.warmup),
+      "--chunks",   std::to_string(s.chunks),     "--arch",         s.arch,
+      "--kv-heads", std::to_string(s.kv_heads),   "--intermediate", std::to_string(s.intermediate)};
+}
+
+LlamaConfig llama_of(const RunSize& s) {
+  LlamaConfig c;
+  c.vocab_size = s.gpt.vocab_size;
+  c.hidden_size = s.gpt.n_embd;
+  c.intermediate_size = s.intermediate;
+  c.n_layers = s.gpt.n_layer;
+  c.n_heads = s.gpt.n_head;
+  c.n_kv_heads = s.kv_heads;
+  c.max_positions = s.gpt.block_size;
+  return c;
+}
+
+// The run's model as the library's Model: its module, forward, chain of blocks, split and
+// parallel loss, whatever the architecture.
+Model bench_model(const RunSize& s) {
+  Model model;
+  auto with = [&](auto m) {
+    model.module = m;
+    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
+    model.blocks = [m] { return m->blocks(); };
+    model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) {
+      return m->loss(out, y);
+    };
+  };
+  if (s.arch == "llama") {
+    with(std::make_shared<LlamaImpl>(llama_of(s)));
+  } else {
+    with(std::make_shared<GPTImpl>(s.gpt));
+  }
+  model.name = s.arch;
+  return model;
 }
 
 // Rank 0 writes what the Python peer writes: `step,s` per timed step, `rss,rank,bytes` per rank,
@@ -105,15 +152,15 @@ static int replicas_of(const std::string& mode, int world) {
 // pipeline. The tp ranks of a stage run the same tasks, so their collectives meet.
 class TwoStages {
  public:
-  TwoStages(GPT& m, const Dist& d, int chunks) : m_(m), d_(d) {
+  TwoStages(Model& m, const Dist& d, int chunks) : m_(m), d_(d) {
     if (d.size() != 4) {
       throw UsageError("transformer worker: pp-tp runs on 4 ranks (pp 2 x tp 2), not " +
                        std::to_string(d.size()));
     }
     const DeviceMesh mesh({{"pp", 2}, {"tp", 2}}, d.size());
     tp_ = mesh_groups(d, mesh, "transformer", {"tp"}).at("tp");
-    m->parallelize(tp_, false);
-    auto chain = m->blocks();
+    m.parallelize(tp_, false);
+    auto chain = m.blocks();
     const size_t half = chain->size() / 2;  // embed, h0 .. h(L/2-1) | h(L/2) .. h(L-1), head
     stage_ = mesh.coordinate(d.rank(), "pp");
     DistPipelineOptions po;
@@ -128,7 +175,7 @@ class TwoStages {
   double step(const at::Tensor& x, const at::Tensor& y) {
     auto loss = pipe_->train_step(
         stage_ == 0 ? x : at::Tensor(), stage_ == 1 ? y : at::Tensor(),
-        [&](const at::Tensor& out, const at::Tensor& t) { return m_->loss(out, t); });
+        [&](const at::Tensor& out, const at::Tensor& t) { return m_.parallel_loss(out, t); });
     auto t = at::zeros({1}, at::kDouble);
     if (loss.defined()) t.fill_(loss.item<double>());
     d_.broadcast(t, 2);
@@ -136,7 +183,7 @@ class TwoStages {
   }
 
  private:
-  GPT& m_;
+  Model& m_;
   const Dist& d_;
   Dist tp_;
   int stage_ = 0;
@@ -161,24 +208,24 @@ struct Wrappers {
   std::unique_ptr<TwoStages> pipe;
 };
 
-Wrappers wrap_for_mode(const std::string& mode, GPT& m, Dist& d, int dp, int chunks) {
+Wrappers wrap_for_mode(const std::string& mode, Model& m, Dist& d, int dp, int chunks) {
   Wrappers w;
   ShardOptions so;
   so.stage = 3;
   so.unit_cap_mb = 0.001;  // a unit per block, as FSDP2's fully_shard per block
   if (mode == "ddp") {
-    w.ddp = std::make_unique<DistributedDataParallel>(m.ptr(), d);
+    w.ddp = std::make_unique<DistributedDataParallel>(m.module, d);
   } else if (mode == "fsdp") {
-    w.fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), d, so);
+    w.fsdp = std::make_unique<ShardedDataParallel>(m.blocks(), d, so);
   } else if (mode == "fsdp-tp") {
     const DeviceMesh mesh({{"dp", dp}, {"tp", 2}}, d.size());
     auto groups = mesh_groups(d, mesh, "transformer");
-    m->parallelize(groups.at("tp"), false);
-    w.fsdp = std::make_unique<ShardedDataParallel>(m->blocks(), groups.at("dp"), so);
+    m.parallelize(groups.at("tp"), false);
+    w.fsdp = std::make_unique<ShardedDataParallel>(m.blocks(), groups.at("dp"), so);
   } else if (mode == "pp-tp") {
     w.pipe = std::make_unique<TwoStages>(m, d, chunks);
   } else {
-    m->parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
+    m.parallelize(d, mode == "tp-sp");  // the tensor-parallel group is the whole world
   }
   return w;
 }
@@ -193,8 +240,8 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   Dist d = init_process_group();
   at::set_num_threads(1);
   torch::manual_seed(0);
-  GPT m(s.gpt);
-  const int64_t params = parameter_count(*m);
+  Model m = bench_model(s);
+  const int64_t params = parameter_count(*m.module);
   const int dp = replicas_of(mode, d.size());
   if (s.batch % dp != 0) {
     throw UsageError("transformer worker: a global batch of " + std::to_string(s.batch) +
@@ -207,11 +254,11 @@ int run_transformer_worker(const std::vector<std::string>& args) {
   auto& pipe = wrapped.pipe;
   // Sequence parallelism's partial sums once per step, as train() does (defer_partial_sums()).
   const std::vector<at::Tensor> partial =
-      mode == "tp-sp" ? replicated_parameters(*m) : std::vector<at::Tensor>{};
+      mode == "tp-sp" ? replicated_parameters(*m.module) : std::vector<at::Tensor>{};
   defer_partial_sums(partial);
   torch::optim::AdamW opt(fsdp   ? fsdp->parameters()
                           : pipe ? pipe->parameters()
-                                 : m->parameters(),
+                                 : m.module->parameters(),
                           torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
   // Random tokens: each replica its own part of the batch, the same rows on every rank of a
   // tensor-parallel group (consecutive ranks, dp outer).
@@ -226,10 +273,10 @@ int run_transformer_worker(const std::vector<std::string>& args) {
       opt.step();
       return loss;
     }
-    auto logits = ddp    ? ddp->forward([&] { return m->forward(x); })
+    auto logits = ddp    ? ddp->forward([&] { return m.forward(x); })
                   : fsdp ? fsdp->forward(x)
-                         : m->forward(x);
-    auto loss = m->loss(logits, y);
+                         : m.forward(x);
+    auto loss = m.parallel_loss(logits, y);
     loss.backward();
     if (!partial.empty()) sum_deferred_partial_gradients(partial, d);
     if (fsdp) {
@@ -332,8 +379,9 @@ std::string table(const Launches& runs) {
   return t;
 }
 
-RunSize suite_size(bool quick) {
+RunSize suite_size(bool quick, const std::string& arch) {
   RunSize s;
+  s.arch = arch;
   if (quick) {  // seconds: a check that every path runs, not a measurement
     s.gpt.n_layer = 2, s.gpt.n_head = 4, s.gpt.n_embd = 64, s.gpt.block_size = 32;
     s.gpt.vocab_size = 256, s.batch = 4, s.steps = 3, s.warmup = 1;
@@ -342,7 +390,34 @@ RunSize suite_size(bool quick) {
     s.gpt.vocab_size = 512, s.batch = 4, s.steps = 20, s.warmup = 3;
   }
   s.gpt.tied_head = false;
+  if (arch == "llama") {  // key/value heads half the heads (the degree 4 divides them); the MLP
+                          // about 8/3 the width
+    s.gpt.n_head = 8;
+    s.kv_heads = 4;
+    s.intermediate = quick ? 176 : 688;
+  }
   return s;
+}
+
+std::string llama_note(const RunSize& s, int64_t params) {
+  const GPTConfig& c = s.gpt;
+  return "Both sides: a Llama of " + std::to_string(c.n_layer) + " layers, " +
+         std::to_string(c.n_head) + " heads over " + std::to_string(s.kv_heads) +
+         " key/value heads, " + std::to_string(c.n_embd) + " wide, SwiGLU " +
+         std::to_string(s.intermediate) + " wide, context " + std::to_string(c.block_size) +
+         ", vocabulary " + std::to_string(c.vocab_size) + ", untied head (" +
+         std::to_string(params) + " parameters, checked equal on the Python side), global batch " +
+         std::to_string(s.batch) + " sequences (" + std::to_string(s.batch * c.block_size) +
+         " tokens per step), AdamW (lr 3e-4, weight decay 0.1), random tokens, " +
+         std::to_string(s.warmup) + " warm-up and " + std::to_string(s.steps) +
+         " timed steps per launch, processes and threads as in the GPT suite. scaletrain: the "
+         "zoo's Llama (zoo/llama.h) under the same wrappers as the GPT's. Python "
+         "(benchmarks/python/transformer_peer.py --arch llama): the same architecture with "
+         "Hugging Face's names, parallelize_module with ColwiseParallel on q/k/v/gate/up and "
+         "RowwiseParallel on o/down (each rank its heads and key/value heads), RowwiseParallel "
+         "on the embedding and ColwiseParallel on the head with loss_parallel(), "
+         "SequenceParallel on the RMSNorms for tp-sp; FSDP2 per decoder layer; "
+         "torch.distributed.pipelining for pp-tp.";
 }
 
 void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize& s,
@@ -361,6 +436,10 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
       "\n\n" +
       table(runs));
   const GPTConfig& c = s.gpt;
+  if (s.arch == "llama") {
+    r.notes.push_back(llama_note(s, params));
+    return;
+  }
   r.notes.push_back(
       "Both sides: a GPT of " + std::to_string(c.n_layer) + " layers, " + std::to_string(c.n_head) +
       " heads, " + std::to_string(c.n_embd) + " wide, context " + std::to_string(c.block_size) +
@@ -394,26 +473,29 @@ void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize
 
 }  // namespace
 
-SuiteResult run_transformer(const SuiteOptions& o) {
-  const std::string title = "GPT on 2 and 4 CPU processes: scaletrain vs PyTorch's Python path";
+namespace {
+SuiteResult run_architecture(const SuiteOptions& o, const std::string& arch) {
+  const std::string suite = arch == "llama" ? "llama" : "transformer";
+  const std::string title = std::string(arch == "llama" ? "Llama" : "GPT") +
+                            " on 2 and 4 CPU processes: scaletrain vs PyTorch's Python path";
   SuiteResult r = new_result(
-      "transformer", title, "tokens/s",
+      suite, title, "tokens/s",
       {Plot::Kind::kBars, title, "", "tokens per second (median step)", false, false}, o);
   const PythonPeer peer = python_peer(o, "transformer_peer.py");
-  const RunSize s = suite_size(o.quick);
-  const int64_t params = parameter_count(*GPT(s.gpt));
+  const RunSize s = suite_size(o.quick, arch);
+  const int64_t params = parameter_count(*bench_model(s).module);
   const int64_t tokens_per_step = s.batch * s.gpt.block_size;
   Launches runs;
   for (int round = 0; round < o.repeats; ++round) {
     for (const auto& c : kConfigs) {
       auto launch = [&](const std::string& side, std::vector<std::string> command) {
         const std::string name = side + "_" + c.key() + "_" + std::to_string(round);
-        const std::string csv = o.work_dir + "/transformer_" + name + ".csv";
+        const std::string csv = o.work_dir + "/" + suite + "_" + name + ".csv";
         std::filesystem::remove(csv);
         auto sizes = size_args(s);
         command.insert(command.end(), sizes.begin(), sizes.end());
         command.insert(command.end(), {"--mode", c.mode, "--csv", csv});
-        run_local_ranks(o, c.ranks, command, "transformer_" + name);
+        run_local_ranks(o, c.ranks, command, suite + "_" + name);
         runs[side + "/" + c.key()].push_back(read_launch(csv, tokens_per_step));
       };
       auto python = [&] {
@@ -427,5 +509,9 @@ SuiteResult run_transformer(const SuiteOptions& o) {
   add_transformer_results(r, runs, s, params);
   return r;
 }
+}  // namespace
+
+SuiteResult run_transformer(const SuiteOptions& o) { return run_architecture(o, "gpt"); }
+SuiteResult run_llama(const SuiteOptions& o) { return run_architecture(o, "llama"); }
 
 }  // namespace scaletrain::bench

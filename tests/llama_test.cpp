@@ -161,6 +161,29 @@ TEST(HfGpt2, RunFromAFolderGivesAFolderThatTransformersLoads) {
   EXPECT_NE(long_context.output.find("64 positions"), std::string::npos) << long_context.output;
 }
 
+// A folder written in shards (here of at most 100 kB: 6 files and their index) loads back in
+// scaletrain with the same tensors, and in transformers' from_pretrained with exactly them.
+TEST(Llama, ShardedFolderOutLoadsBackHereAndInTransformers) {
+  testing::TempDir dir("llama_sharded_out");
+  Model m = make_model((made() / "hf").string());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : m.module->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  write_hf_folder((dir.path / "hf").string(),
+                  hf_config_json(llama_config_of((made() / "hf").string())), tensors, 100 << 10);
+  EXPECT_TRUE(fs::exists(dir.path / "hf" / "model.safetensors.index.json"));
+  EXPECT_TRUE(fs::exists(dir.path / "hf" / "model-00002-of-00006.safetensors"));
+  EXPECT_FALSE(fs::exists(dir.path / "hf.tmp")) << "written beside, then renamed in";
+  Model back = make_model((dir.path / "hf").string());
+  for (const auto& p : back.module->named_parameters()) {
+    EXPECT_TRUE(at::equal(p.value(), m.module->named_parameters()[p.key()])) << p.key();
+  }
+  save_weights((dir.path / "model.pt").string(), *m.module);
+  const std::string said = reference("check " + dir.path.string());
+  const auto j = nlohmann::json::parse(said.substr(said.rfind('{')));
+  EXPECT_TRUE(j.at("differ").empty()) << said;
+  EXPECT_TRUE(j.at("missing").empty()) << said;
+}
+
 TEST(Llama, RefusesWhatItCannotBuildByName) {
   const auto refused = [](const std::function<void()>& f) {
     try {

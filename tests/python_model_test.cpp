@@ -13,6 +13,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "scaletrain/amp.h"
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/python_model.h"
@@ -201,6 +202,11 @@ TEST(PythonModel, KeepsPythonsNamesAndSharesItsTensors) {
     m.module->named_parameters()["4.bias"].add_(1.0);
   }
   EXPECT_TRUE(at::allclose(m.forward(x), before + 1.0)) << "the script reads the same tensors";
+  {  // --amp bf16: the script's ops take the autocast scope as a C++ module's do
+    Autocast bf16(at::kCPU, at::kBFloat16);
+    EXPECT_EQ(m.forward(x).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_EQ(m.forward(x).scalar_type(), at::kFloat);
   Model lm = load_python_model((made() / "lm.pt").string());
   EXPECT_EQ(as_sequential(lm)->size(), 1u) << "a module of its own class is one block";
   EXPECT_TRUE(lm.module->named_parameters().contains("mlp.2.weight"));

@@ -88,9 +88,9 @@ TEST(Llama, HuggingFaceFolderGivesTransformersLogitsLossAndGradients) {
 }
 
 // Split over 2 ranks (the key/value heads one per rank), with and without sequence parallelism:
-// each rank's logits are its half of the vocabulary's, and the vocabulary-parallel loss is
-// transformers' loss.
-TEST(Llama, SplitOverTwoRanksGivesTransformersLogitsAndLoss) {
+// each rank's logits are its half of the vocabulary's, the vocabulary-parallel loss is
+// transformers' loss, and the gradients' slices join into transformers' gradients.
+TEST(Llama, SplitOverTwoRanksGivesTransformersLogitsLossAndGradients) {
   const auto r = ref();
   for (bool sp : {false, true}) {
     auto errors = testing::run_ranks(2, [&](Dist& d) {
@@ -101,6 +101,11 @@ TEST(Llama, SplitOverTwoRanksGivesTransformersLogitsAndLoss) {
       EXPECT_LE(max_diff(logits, want), bound(r.at("logits"))) << "sp " << sp;
       auto loss = m.parallel_loss(logits, r.at("targets"));
       EXPECT_NEAR(loss.item<double>(), r.at("loss").item<double>(), bound(r.at("loss")));
+      loss.backward();  // every rank's slices of the gradients, joined: transformers' whole ones
+      for (const auto& [name, g] : gather_full_state(*m.module, d, /*gradients=*/true)) {
+        const auto& grad = r.at("grad." + name);
+        EXPECT_LE(max_diff(g, grad), bound(grad)) << "sp " << sp << " " << name;
+      }
     });
     EXPECT_EQ(errors, std::vector<std::string>(2)) << "sp " << sp;
   }

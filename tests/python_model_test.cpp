@@ -149,10 +149,12 @@ void expect_as_python(const Setup& s, double terms, const std::string& name) {
 }
 
 // The CNN's longest sum: its Linear's 676 inputs.
-TEST(PythonModel, ScriptedCnnTrainsAsEagerPythonUnderDdpFsdpAndAPipeline) {
+TEST(PythonModel, ScriptedCnnTrainsAsEagerPythonUnderDdpFsdpPipelineDpAndZero1) {
   expect_as_python({"cnn", Strategy::kDDP, 2, {}}, 676, "cnn_ddp");
   expect_as_python({"cnn", Strategy::kFsdp, 2, {}}, 676, "cnn_fsdp");
   expect_as_python({"cnn", Strategy::kPipeline, 1, {at::kCPU, at::kCPU}}, 676, "cnn_pipeline");
+  expect_as_python({"cnn", Strategy::kDataParallel, 1, {at::kCPU, at::kCPU}}, 676, "cnn_dp");
+  expect_as_python({"cnn", Strategy::kZero1, 2, {}}, 676, "cnn_zero1");
 }
 
 // A module of its own class (one block for fsdp's units); its longest sum: the loss's mean over

@@ -6,6 +6,7 @@
 // transformers with the run's weights; what cannot be built is refused by name.
 
 #include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -16,7 +17,9 @@
 #include "hf_folder.h"
 #include "llama.h"
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
 #include "scaletrain/error.h"
+#include "scaletrain/trainer.h"
 #include "scaletrain_zoo.h"
 #include "support/python.h"
 #include "support/ranks.h"
@@ -33,13 +36,8 @@ std::string reference(const std::string& args) {
 }
 
 const fs::path& made() {
-  static testing::TempDir dir("llama_reference");
-  static const bool done = [] {
-    reference("make " + dir.path.string());
-    return true;
-  }();
-  (void)done;
-  return dir.path;
+  static const fs::path dir = testing::made_by("hf_reference.py");
+  return dir;
 }
 
 std::map<std::string, at::Tensor> ref() {
@@ -164,6 +162,54 @@ TEST(HfGpt2, RunFromAFolderGivesAFolderThatTransformersLoads) {
                            60);
   EXPECT_EQ(long_context.exit_code, 2) << long_context.output;
   EXPECT_NE(long_context.output.find("64 positions"), std::string::npos) << long_context.output;
+}
+
+// The trainer's fsdp x tp 2 on 4 ranks, one step of SGD (lr 1, no momentum) over a global batch
+// that is the reference's 4 sequences: the weights move by exactly transformers' gradient (each
+// replica's 2 sequences, averaged over the replicas; each weight's slices and shards joined in
+// model.pt).
+TEST(Llama, FsdpTimesTp2StepIsTransformersGradientStep) {
+  const auto r = ref();
+  testing::TempDir dir("llama_fsdp_tp");
+  const std::string folder = (made() / "hf").string();
+  auto errors = testing::run_ranks(
+      4,
+      [&](Dist& d) {
+        TrainTask task;
+        task.model = [&] { return make_model(folder); };
+        task.train_data = in_memory(Dataset{r.at("ids"), r.at("targets"), 0});
+        task.test_data = in_memory(Dataset{r.at("ids"), r.at("targets"), 0});
+        task.metrics = {};
+        task.optimizer = [](const std::vector<at::Tensor>& p) {
+          return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(1.0));
+        };
+        TrainerOptions o;
+        o.strategy = Strategy::kFsdp;
+        o.tensor_parallel.size = 2;
+        o.epochs = 1;
+        o.batch_size = 4;
+        o.device = at::kCPU;
+        o.progress = false;
+        o.tensorboard = false;
+        o.resume = Resume::none();
+        o.out_dir = (dir.path / "out").string();
+        train(task, o, d);
+      },
+      std::chrono::seconds(120));
+  ASSERT_EQ(errors, std::vector<std::string>(4));
+  Model before = make_model(folder), after = make_model(folder);
+  load_weights((dir.path / "out" / "model.pt").string(), *after.module);
+  const double u = std::ldexp(1.0, -24);
+  int compared = 0;
+  for (const auto& p : before.module->named_parameters()) {
+    const auto step = p.value() - after.module->named_parameters()[p.key()];
+    const auto& grad = r.at("grad." + p.key());
+    // The gradient's bound, and the subtraction's rounding of the weights themselves.
+    EXPECT_LE(max_diff(step, grad), bound(grad) + 2 * u * p.value().abs().max().item<double>())
+        << p.key();
+    ++compared;
+  }
+  EXPECT_EQ(compared, 2 * 9 + 3);
 }
 
 // A folder written in shards (here of at most 100 kB: 6 files and their index) loads back in

@@ -32,15 +32,10 @@ std::string python(const std::string& args) {
   return testing::run_python("python_models.py", args);
 }
 
-// The modules and data Python wrote, made once for the suite.
+// The modules and data Python wrote (made once per build, support/python.h).
 const fs::path& made() {
-  static testing::TempDir dir("python_models");
-  static const bool done = [] {
-    python("make " + dir.path.string());
-    return true;
-  }();
-  (void)done;
-  return dir.path;
+  static const fs::path dir = testing::made_by("python_models.py");
+  return dir;
 }
 
 std::map<std::string, at::Tensor> read_dict(const fs::path& p);
@@ -232,7 +227,8 @@ TEST(PythonModel, RefusesWhatItCannotTrainByName) {
             std::string::npos)
       << "torch.save's zip, not a module";
   EXPECT_NE(refused((made() / "none.pt").string()).find("no such file"), std::string::npos);
-  const fs::path text = made() / "notes.pt";
+  testing::TempDir own("python_model_refusals");  // the shared folder stays as Python made it
+  const fs::path text = own.path / "notes.pt";
   std::ofstream(text) << "not a zip";
   EXPECT_NE(refused(text.string()).find("not a TorchScript archive"), std::string::npos);
 }

@@ -561,7 +561,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Regression (NegativeSeedWrapsAround).
         Bad{"--seed -1", "--seed '-1' is not a whole number"},
         Bad{"--dropout 0.2", "--dropout is for --model mlp, gpt-tiny and gpt2-small"},
-        Bad{"--context 32", "--context is for --model gpt-tiny and gpt2-small"},
+        Bad{"--context 32",
+            "--context is for --model gpt-tiny, gpt2-small, llama-tiny or a Hugging Face"},
         Bad{"--strategy pipeline --devices cpu,cpu --model mlp --dropout 0.2 "
             "--checkpoint-activations always",
             "--dropout with --checkpoint-activations"},

@@ -296,6 +296,11 @@ TEST(Llama, RunFromAFolderGivesAFolderThatTransformersLoads) {
                                 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   ASSERT_TRUE(fs::exists(dir.path / "out" / "hf" / "model.safetensors"));
+  // Regression (HfFolderOutTookTheRunsContextAsItsPositions): the folder out kept --context 16 as
+  // its max_position_embeddings; it is the folder's own, 64.
+  const auto config = nlohmann::json::parse(std::ifstream(dir.path / "out" / "hf" / "config.json"));
+  EXPECT_EQ(config.at("max_position_embeddings").get<int64_t>(), 64) << config.dump();
+  EXPECT_EQ(config.at("num_key_value_heads").get<int64_t>(), 2) << config.dump();
   const std::string said = reference("check " + (dir.path / "out").string());
   const auto j = nlohmann::json::parse(said.substr(said.rfind('{')));
   EXPECT_TRUE(j.at("differ").empty()) << said;

@@ -101,14 +101,16 @@ std::string hf_config_json(const GPTConfig& c) {
 }
 
 namespace {
+bool ends_with(const std::string& name, const std::string& tail) {
+  return name.size() > tail.size() &&
+         name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+
 // GPT2LMHeadModel's Conv1D layers: weight [in, out], the transpose of a Linear's.
 bool conv1d(const std::string& name) {
   for (const char* tail :
        {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
-    const std::string t = tail;
-    if (name.size() > t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0) {
-      return true;
-    }
+    if (ends_with(name, tail)) return true;
   }
   return false;
 }
@@ -117,10 +119,9 @@ bool conv1d(const std::string& name) {
 std::map<std::string, at::Tensor> gpt_from_hf(std::map<std::string, at::Tensor> tensors) {
   std::map<std::string, at::Tensor> out;
   for (auto& [name, t] : tensors) {
-    const auto tail = [&](const std::string& s) {
-      return name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-    };
-    if (tail(".attn.bias") || tail(".attn.masked_bias")) continue;  // older files' buffers
+    if (ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias")) {
+      continue;  // older files' buffers
+    }
     const std::string key = name.rfind("transformer.", 0) == 0 || name == "lm_head.weight"
                                 ? name
                                 : "transformer." + name;  // GPT2Model's files: no prefix

@@ -297,12 +297,43 @@ std::vector<std::string> model_names() {
           "resnet101", "gpt-tiny", "gpt2-small", "llama-tiny"};
 }
 
+bool is_llama_name(const std::string& name) {
+  return name == "llama-tiny" || (is_hf_folder(name) && hf_model_type(name) != "gpt2");
+}
+
 LlamaConfig llama_config_of(const std::string& name, const ModelOptions& o) {
-  LlamaConfig c = is_hf_folder(name) ? llama_config_from_hf(name) : llama_config(name);
+  const bool hf = is_hf_folder(name);
+  LlamaConfig c = hf ? llama_config_from_hf(name) : llama_config(name);
   if (o.vocab_size > 0) c.vocab_size = o.vocab_size;
-  if (o.context > 0) c.max_positions = o.context;
+  // Regression (HfFolderOutTookTheRunsContextAsItsPositions): a folder's max_position_embeddings
+  // stays its own; --context only shortens the windows.
+  if (o.context > 0 && !hf) c.max_positions = o.context;
   c.checkpoint_blocks = o.checkpoint_activations;
   return c;
+}
+
+namespace {
+// The zoo's token models as Models: the same wiring whatever the architecture.
+template <typename M>
+Model token_model(const std::string& name, std::shared_ptr<M> m, bool tied, int64_t flops) {
+  Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
+  if (!tied) model.blocks = [m] { return m->blocks(); };
+  model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+  model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
+  model.output_split = true;
+  model.flops_per_sample = flops;
+  return model;
+}
+}  // namespace
+
+Model gpt_model(const std::string& name, const GPTConfig& c) {
+  return token_model(name, std::make_shared<GPTImpl>(c), c.tied_head,
+                     gpt_flops_per_token(c) * c.block_size);
+}
+
+Model llama_model(const std::string& name, const LlamaConfig& c) {
+  return token_model(name, std::make_shared<LlamaImpl>(c), c.tied_head,
+                     llama_flops_per_token(c) * c.max_positions);
 }
 
 // A GPT: the zoo's sizes (an untied head, so that every strategy can split it), or a Hugging
@@ -315,32 +346,19 @@ Model make_gpt(const std::string& name, const ModelOptions& o) {
   c.dropout = o.dropout;
   c.checkpoint_blocks = o.checkpoint_activations;
   if (!hf) c.tied_head = false;
-  auto m = std::make_shared<GPTImpl>(c);
+  Model model = gpt_model(name, c);
   if (hf) {
     auto tensors = gpt_from_hf(read_weights(name));
     if (c.tied_head) tensors.erase("lm_head.weight");  // the same tensor as wte's
-    load_state_dict(std::move(tensors), *m, name);
+    load_state_dict(std::move(tensors), *model.module, name);
   }
-  Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
-  if (!c.tied_head) model.blocks = [m] { return m->blocks(); };
-  model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
-  model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
-  model.output_split = true;
-  model.flops_per_sample = gpt_flops_per_token(c) * c.block_size;
   return model;
 }
 
 // A Llama: the zoo's size, or a Hugging Face folder's config and weights.
 Model make_llama(const std::string& name, const ModelOptions& o) {
-  const LlamaConfig c = llama_config_of(name, o);
-  auto m = std::make_shared<LlamaImpl>(c);
-  if (is_hf_folder(name)) load_weights(name, *m);
-  Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
-  if (!c.tied_head) model.blocks = [m] { return m->blocks(); };
-  model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
-  model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
-  model.output_split = true;
-  model.flops_per_sample = llama_flops_per_token(c) * c.max_positions;
+  Model model = llama_model(name, llama_config_of(name, o));
+  if (is_hf_folder(name)) load_weights(name, *model.module);
   return model;
 }
 
@@ -354,9 +372,7 @@ bool is_python_model_name(const std::string& name) {
 
 Model make_model(const std::string& name, const ModelOptions& o) {
   if (is_python_model_name(name)) return load_python_model(name);
-  if (name == "llama-tiny" || (is_hf_folder(name) && hf_model_type(name) != "gpt2")) {
-    return make_llama(name, o);
-  }
+  if (is_llama_name(name)) return make_llama(name, o);
   if (name == "toy") return wrap(name, std::make_shared<ToyModelImpl>());
   if (name == "mlp") return wrap(name, std::make_shared<MLPImpl>(o));
   if (name == "lenet") return wrap(name, std::make_shared<LeNetImpl>(o));

@@ -32,15 +32,9 @@ bool reads_tokens(const std::string& m) {
   return m.rfind("gpt", 0) == 0 || m == "llama-tiny" || is_hf_folder(m);
 }
 
-// The Llamas among them: llama-tiny and a Hugging Face folder of another type than "gpt2" (which
-// the Llama's config refuses by name if it is not "llama").
-bool is_llama(const std::string& m) {
-  return m == "llama-tiny" || (is_hf_folder(m) && hf_model_type(m) != "gpt2");
-}
-
 // Their vocabulary and context before --vocab-size and --context.
 std::pair<int64_t, int64_t> token_shape(const std::string& m) {
-  if (!is_llama(m)) {
+  if (!is_llama_name(m)) {
     const GPTConfig c = is_hf_folder(m) ? gpt_config_from_hf(m) : gpt_config(m);
     return {c.vocab_size, c.block_size};
   }
@@ -61,19 +55,20 @@ void validate_vocabulary(const TrainOptions& o) {
   require(o.vocab_size == 0 || o.vocab_size >= 256, "--vocab-size", o.vocab_size,
           "0 (the model's own) or at least 256 (the text data's byte tokens)");
   if (is_hf_folder(o.model)) {  // its vocabulary and positions are its weights'
+    const auto [rows, positions] = token_shape(o.model);
     if (o.vocab_size != 0) {
       throw UsageError("--vocab-size with the Hugging Face folder " + o.model +
-                       ": its vocabulary is its weights' (" +
-                       std::to_string(token_shape(o.model).first) + " rows); leave it out");
+                       ": its vocabulary is its weights' (" + std::to_string(rows) +
+                       " rows); leave it out");
     }
-    if (o.context > token_shape(o.model).second) {
+    if (o.context > positions) {
       throw UsageError("--context " + std::to_string(o.context) + " is longer than " + o.model +
-                       "'s " + std::to_string(token_shape(o.model).second) +
+                       "'s " + std::to_string(positions) +
                        " positions (its config's max_position_embeddings or n_positions)");
     }
   }
   if (!gpt || o.tensor_parallel.size <= 1) return;
-  if (is_llama(o.model)) {  // its key/value heads split over the ranks
+  if (is_llama_name(o.model)) {  // its key/value heads split over the ranks
     const int64_t kv = llama_config_of(o.model).n_kv_heads;
     if (kv % o.tensor_parallel.size != 0) {
       throw UsageError("--tp " + std::to_string(o.tensor_parallel.size) + " splits " + o.model +
@@ -404,7 +399,7 @@ void write_hf_out(const TrainOptions& o, const std::string& weights) {
   mo.vocab_size = o.vocab_size;
   mo.context = o.context;
   const std::string out = o.out_dir + "/hf";
-  if (is_llama(o.model)) {
+  if (is_llama_name(o.model)) {
     const LlamaConfig c = llama_config_of(o.model, mo);
     LlamaImpl trained(c);
     load_weights(weights, trained);
@@ -426,7 +421,7 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   TrainResult r = train(zoo_task(o), o, d);
   // A Llama's or a Hugging Face GPT-2's weights also as a Hugging Face folder, for
   // transformers' from_pretrained.
-  if (d.rank() == 0 && !r.left_behind && (is_llama(o.model) || is_hf_folder(o.model))) {
+  if (d.rank() == 0 && !r.left_behind && (is_llama_name(o.model) || is_hf_folder(o.model))) {
     write_hf_out(o, r.weights_path);
   }
   return r;

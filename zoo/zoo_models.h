@@ -60,9 +60,19 @@ Model make_model(const std::string& name, const ModelOptions& options = {});
 bool is_python_model_name(const std::string& name);
 
 /// A Llama's config: "llama-tiny"'s or a Hugging Face folder's (hf_folder.h), with the options'
-/// vocabulary, context and activation checkpointing where given.
+/// vocabulary, context (not a folder's: its config keeps its positions) and activation
+/// checkpointing where given.
 struct LlamaConfig;
 LlamaConfig llama_config_of(const std::string& name, const ModelOptions& options = {});
+/// Whether make_model() builds `name` as a Llama: "llama-tiny", or a Hugging Face folder whose
+/// model_type is not "gpt2" (the Llama's config refuses any but "llama", by name).
+bool is_llama_name(const std::string& name);
+
+/// The zoo's GPT and Llama of a config as the library's Model (fresh weights): its forward, its
+/// blocks (an untied head only), its tensor-parallel split and parallel loss, its FLOPs.
+struct GPTConfig;
+Model gpt_model(const std::string& name, const GPTConfig& config);
+Model llama_model(const std::string& name, const LlamaConfig& config);
 
 /// The names make_model() knows.
 std::vector<std::string> model_names();

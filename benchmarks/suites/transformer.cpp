@@ -103,26 +103,9 @@ LlamaConfig llama_of(const RunSize& s) {
   return c;
 }
 
-// The run's model as the library's Model: its module, forward, chain of blocks, split and
-// parallel loss, whatever the architecture.
+// The run's model as the library's Model (zoo_models.h), whatever the architecture.
 Model bench_model(const RunSize& s) {
-  Model model;
-  auto with = [&](auto m) {
-    model.module = m;
-    model.forward = [m](const at::Tensor& x) { return m->forward(x); };
-    model.blocks = [m] { return m->blocks(); };
-    model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
-    model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) {
-      return m->loss(out, y);
-    };
-  };
-  if (s.arch == "llama") {
-    with(std::make_shared<LlamaImpl>(llama_of(s)));
-  } else {
-    with(std::make_shared<GPTImpl>(s.gpt));
-  }
-  model.name = s.arch;
-  return model;
+  return s.arch == "llama" ? llama_model(s.arch, llama_of(s)) : gpt_model(s.arch, s.gpt);
 }
 
 // Rank 0 writes what the Python peer writes: `step,s` per timed step, `rss,rank,bytes` per rank,

@@ -205,12 +205,6 @@ std::map<std::string, at::Tensor> read_weights_file(const std::string& path) {
   return loaded;
 }
 
-bool read_hf_weights_exist(const std::string& dir) {
-  namespace fs = std::filesystem;
-  return fs::exists(fs::path(dir) / "model.safetensors.index.json") ||
-         fs::exists(fs::path(dir) / "model.safetensors");
-}
-
 // A Hugging Face folder's weights: model.safetensors, or every shard its index lists; nullopt
 // for a folder of neither.
 std::optional<std::map<std::string, at::Tensor>> read_hf_weights(const std::string& dir) {
@@ -252,8 +246,13 @@ std::map<std::string, at::Tensor> read_weights(const std::string& path) {
 }
 
 void load_weights(const std::string& path, torch::nn::Module& model) {
-  const bool dcp = std::filesystem::is_directory(path) && !read_hf_weights_exist(path);
-  load_state_dict(dcp ? read_dcp_weights(path, model) : read_weights(path), model, path);
+  if (!std::filesystem::is_directory(path)) {
+    load_state_dict(read_weights_file(path), model, path);
+  } else if (auto hf = read_hf_weights(path)) {
+    load_state_dict(std::move(*hf), model, path);
+  } else {
+    load_state_dict(read_dcp_weights(path, model), model, path);
+  }
 }
 
 void load_state_dict(std::map<std::string, at::Tensor> loaded, torch::nn::Module& model,

@@ -19,7 +19,7 @@
 namespace scaletrain {
 namespace {
 
-class DdpStrategy : public TrainStrategy {
+class DdpStrategy : public TrainStrategy, StrategyState {
  public:
   DdpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
       : TrainStrategy(d),
@@ -38,14 +38,11 @@ class DdpStrategy : public TrainStrategy {
     if (!tp_.split() || tp_.data_replicas() > 1) {
       ddp_ = std::make_unique<DistributedDataParallel>(tp_.trained().module, tp_.dp(), o.ddp);
     }
+    place(tp_.placement(dev_));
   }
 
   std::vector<at::Tensor> parameters() override { return module().parameters(); }
-  int data_rank() const override { return tp_.data_rank(); }
-  int data_replicas() const override { return tp_.data_replicas(); }
-  at::Device device() const override { return dev_; }
-  // A tp group's ranks compute the same loss of their replica's batch (Note [Global losses]).
-  bool counts_loss() const override { return tp_.counts_loss(); }
+  StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
@@ -115,7 +112,7 @@ class DdpStrategy : public TrainStrategy {
   void gather_weights() override { tp_.gather_weights(); }
   void weights_loaded() override { tp_.weights_loaded(); }
   bool weights_finite() override {  // split: one verdict for every rank, nothing gathered
-    if (!tp_.split()) return TrainStrategy::weights_finite();
+    if (!tp_.split()) return all_finite(parameters());
     return on_every_rank(dist_, all_finite(parameters()), dev_);
   }
 

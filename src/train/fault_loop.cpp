@@ -51,7 +51,7 @@ void Run::train_fault_tolerant() {
     if (q.heal) {
       // Every member's module holds its whole weights for the transfer (ZeRO-3 gathers its
       // shards; collective within each replica, whose ranks all know q).
-      strategy_->gather_weights();
+      strategy_->state().gather_weights();
       at::Tensor got;
       if (!replicas_->share_state([this] { return replica_state(); }, &got)) {
         replicas_->commit(false);
@@ -160,7 +160,7 @@ void Run::load_replica_state(const at::Tensor& bytes) {
   state_ = load_checkpoint_payload(payload, "the donor replica's state", *model_.module, opt_.get(),
                                    model_.name);
   state_.run_id = run_id;
-  strategy_->weights_loaded();
+  strategy_->state().weights_loaded();
   sampler_->load_state(state_.sampler);
   loss_sum_.sum = std::strtod(state_.values["replica/loss_sum"].c_str(), nullptr);
   loss_sum_.weight = std::strtod(state_.values["replica/loss_weight"].c_str(), nullptr);

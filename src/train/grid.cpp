@@ -63,7 +63,7 @@ std::string optimizer_key(int stage, int tp, int degree) {
          (degree > 1 ? "/tp" + std::to_string(tp) : "");
 }
 
-class GridStrategy : public TrainStrategy {
+class GridStrategy : public TrainStrategy, StrategyState {
  public:
   GridStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                const at::Tensor& sample)
@@ -106,14 +106,14 @@ class GridStrategy : public TrainStrategy {
     po.checkpoint = p.checkpoint;
     pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
                   : std::make_unique<DistPipeline>(stage_module_, po, d);
+    // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
+    place({dev_, replica_, mesh_.size("dp"), last() && mesh_.coordinate(d.rank(), "tp") == 0});
   }
 
   std::vector<at::Tensor> parameters() override {
     return stage_params_[static_cast<size_t>(stage_)];
   }
-  int data_rank() const override { return replica_; }
-  int data_replicas() const override { return mesh_.size("dp"); }
-  at::Device device() const override { return dev_; }
+  StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
@@ -175,8 +175,7 @@ class GridStrategy : public TrainStrategy {
   }
   void weights_loaded() override { tp_.weights_loaded(); }
 
-  // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
-  bool counts_loss() const override { return last() && mesh_.coordinate(dist_.rank(), "tp") == 0; }
+  bool weights_finite() override { return all_finite(parameters()); }
 
   // Note [Standard optimizer state]: each stage's state (its slices joined over tp) onto rank 0,
   // as the standard optimizer's over the whole model, which a grid of any layout, any other

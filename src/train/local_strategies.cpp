@@ -57,15 +57,28 @@ LossFn weighted(const LossFn& loss, double weight) {
       [loss, weight](const at::Tensor& out, const at::Tensor& y) { return loss(out, y) * weight; };
 }
 
+// One process over its devices, whose optimizer steps the whole model's parameters: the
+// default state (strategy_state.h), all of it on this rank, the data whole.
+class LocalStrategy : public TrainStrategy, StrategyState {
+ public:
+  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
+  StrategyState& state() override { return *this; }
+  bool weights_finite() override { return all_finite(parameters()); }
+
+ protected:
+  LocalStrategy(const TrainerOptions& o, const Dist& d, Model& model)
+      : TrainStrategy(d), model_(model), devices_(local_devices(o)) {
+    place({devices_[0], 0, 1, true});
+  }
+  Model& model_;
+  std::vector<at::Device> devices_;
+};
+
 // DataParallel in one process: the model is the primary replica; the task builds the others.
-class DpStrategy : public TrainStrategy {
+class DpStrategy : public LocalStrategy {
  public:
   DpStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model)
-      : TrainStrategy(d),
-        model_(model),
-        loss_(task.loss),
-        devices_(local_devices(o)),
-        threads_(share_cores(devices_)) {
+      : LocalStrategy(o, d, model), loss_(task.loss), threads_(share_cores(devices_)) {
     std::vector<DataParallel::Replica> replicas{{model.module, model.forward}};
     for (size_t k = 1; k < devices_.size(); ++k) {
       Model other = task.model();
@@ -75,10 +88,6 @@ class DpStrategy : public TrainStrategy {
     dp_ = std::make_unique<DataParallel>(std::move(replicas), devices_);
   }
 
-  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
-  int data_rank() const override { return 0; }
-  int data_replicas() const override { return 1; }
-  at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
     return dp_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
@@ -89,24 +98,18 @@ class DpStrategy : public TrainStrategy {
   std::vector<DeviceReport> devices() const override { return reports(devices_, dp_->replicas()); }
 
  private:
-  Model& model_;
   LossFn loss_;
-  std::vector<at::Device> devices_;
   std::unique_ptr<IntraOpThreads> threads_;
   std::vector<Model> others_;
   std::unique_ptr<DataParallel> dp_;
 };
 
 // A pipeline in one process over the model's blocks.
-class PipelineStrategy : public TrainStrategy {
+class PipelineStrategy : public LocalStrategy {
  public:
   PipelineStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                    const at::Tensor& sample)
-      : TrainStrategy(d),
-        model_(model),
-        loss_(task.loss),
-        devices_(local_devices(o)),
-        threads_(share_cores(devices_)) {
+      : LocalStrategy(o, d, model), loss_(task.loss), threads_(share_cores(devices_)) {
     torch::nn::Sequential chain = chain_of(model, Strategy::kPipeline);
     const auto p = o.pipeline.resolved();  // the pipeline's options, defaults filled in
     PipelineOptions po;
@@ -121,10 +124,6 @@ class PipelineStrategy : public TrainStrategy {
     pipe_ = std::make_unique<Pipeline>(chain, po);
   }
 
-  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
-  int data_rank() const override { return 0; }
-  int data_replicas() const override { return 1; }
-  at::Device device() const override { return devices_[0]; }
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool, double weight) override {
     return pipe_->train_step(x, y, weighted(loss_, weight)) / weight;  // the batch's own loss
   }
@@ -149,9 +148,7 @@ class PipelineStrategy : public TrainStrategy {
   }
 
  private:
-  Model& model_;
   LossFn loss_;
-  std::vector<at::Device> devices_;
   std::unique_ptr<IntraOpThreads> threads_;
   std::unique_ptr<Pipeline> pipe_;
 };

@@ -47,7 +47,7 @@ void Run::resume() {
     if (start_.resume_sharded) {  // every rank reads the shards it needs, at any world size
       const int tp = std::max(o_.tensor_parallel.size, 1);
       const int saved = start_.resume_sharded_tp;
-      state_ = strategy_->load_sharded(o_.out_dir, *start_.resume_sharded, *opt_, saved);
+      state_ = strategy_->state().load_sharded(o_.out_dir, *start_.resume_sharded, *opt_, saved);
       if (saved == tp) state_.optimizer_restored = true;
       from = "the sharded checkpoint of step " + std::to_string(*start_.resume_sharded) + " in " +
              o_.out_dir +
@@ -56,17 +56,18 @@ void Run::resume() {
                                 std::to_string(saved) + ")");
     } else {
       from = *start_.resume_from;
-      state_ =
-          load_checkpoint(from, *model_.module, strategy_->optimizer_to_load(*opt_), model_.name);
-      strategy_->weights_loaded();
+      state_ = load_checkpoint(from, *model_.module, strategy_->state().optimizer_to_load(*opt_),
+                               model_.name);
+      strategy_->state().weights_loaded();
     }
     report_differences(state_);
     if (state_.values.erase("scaletrain/sampler_position_per_rank") > 0) {
       state_.sampler.position *= strategy_->data_replicas();  // an older file: exact at its world
     }
     sampler_->load_state(state_.sampler);
-    const bool restored = strategy_->restore_optimizer(*opt_, state_) || state_.optimizer_restored;
-    if (auto* scaler = strategy_->scaler()) {
+    const bool restored =
+        strategy_->state().restore_optimizer(*opt_, state_) || state_.optimizer_restored;
+    if (auto* scaler = strategy_->state().scaler()) {
       std::map<std::string, at::Tensor> scaler_state;  // fp16's loss scale: an exact resume
       for (const auto& [k, t] : state_.tensors) {
         if (k.rfind("scaler/", 0) == 0) scaler_state[k.substr(7)] = t;
@@ -208,11 +209,11 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   // (what a program's on_epoch sees there, as after any other checkpoint).
   std::optional<DcpState> boxes;
   if (o_.checkpoint_format == CheckpointFormat::kDcp && !writer_ && !o_.fault_tolerant) {
-    boxes = strategy_->own_boxes(*opt_);
+    boxes = strategy_->state().own_boxes(*opt_);
     if (boxes && !out_dir_shared()) boxes.reset();
   }
-  if (!sharded) strategy_->gather_weights();  // a sharded checkpoint gathers nothing
-  if (!(sharded ? strategy_->weights_finite() : all_finite(model_.module->parameters()))) {
+  if (!sharded) strategy_->state().gather_weights();  // a sharded checkpoint gathers nothing
+  if (!(sharded ? strategy_->state().weights_finite() : all_finite(model_.module->parameters()))) {
     diverged("the weights hold NaN or inf", state_.global_step, epoch, r_.final_loss);
   }
   state_.epoch = epoch;
@@ -222,14 +223,15 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
   state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel.size, 1));
-  strategy_->describe_layout(state_);
+  strategy_->state().describe_layout(state_);
   auto sums = at::tensor({loss_sum_.sum, loss_sum_.weight}, at::kDouble);
   state_.tensors[kEpochLossKey] = at::stack(d_.all_gather(sums.to(collective_device()))).cpu();
-  if (auto* scaler = strategy_->scaler()) {
+  if (auto* scaler = strategy_->state().scaler()) {
     for (const auto& [k, t] : scaler->state()) state_.tensors["scaler/" + k] = t;
   }
   if (sharded) {
-    r_.last_checkpoint = strategy_->save_sharded(o_.out_dir, state_, *opt_, o_.keep, writer_.get());
+    r_.last_checkpoint =
+        strategy_->state().save_sharded(o_.out_dir, state_, *opt_, o_.keep, writer_.get());
     return;
   }
   if (boxes) {
@@ -249,7 +251,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
     }
     return;
   }
-  const torch::optim::Optimizer* opt = strategy_->saved_optimizer(*opt_, state_);
+  const torch::optim::Optimizer* opt = strategy_->state().saved_optimizer(*opt_, state_);
   const bool dcp = o_.checkpoint_format == CheckpointFormat::kDcp;
   if (d_.rank() == 0) {
     drop_replaced_shards();  // an earlier background write's, once it is on disk

@@ -280,19 +280,19 @@ double TrainStrategy::clip_gradients(double max_norm) {
   return norm;
 }
 
-const torch::optim::Optimizer* TrainStrategy::saved_optimizer(torch::optim::Optimizer& opt,
+const torch::optim::Optimizer* StrategyState::saved_optimizer(torch::optim::Optimizer& opt,
                                                               TrainingState&) {
   return &opt;
 }
 
-std::string TrainStrategy::save_sharded(const std::string&, const TrainingState&,
+std::string StrategyState::save_sharded(const std::string&, const TrainingState&,
                                         const torch::optim::Optimizer&, int, AsyncCheckpointer*) {
   throw UsageError(
       "sharded checkpoints are written by the sharded strategies (zero1, zero2, "
       "fsdp) only");
 }
 
-TrainingState TrainStrategy::load_sharded(const std::string& dir, int64_t step,
+TrainingState StrategyState::load_sharded(const std::string& dir, int64_t step,
                                           torch::optim::Optimizer&, int) {
   throw UsageError("the newest checkpoint in '" + dir + "' is sharded (step " +
                    std::to_string(step) +
@@ -300,9 +300,7 @@ TrainingState TrainStrategy::load_sharded(const std::string& dir, int64_t step,
                    "size), or start afresh");
 }
 
-bool TrainStrategy::weights_finite() { return all_finite(parameters()); }
-
-bool TrainStrategy::restore_optimizer(torch::optim::Optimizer&, const TrainingState& state) {
+bool StrategyState::restore_optimizer(torch::optim::Optimizer&, const TrainingState& state) {
   return state.optimizer_restored;
 }
 

@@ -17,20 +17,37 @@
 #include "scaletrain/checkpoint.h"
 #include "scaletrain/distributed_checkpoint.h"
 #include "scaletrain/trainer.h"
+#include "train/strategy_state.h"
 
 namespace scaletrain {
 
+/// Where a strategy's rank stands: fixed when the strategy is built.
+struct RankPlacement {
+  /// Where the batch's inputs and targets go.
+  at::Device device = at::kCPU;
+  /// Which slice of the data this rank reads: replica `data_rank` of `data_replicas`.
+  int data_rank = 0;
+  int data_replicas = 1;
+  /// Whether step()'s loss on this rank is the one its data replica counts in the global
+  /// batch's loss (Note [Global losses] in loss_sums.cpp): one rank per replica. The ranks of a
+  /// tensor-parallel group each compute the same loss, and only a grid's last stage computes it.
+  bool counts_loss = true;
+};
+
+/// One parallel model on this rank: the step, evaluation, parameters and gradient norm; what it
+/// holds for checkpoints is its state() (strategy_state.h).
 class TrainStrategy {
  public:
   virtual ~TrainStrategy() = default;
 
+  const RankPlacement& placement() const { return placement_; }
+  at::Device device() const { return placement_.device; }
+  int data_rank() const { return placement_.data_rank; }
+  int data_replicas() const { return placement_.data_replicas; }
+  bool counts_loss() const { return placement_.counts_loss; }
+
   /// The parameters this rank's optimizer steps, in the model's order.
   virtual std::vector<at::Tensor> parameters() = 0;
-  /// Which slice of the data this rank reads: replica `data_rank()` of `data_replicas()`.
-  virtual int data_rank() const = 0;
-  virtual int data_replicas() const = 0;
-  /// Where the batch's inputs and targets go.
-  virtual at::Device device() const = 0;
   /// One forward and backward of this rank's batch; gradients accumulate. `sync` is false for
   /// the micro-steps of gradient accumulation but the last. `weight` scales the loss that is
   /// differentiated (1 / accumulate). Returns the batch's loss, not scaled by `weight`, where
@@ -67,57 +84,19 @@ class TrainStrategy {
   virtual void train_mode(bool on) = 0;
   /// This rank ran out of batches for the epoch (ddp's join).
   virtual void end_epoch() {}
-  /// Collective: every rank's model holds the current weights (a grid gathers its stages).
-  virtual void gather_weights() {}
-  /// Whether step()'s loss on this rank is the one its data replica counts in the global
-  /// batch's loss (Note [Global losses] in loss_sums.cpp): one rank per replica. The ranks of a
-  /// tensor-parallel group each compute the same loss, and only a grid's last stage computes it.
-  virtual bool counts_loss() const { return true; }
-  /// Checkpoints (Note [Standard optimizer state] in optimizer_states.h): the optimizer whose
-  /// state goes into the checkpoint's standard place, an SGD, Adam or AdamW over the whole model's
-  /// parameters (this rank's own where it steps them all, else one it fills from its slices,
-  /// shards or stages; collective), or null where `state` takes it (another optimizer's bytes).
-  virtual const torch::optim::Optimizer* saved_optimizer(torch::optim::Optimizer& opt,
-                                                         TrainingState& state);
-  /// The optimizer a checkpoint's standard optimizer state loads into: this rank's own where it
-  /// steps the whole model's parameters, one that restore_optimizer() then takes it from, or
-  /// null.
-  virtual torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) { return &opt; }
-  /// After a load: restores the optimizer from `state` where the file's standard place did not;
-  /// returns whether it is restored.
-  virtual bool restore_optimizer(torch::optim::Optimizer& opt, const TrainingState& state);
-  /// Values a checkpoint keeps of this strategy's layout (a grid's stages), into `state`; each
-  /// save calls it, whoever writes.
-  virtual void describe_layout(TrainingState&) const {}
-  /// Note [Checkpoints every rank writes] in zero_strategy.cpp: this rank's boxes of the whole
-  /// model's weights and of the standard optimizer's state over them (DCP keys; parts of the
-  /// tensors, views of what the rank holds), for a DCP folder every rank writes, without
-  /// gathering; nullopt where the strategy gathers its checkpoint (the default). Not collective.
-  virtual std::optional<DcpState> own_boxes(const torch::optim::Optimizer&) { return std::nullopt; }
-  /// After a checkpoint's weights were loaded into the model (a sharded strategy takes its shards
-  /// from them).
-  virtual void weights_loaded() {}
-  /// CheckpointFormat::kSharded (the sharded strategies): collective, writes this rank's shard
-  /// with `state` under `dir` and returns its path; and loads the shards of `step` (saved at any
-  /// world size, and at tensor-parallel degree `saved_tp`, which may be another than this run's:
-  /// Note [Sharded checkpoints at another degree] in reshard.h) into this rank's shards and
-  /// `opt`, returning the saved state.
-  /// With a `writer`, the shard is written in the background (AsyncCheckpointer).
-  virtual std::string save_sharded(const std::string& dir, const TrainingState& state,
-                                   const torch::optim::Optimizer& opt, int keep,
-                                   AsyncCheckpointer* writer);
-  virtual TrainingState load_sharded(const std::string& dir, int64_t step,
-                                     torch::optim::Optimizer& opt, int saved_tp);
-  /// Whether the weights this rank steps are finite (collective for the sharded strategies,
-  /// which agree on one verdict without gathering).
-  virtual bool weights_finite();
-  /// The scaler's state for the checkpoint, and back.
-  virtual GradScaler* scaler() { return nullptr; }
   virtual std::vector<DeviceReport> devices() const = 0;
+
+  /// What this rank holds, for checkpoints.
+  virtual StrategyState& state() = 0;
 
  protected:
   explicit TrainStrategy(const Dist& dist) : dist_(dist) {}
+  /// Each strategy's constructor says where its rank stands, once.
+  void place(const RankPlacement& p) { placement_ = p; }
   const Dist& dist_;
+
+ private:
+  RankPlacement placement_;
 };
 
 /// The strategy of `options` for `model` (built by the task; moved to its devices here) on this

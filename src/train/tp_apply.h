@@ -70,7 +70,12 @@ class TpApplied {
   const Dist& tp() const { return groups_.at("tp"); }
   int data_rank() const { return mesh_ ? mesh_->coordinate(world_.rank(), "dp") : world_.rank(); }
   int data_replicas() const { return mesh_ ? mesh_->size("dp") : world_.size(); }
+  // A tp group's ranks compute the same loss of their replica's batch (Note [Global losses]).
   bool counts_loss() const { return !split() || tp().rank() == 0; }
+  /// A ddp or sharded strategy's rank over this split, on `device`.
+  RankPlacement placement(const at::Device& device) const {
+    return {device, data_rank(), data_replicas(), counts_loss()};
+  }
   /// Where a collective's tensors go: the device with NCCL, the CPU with Gloo.
   at::Device collective() const;
   /// "dp 2 x tp 2", for the state of an optimizer saved as bytes per rank.

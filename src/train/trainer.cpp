@@ -362,7 +362,7 @@ void Run::finish() {
   const bool shards = o_.checkpoint_format == CheckpointFormat::kSharded;
   if (shards && d_.size() > 1) d_.barrier("the last shards' writes");
   strategy_->end_epoch();
-  strategy_->gather_weights();
+  strategy_->state().gather_weights();
   if (!all_finite(model_.module->parameters())) {
     diverged("the weights hold NaN or inf", state_.global_step, o_.epochs - 1, r_.final_loss);
   }

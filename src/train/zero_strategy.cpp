@@ -38,7 +38,7 @@ const std::string kOptimizerPrefix = "zero/optimizer/";
 // [Standard optimizer state] in optimizer_states.h), gathered over the ranks, cut at the
 // module's parameters and, split, joined over tp.
 
-class ZeroStrategy : public TrainStrategy {
+class ZeroStrategy : public TrainStrategy, StrategyState {
  public:
   ZeroStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
                int stage)
@@ -63,13 +63,11 @@ class ZeroStrategy : public TrainStrategy {
     }
     // A checkpoint may load into the module before the first step: the full (master) values.
     zero_->gather_full_parameters();
+    place(tp_.placement(dev_));
   }
 
   std::vector<at::Tensor> parameters() override { return zero_->parameters(); }
-  int data_rank() const override { return tp_.data_rank(); }
-  int data_replicas() const override { return tp_.data_replicas(); }
-  at::Device device() const override { return dev_; }
-  bool counts_loss() const override { return tp_.counts_loss(); }
+  StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     at::Tensor loss = tp_.loss()(forward(x), y);

@@ -32,6 +32,7 @@ struct RingCase {
   bool causal;
   bool balanced;
   int64_t heads = 4, kv_heads = 4;
+  bool fused = true;  // RingAttentionOptions::fused: the CPU's flash attention, or the products
 };
 
 struct Whole {
@@ -95,6 +96,7 @@ std::vector<std::string> ring_against_whole(const RingCase& c, int64_t length,
     RingAttentionOptions o;
     o.causal = c.causal;
     o.traffic = traffic;
+    o.fused = c.fused;
     const at::Tensor out = ring_attention(q, k, v, d, split, o);
     (out * mine(w.weight)).sum().backward();
     std::string& bad = mismatches[static_cast<size_t>(d.rank())];
@@ -131,18 +133,20 @@ TEST_P(RingAttentionCases, FollowsAttentionOverTheWholeSequence) {
   EXPECT_EQ(traffic.bytes.load(), (n * (n - 1) * 2 + n * n) * block);
 }
 
-INSTANTIATE_TEST_SUITE_P(RingAttention, RingAttentionCases,
-                         ::testing::Values(RingCase{2, true, true}, RingCase{2, true, false},
-                                           RingCase{2, false, true}, RingCase{4, true, true},
-                                           RingCase{4, true, false}, RingCase{4, false, false},
-                                           RingCase{2, true, true, 4, 2},
-                                           RingCase{4, true, true, 4, 1}),
-                         [](const auto& p) {
-                           const RingCase& c = p.param;
-                           return "Cp" + std::to_string(c.degree) + (c.causal ? "Causal" : "Full") +
-                                  (c.balanced ? "Balanced" : "InOrder") +
-                                  (c.kv_heads < c.heads ? "Gqa" + std::to_string(c.kv_heads) : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    RingAttention, RingAttentionCases,
+    ::testing::Values(RingCase{2, true, true}, RingCase{2, true, false}, RingCase{2, false, true},
+                      RingCase{4, true, true}, RingCase{4, true, false}, RingCase{4, false, false},
+                      RingCase{2, true, true, 4, 2}, RingCase{4, true, true, 4, 1},
+                      RingCase{2, true, true, 4, 4, false}, RingCase{4, true, false, 4, 2, false},
+                      RingCase{2, false, true, 4, 4, false}),
+    [](const auto& p) {
+      const RingCase& c = p.param;
+      return "Cp" + std::to_string(c.degree) + (c.causal ? "Causal" : "Full") +
+             (c.balanced ? "Balanced" : "InOrder") +
+             (c.kv_heads < c.heads ? "Gqa" + std::to_string(c.kv_heads) : "") +
+             (c.fused ? "" : "Products");
+    });
 
 TEST(RingAttention, DegreeOneIsPlainAttentionWithoutAGroup) {
   const RingCase c{1, true, true};

@@ -13,7 +13,7 @@
 namespace scaletrain {
 namespace {
 
-// Degrees in the order of the fields: {dp_replicate, dp_shard, zero_stage, pp, tp}.
+// Degrees in the order of the fields: {dp_replicate, dp_shard, zero_stage, pp, tp, cp}.
 using Dims = ParallelDims;
 
 std::string error_of(const ParallelDims& d, int world) {
@@ -53,6 +53,12 @@ TEST(ParallelDims, ResolveFillsInTheRestOfTheWorld) {
       {Dims({1, 1, 0, 1, 1}), 1, Dims({1, 1, 0, 1, 1}), 1, 1},
       // zero2 at world 1: a stage, nothing to shard over
       {Dims({1, -1, 2, 1, 1}), 1, Dims({1, 1, 2, 1, 1}), 1, 1},
+      // ddp x cp 2 at 4: two replicas, each sequence over 2 ranks
+      {Dims({-1, 1, 0, 1, 1, 2}), 4, Dims({2, 1, 0, 1, 1, 2}), 2, 1},
+      // fsdp x cp 2 x tp 2 at 8: two shards
+      {Dims({1, -1, 3, 1, 2, 2}), 8, Dims({1, 2, 3, 1, 2, 2}), 2, 2},
+      // cp the rest: one replica, cp 4 at 4
+      {Dims({1, 1, 0, 1, 1, -1}), 4, Dims({1, 1, 0, 1, 1, 4}), 1, 1},
   };
   for (const auto& row : table) {
     const auto r = row.given.resolve(row.world);
@@ -61,6 +67,7 @@ TEST(ParallelDims, ResolveFillsInTheRestOfTheWorld) {
     EXPECT_EQ(r.dp(), row.dp) << r.describe();
     EXPECT_EQ(r.model_ranks(), row.model_ranks) << r.describe();
     EXPECT_EQ(r.world(), row.world) << r.describe();
+    EXPECT_EQ(r.dp_cp(), row.dp * r.cp) << r.describe();
     EXPECT_EQ(r.resolve(row.world), r) << "resolving twice changes nothing";
   }
 }
@@ -73,6 +80,8 @@ TEST(ParallelDims, DescribeNamesEachDegreeAboveOne) {
   EXPECT_EQ(Dims({-1, 1, 0, 2, 1}).describe(), "dp rest x pp 2");
   EXPECT_EQ(Dims({1, 1, 0, 2, 2}).describe(), "pp 2 x tp 2");
   EXPECT_EQ(Dims({1, 1, 2, 1, 1}).describe(), "dp 1 (zero2)");
+  EXPECT_EQ(Dims({2, 1, 0, 1, 2, 2}).describe(), "dp 2 x cp 2 x tp 2");
+  EXPECT_EQ(Dims({1, 1, 0, 1, 1, 4}).describe(), "cp 4");
 }
 
 // The mesh {dp, pp, tp}: tp innermost, so a tensor-parallel group is consecutive ranks (the
@@ -97,6 +106,24 @@ TEST(ParallelDims, MeshLaysRanksOutDpPpTp) {
   EXPECT_EQ(Dims({1, 1, 0, 1, 1}).mesh({}).describe(), "dp=1");
 }
 
+// The mesh {dp, pp, cp, tp}: a context-parallel group is the ranks next to a tensor-parallel
+// group (rank = (dp · cp + cp) · tp + tp here), and dp x cp flattened is the gradients' group.
+TEST(ParallelDims, MeshLaysContextParallelBetweenPpAndTp) {
+  const auto m = Dims({2, 1, 0, 1, 2, 2}).mesh({"dp", "pp", "cp", "tp"});
+  EXPECT_EQ(m.describe(), "dp=2 x pp=1 x cp=2 x tp=2");
+  // rank: dp, pp, cp, tp
+  const std::vector<std::vector<int>> coordinates{{0, 0, 0, 0}, {0, 0, 0, 1}, {0, 0, 1, 0},
+                                                  {0, 0, 1, 1}, {1, 0, 0, 0}, {1, 0, 0, 1},
+                                                  {1, 0, 1, 0}, {1, 0, 1, 1}};
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(m.coordinates(r), coordinates[r]) << "rank " << r;
+  EXPECT_EQ(m.group(5, "cp"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(m.group(5, "tp"), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m.group(5, "dp"), (std::vector<int>{1, 5}));
+  const auto no_pp = Dims({2, 1, 0, 1, 2, 2}).mesh({"dp", "cp", "tp"});
+  EXPECT_EQ(no_pp.describe(), "dp=2 x cp=2 x tp=2");
+  EXPECT_EQ(no_pp.group(6, "cp"), (std::vector<int>{4, 6}));
+}
+
 TEST(ParallelDims, MeshRefusesALeftOutDegreeAboveOneAnUnknownNameAndTheUnresolved) {
   auto message = [](const ParallelDims& d, const std::vector<std::string>& names) {
     try {
@@ -108,8 +135,10 @@ TEST(ParallelDims, MeshRefusesALeftOutDegreeAboveOneAnUnknownNameAndTheUnresolve
   };
   EXPECT_EQ(message(Dims({2, 1, 0, 2, 1}), {"dp", "tp"}),
             "a mesh without dimension 'pp' from dp 2 x pp 2: its degree is 2, not 1");
-  EXPECT_EQ(message(Dims({2, 1, 0, 1, 1}), {"dp", "cp"}),
-            "ParallelDims has no mesh dimension 'cp': dp, pp or tp");
+  EXPECT_EQ(message(Dims({2, 1, 0, 1, 1}), {"dp", "ep"}),
+            "ParallelDims has no mesh dimension 'ep': dp, pp, cp or tp");
+  EXPECT_EQ(message(Dims({2, 1, 0, 1, 1, 2}), {"dp", "tp"}),
+            "a mesh without dimension 'cp' from dp 2 x cp 2: its degree is 2, not 1");
   EXPECT_EQ(message(Dims({-1, 1, 0, 1, 2}), {"dp", "tp"}),
             "ParallelDims dp rest x tp 2 is not resolved (ParallelDims::dp_replicate -1): call "
             "resolve(world) first");
@@ -130,6 +159,11 @@ TEST(ParallelDims, ResolveRefusesDegreesThatDoNotMakeTheWorld) {
   EXPECT_EQ(error_of(Dims({1, 1, 0, -2, 1}), 4),
             "ParallelDims::pp -2: a degree is at least 1 (or -1: the rest of the world)");
   EXPECT_EQ(error_of(Dims({1, 1, 0, 1, 1}), 0), "a world of 0 ranks: it needs at least 1");
+  EXPECT_EQ(error_of(Dims({-1, 1, 0, 1, 2, 2}), 6),
+            "the world of 6 ranks does not divide by dp rest x cp 2 x tp 2 (4 ranks a "
+            "dp_replicate coordinate): give a world that is a multiple of 4");
+  EXPECT_EQ(error_of(Dims({1, 1, 0, 1, 1, 0}), 2),
+            "ParallelDims::cp 0: a degree is at least 1 (or -1: the rest of the world)");
   EXPECT_EQ(error_of(Dims({1, 2, 4, 1, 1}), 2),
             "ParallelDims::zero_stage 4 is not a ZeRO stage: give 0 (none), 1, 2 or 3 (fsdp)");
   EXPECT_EQ(error_of(Dims({1, 2, 0, 1, 1}), 2),

@@ -6,7 +6,6 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/softmax.h>
 #include <torch/nn/init.h>
 
@@ -16,6 +15,7 @@
 
 #include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/blocks.h"
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/coordinated_dropout.h"
 #include "scaletrain/error.h"
 
@@ -34,13 +34,14 @@ namespace scaletrain {
 // instead of scaled_dot_product_attention, at every degree, so that degree 1 draws the same
 // masks too.
 
-// What a GPT's dropouts need: the probability, the generator (unset: the device's default), and
-// the rank's place in the tensor-parallel group.
-struct DropoutContext {
+// What a GPT's layers share: the dropouts' probability, generator (unset: the device's default)
+// and the rank's place in the tensor-parallel group; context parallelism's group and split.
+struct LayerContext {
   double p = 0;
   std::optional<at::Generator> generator;
   int64_t rank = 0, size = 1;
   bool sequence_parallel = false;
+  ContextParallelism cp;
 
   bool active(bool training) const { return training && p > 0; }
   // x's mask: the whole tensor's, cut to x's part along `dim`: part `rank` of `parts` (1: x is
@@ -60,8 +61,8 @@ namespace {
 
 class AttentionImpl : public torch::nn::Module {
  public:
-  AttentionImpl(const GPTConfig& c, std::shared_ptr<const DropoutContext> dropout)
-      : head_dim_(c.n_embd / c.n_head), dropout_(std::move(dropout)) {
+  AttentionImpl(const GPTConfig& c, std::shared_ptr<const LayerContext> shared)
+      : head_dim_(c.n_embd / c.n_head), shared_(std::move(shared)) {
     c_attn = register_module("c_attn", ParallelLinear(c.n_embd, 3 * c.n_embd));
     c_proj = register_module("c_proj", ParallelLinear(c.n_embd, c.n_embd));
   }
@@ -73,50 +74,50 @@ class AttentionImpl : public torch::nn::Module {
     auto heads = [&](const at::Tensor& p) { return p.view({b, t, -1, head_dim_}).transpose(1, 2); };
     auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
     at::Tensor y;
-    if (dropout_->active(is_training())) {  // Note [Coordinated dropout]: this rank's heads
+    if (shared_->active(is_training())) {  // Note [Coordinated dropout]: this rank's heads
       auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
       auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool)).triu(1).to(x.device());
       att = at::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-      y = at::matmul(dropout_->apply(att, 1, dropout_->size), v);
-    } else {
-      y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+      y = at::matmul(shared_->apply(att, 1, shared_->size), v);
+    } else {  // over the whole sequence: this rank's slice of it under context parallelism
+      y = shared_->cp.attention(q, k, v);
     }
     y = y.transpose(1, 2).contiguous().view({b, t, -1});
-    return dropout_->residual(c_proj(y), is_training());
+    return shared_->residual(c_proj(y), is_training());
   }
   ParallelLinear c_attn{nullptr}, c_proj{nullptr};
 
  private:
   int64_t head_dim_;
-  std::shared_ptr<const DropoutContext> dropout_;
+  std::shared_ptr<const LayerContext> shared_;
 };
 TORCH_MODULE(Attention);
 
 class MlpImpl : public torch::nn::Module {
  public:
-  MlpImpl(const GPTConfig& c, std::shared_ptr<const DropoutContext> dropout)
-      : tanh_(c.gelu_tanh), dropout_(std::move(dropout)) {
+  MlpImpl(const GPTConfig& c, std::shared_ptr<const LayerContext> shared)
+      : tanh_(c.gelu_tanh), shared_(std::move(shared)) {
     c_fc = register_module("c_fc", ParallelLinear(c.n_embd, 4 * c.n_embd));
     c_proj = register_module("c_proj", ParallelLinear(4 * c.n_embd, c.n_embd));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return dropout_->residual(c_proj(at::gelu(c_fc(x), tanh_ ? "tanh" : "none")), is_training());
+    return shared_->residual(c_proj(at::gelu(c_fc(x), tanh_ ? "tanh" : "none")), is_training());
   }
   ParallelLinear c_fc{nullptr}, c_proj{nullptr};
 
  private:
   bool tanh_;
-  std::shared_ptr<const DropoutContext> dropout_;
+  std::shared_ptr<const LayerContext> shared_;
 };
 TORCH_MODULE(Mlp);
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(const GPTConfig& c, const std::shared_ptr<const DropoutContext>& dropout) {
+  TransformerBlockImpl(const GPTConfig& c, const std::shared_ptr<const LayerContext>& shared) {
     ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    attn = register_module("attn", Attention(c, dropout));
+    attn = register_module("attn", Attention(c, shared));
     ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    mlp = register_module("mlp", Mlp(c, dropout));
+    mlp = register_module("mlp", Mlp(c, shared));
   }
   at::Tensor forward(at::Tensor x) {
     x = x + attn(ln_1(x));
@@ -157,8 +158,8 @@ int64_t gpt_flops_per_token(const GPTConfig& c) {
   return 6 * gpt_flops_parameters(c) + 12 * c.n_layer * c.n_head * head_dim * c.block_size;
 }
 
-GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), dropout_(std::make_shared<DropoutContext>()) {
-  dropout_->p = c.dropout;
+GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), shared_(std::make_shared<LayerContext>()) {
+  shared_->p = c.dropout;
   if (c.n_head < 1 || c.n_embd % c.n_head != 0) {
     throw UsageError("GPT: the width " + std::to_string(c.n_embd) + " does not split into " +
                      std::to_string(c.n_head) + " heads; make it a multiple of the heads");
@@ -167,7 +168,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), dropout_(std::make_shared<Dro
   wte_ = transformer_->register_module("wte", ParallelEmbedding(c.vocab_size, c.n_embd));
   wpe_ = transformer_->register_module("wpe", ParallelEmbedding(c.block_size, c.n_embd));
   h_ = transformer_->register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c, dropout_));
+  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c, shared_));
   ln_f_ = transformer_->register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
   if (!c.tied_head) {
@@ -209,9 +210,11 @@ at::Tensor GPTImpl::embed(const at::Tensor& ids) {
   }
   auto x = wte_(ids);  // [B, T, C], or this rank's slice of the positions
   const int64_t n = x.size(1);
-  const int64_t first = tp_ && sequence_parallel_ ? tp_->rank() * n : 0;
-  auto pos = at::arange(first, first + n, ids.options().dtype(at::kLong));
-  return dropout_->residual(x + wpe_(pos), is_training());
+  // Sequence parallelism's slice of the sequence, or of context parallelism's slice of it.
+  const int64_t parts = tp_ && sequence_parallel_ ? tp_->size() : 1;
+  const int64_t first = parts > 1 ? tp_->rank() * n : 0;
+  auto pos = shared_->cp.positions(n * parts, ids.options()).narrow(0, first, n);
+  return shared_->residual(x + wpe_(pos), is_training());
 }
 
 at::Tensor GPTImpl::head(at::Tensor x) {
@@ -276,13 +279,23 @@ void GPTImpl::parallelize(const Dist& tp, bool sp) {
   parallelize_module(*this, tp, plan(sp));
   tp_ = std::make_shared<const Dist>(tp);
   sequence_parallel_ = sp;
-  dropout_->rank = tp.rank();
-  dropout_->size = tp.size();
-  dropout_->sequence_parallel = sp;
+  shared_->rank = tp.rank();
+  shared_->size = tp.size();
+  shared_->sequence_parallel = sp;
+}
+
+void GPTImpl::context_parallel(const Dist* cp, const ContextSplit& split) {
+  if (cp && cp->size() > 1 && config_.dropout > 0) {
+    throw UsageError(
+        "context parallelism: GPT's attention dropout (" + std::to_string(config_.dropout) +
+        ") draws masks over the whole sequence, which ring attention never holds; train it with "
+        "dropout 0 under context parallelism");
+  }
+  shared_->cp.set(cp, split);
 }
 
 void GPTImpl::set_dropout_generator(at::Generator generator) {
-  dropout_->generator = std::move(generator);
+  shared_->generator = std::move(generator);
 }
 
 }  // namespace scaletrain

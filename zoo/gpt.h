@@ -53,7 +53,8 @@ int64_t gpt_flops_parameters(const GPTConfig& config);
 /// counted. One sample of T tokens is T times this.
 int64_t gpt_flops_per_token(const GPTConfig& config);
 
-struct DropoutContext;  // gpt.cpp
+struct LayerContext;  // gpt.cpp
+struct ContextSplit;
 
 class GPTImpl : public torch::nn::Module {
  public:
@@ -76,6 +77,10 @@ class GPTImpl : public torch::nn::Module {
   /// draw from a generator in the same state (coordinated_dropout.h): the masks are then the
   /// unsplit model's.
   void parallelize(const Dist& tp, bool sequence_parallel);
+  /// Context parallelism (Model::context_parallel): forward takes this rank's slice of each
+  /// sequence, its positions and ring attention over `cp`; null turns it off. UsageError with
+  /// dropout.
+  void context_parallel(const Dist* cp, const ContextSplit& split);
   /// The generator the dropout masks are drawn from (by default the device's own), e.g. one per
   /// rank where ranks are threads of one process, which share the default one. Not replayed by
   /// checkpoint_blocks' recomputation (activation_checkpoint.h replays the default generators):
@@ -100,7 +105,7 @@ class GPTImpl : public torch::nn::Module {
   ParallelLinear lm_head_{nullptr};  // untied only
   std::shared_ptr<const Dist> tp_;
   bool sequence_parallel_ = false;
-  std::shared_ptr<DropoutContext> dropout_;  // shared with the blocks
+  std::shared_ptr<LayerContext> shared_;  // shared with the blocks
 };
 TORCH_MODULE(GPT);
 

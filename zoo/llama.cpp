@@ -8,7 +8,6 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/reciprocal.h>
 #include <ATen/ops/rsqrt.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/silu.h>
 #include <torch/nn/init.h>
 
@@ -16,6 +15,7 @@
 
 #include "scaletrain/activation_checkpoint.h"
 #include "scaletrain/blocks.h"
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/error.h"
 
 namespace scaletrain {
@@ -59,7 +59,8 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  explicit LlamaAttentionImpl(const LlamaConfig& c) : c_(c) {
+  LlamaAttentionImpl(const LlamaConfig& c, std::shared_ptr<const ContextParallelism> cp)
+      : c_(c), cp_(std::move(cp)) {
     const int64_t d = c.dim();
     auto linear = [&](const char* name, int64_t in, int64_t out) {
       return register_module(name, ParallelLinear(ParallelLinearOptions(in, out).bias(false)));
@@ -79,12 +80,11 @@ class LlamaAttentionImpl : public torch::nn::Module {
     const int64_t b = q.size(0), t = q.size(1);
     q = heads(q, b, t);
     auto k = heads(k_proj(x), b, t), v = heads(v_proj(x), b, t);
-    const auto [cos, sin] = rotary(t, q);
+    const auto [cos, sin] = rotary(t, q);  // at the tokens' true positions
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
-    auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
-                                              std::pow(static_cast<double>(d), -0.5),
-                                              /*enable_gqa=*/q.size(1) != k.size(1));
+    // Over the whole sequence: ring attention under context parallelism.
+    auto y = cp_->attention(q, k, v, std::pow(static_cast<double>(d), -0.5));
     return o_proj(y.transpose(1, 2).reshape({b, t, -1}));
   }
   ParallelLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -93,10 +93,11 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // cos and sin [1, 1, T, d] in q's dtype.
   std::pair<at::Tensor, at::Tensor> rotary(int64_t t, const at::Tensor& q) const {
     const int64_t d = c_.dim();
-    const auto [cos, sin] = llama_rotary(t, d, c_.rope_theta, q.options());
+    const auto [cos, sin] = llama_rotary_at(cp_->positions(t, q.options()), d, c_.rope_theta);
     return {cos.to(q.scalar_type()).view({1, 1, t, d}), sin.to(q.scalar_type()).view({1, 1, t, d})};
   }
   LlamaConfig c_;
+  std::shared_ptr<const ContextParallelism> cp_;  // the model's
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -117,9 +118,9 @@ TORCH_MODULE(LlamaMlp);
 
 class LlamaLayerImpl : public torch::nn::Module {
  public:
-  explicit LlamaLayerImpl(const LlamaConfig& c) {
+  LlamaLayerImpl(const LlamaConfig& c, const std::shared_ptr<const ContextParallelism>& cp) {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-    self_attn = register_module("self_attn", LlamaAttention(c));
+    self_attn = register_module("self_attn", LlamaAttention(c, cp));
     post_attention_layernorm =
         register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
     mlp = register_module("mlp", LlamaMlp(c));
@@ -150,11 +151,16 @@ void check_shape(const LlamaConfig& c) {
 
 std::pair<at::Tensor, at::Tensor> llama_rotary(int64_t t, int64_t d, double theta,
                                                const at::TensorOptions& options) {
-  const auto f32 = options.dtype(at::kFloat);
-  const auto exponents =
-      at::arange(0, d, 2, options.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(d);
+  return llama_rotary_at(at::arange(t, options.dtype(at::kLong)), d, theta);
+}
+
+std::pair<at::Tensor, at::Tensor> llama_rotary_at(const at::Tensor& positions, int64_t d,
+                                                  double theta) {
+  const auto longs = positions.options().dtype(at::kLong);
+  const auto exponents = at::arange(0, d, 2, longs).to(at::kFloat) / static_cast<double>(d);
   const auto inv_freq = at::reciprocal(at::pow(theta, exponents));
-  const auto angles = at::outer(at::arange(t, f32), inv_freq);  // [t, d/2]: one product each
+  // [t, d/2]: one product each (positions below 2^24 are exact in fp32)
+  const auto angles = at::outer(positions.to(at::kFloat), inv_freq);
   const auto both = at::cat({angles, angles}, -1);
   return {both.cos(), both.sin()};
 }
@@ -172,13 +178,14 @@ int64_t llama_flops_per_token(const LlamaConfig& c) {
   return 6 * n + 12 * c.n_layers * c.n_heads * d * c.max_positions;
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& c) : config_(c) {
+LlamaImpl::LlamaImpl(const LlamaConfig& c)
+    : config_(c), cp_(std::make_shared<ContextParallelism>()) {
   check_shape(c);
   model_ = register_module("model", std::make_shared<torch::nn::Module>());
   embed_tokens_ =
       model_->register_module("embed_tokens", ParallelEmbedding(c.vocab_size, c.hidden_size));
   layers_ = model_->register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layers; ++i) layers_->push_back(LlamaLayer(c));
+  for (int64_t i = 0; i < c.n_layers; ++i) layers_->push_back(LlamaLayer(c, cp_));
   norm_ = model_->register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps).ptr());
   if (!c.tied_head) {
     lm_head_ = register_module(
@@ -253,6 +260,8 @@ void LlamaImpl::parallelize(const Dist& tp, bool sp) {
   tp_ = std::make_shared<const Dist>(tp);
   sequence_parallel_ = sp;
 }
+
+void LlamaImpl::context_parallel(const Dist* cp, const ContextSplit& split) { cp_->set(cp, split); }
 
 torch::nn::Sequential LlamaImpl::blocks() {
   if (config_.tied_head) {

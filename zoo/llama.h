@@ -20,6 +20,9 @@
 
 namespace scaletrain {
 
+struct ContextParallelism;  // context_parallel.h
+struct ContextSplit;
+
 struct LlamaConfig {
   int64_t vocab_size = 256;
   int64_t hidden_size = 64;
@@ -49,6 +52,10 @@ int64_t llama_flops_per_token(const LlamaConfig& config);
 /// fp32 (Note [Llama as Hugging Face computes it] in llama.cpp).
 std::pair<at::Tensor, at::Tensor> llama_rotary(int64_t t, int64_t d, double theta,
                                                const at::TensorOptions& options = {});
+/// The same at the given positions (an int64 tensor of t; the result on its device): the
+/// rotations of a slice of the sequence, as context parallelism holds one.
+std::pair<at::Tensor, at::Tensor> llama_rotary_at(const at::Tensor& positions, int64_t d,
+                                                  double theta);
 
 class LlamaImpl : public torch::nn::Module {
  public:
@@ -64,6 +71,9 @@ class LlamaImpl : public torch::nn::Module {
   /// Applies plan() over `tp`. UsageError when tp.size() does not divide the heads, the
   /// key/value heads, the MLP's width or the vocabulary.
   void parallelize(const Dist& tp, bool sequence_parallel);
+  /// Context parallelism (Model::context_parallel): forward takes this rank's slice of each
+  /// sequence, rotary embeddings at its positions and ring attention over `cp`; null: off.
+  void context_parallel(const Dist* cp, const ContextSplit& split);
   /// "embed", "layer<i>" per decoder layer, "head" (norm, lm_head): pipelines and fsdp's units.
   /// UsageError for a tied head.
   torch::nn::Sequential blocks();
@@ -81,6 +91,7 @@ class LlamaImpl : public torch::nn::Module {
   ParallelLinear lm_head_{nullptr};  // untied only
   std::shared_ptr<const Dist> tp_;
   bool sequence_parallel_ = false;
+  std::shared_ptr<ContextParallelism> cp_;  // shared with the attention layers
 };
 TORCH_MODULE(Llama);
 

@@ -319,6 +319,9 @@ Model token_model(const std::string& name, std::shared_ptr<M> m, bool tied, int6
   Model model{name, m, [m](const at::Tensor& x) { return m->forward(x); }, nullptr};
   if (!tied) model.blocks = [m] { return m->blocks(); };
   model.parallelize = [m](const Dist& tp, bool sp) { m->parallelize(tp, sp); };
+  model.context_parallel = [m](const Dist* cp, const ContextSplit& s) {
+    m->context_parallel(cp, s);
+  };
   model.parallel_loss = [m](const at::Tensor& out, const at::Tensor& y) { return m->loss(out, y); };
   model.output_split = true;
   model.flops_per_sample = flops;

@@ -342,6 +342,30 @@ std::string train_backend(const TrainOptions& o, const std::string& requested, i
   return requested;
 }
 
+// --cp: a model with attention to split (the GPTs and Llamas: Model::context_parallel), no
+// dropout, and a context the chunks divide (the trainer's ranks would refuse each later).
+void validate_zoo_context_parallel(const TrainOptions& o) {
+  const int cp = o.context_parallel.size;
+  if (cp <= 1) return;
+  if (!reads_tokens(o.model) || is_python_model_name(o.model)) {
+    throw UsageError("--cp " + std::to_string(cp) + ": --model " + o.model +
+                     " has no attention for context parallelism to split; it takes the GPTs "
+                     "and Llamas (and Hugging Face folders of them): leave --cp at 1");
+  }
+  if (o.dropout > 0) {
+    throw UsageError("--cp " + std::to_string(cp) + " with --dropout " + std::to_string(o.dropout) +
+                     ": ring attention never holds the whole sequence's attention "
+                     "probabilities to drop; give --dropout 0 with --cp");
+  }
+  const int64_t chunks = o.context_parallel.load_balanced ? 2 * cp : cp;
+  if (o.context > 0 && o.context % chunks != 0) {
+    throw UsageError("--context " + std::to_string(o.context) + " does not cut into " +
+                     std::to_string(chunks) + " equal chunks for --cp " + std::to_string(cp) +
+                     (o.context_parallel.load_balanced ? " (2 per rank, load-balanced)" : "") +
+                     ": give a multiple of " + std::to_string(chunks));
+  }
+}
+
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
@@ -349,6 +373,7 @@ void validate(const TrainOptions& o, int world) {
   validate_zoo_data(o);
   validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);
+  validate_zoo_context_parallel(o);
   validate_vocabulary(o);  // after the degree against the world, which comes first
   validate_zoo_balance(o);
 }

@@ -10,6 +10,16 @@
 
 namespace scaletrain::bench {
 
+// The memory and context suites run ranks as threads of this process, each with its own Gloo
+// process group. c10d's FlightRecorder is one per process, and concurrent records from several
+// groups crash it (a tree insert during ProcessGroupGloo::enqueue: `bench context --full`
+// segfaulted in its first barrier); real jobs have one group per process. Off here, before any
+// group exists, as in the tests (tests/support/subprocess.cpp), unless asked for.
+static const bool flight_recorder_off = [] {
+  setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0);
+  return true;
+}();
+
 SuiteResult new_result(const std::string& suite, const std::string& title, const std::string& unit,
                        const Plot& plot, const SuiteOptions& o) {
   SuiteResult r;
@@ -144,6 +154,10 @@ const std::vector<Suite>& suites() {
        "GPT activation memory per rank, measured: one rank, tensor parallel 2, with sequence "
        "parallelism, with each block recomputed",
        run_transformer_memory},
+      {"context",
+       "GPT at a long context on CPU ranks: activation memory per rank and tokens/s at cp 1, "
+       "2 (balanced and in order) and 4, ring attention",
+       run_context},
       {"resilience",
        "one worker SIGKILLed mid-training: time lost by fault-tolerant replicas (healed from a "
        "peer) vs ddp restarted from its checkpoint, and the replicas' times to re-form",

@@ -70,5 +70,6 @@ SuiteResult run_llama(const SuiteOptions& o);
 SuiteResult run_checkpoint(const SuiteOptions& o);
 SuiteResult run_transformer_memory(const SuiteOptions& o);
 SuiteResult run_resilience(const SuiteOptions& o);
+SuiteResult run_context(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

@@ -70,6 +70,10 @@ struct RingAttentionOptions {
   std::optional<double> scale;
   /// Where to count the messages; null: not counted. Must outlive the backward.
   RingTraffic* traffic = nullptr;
+  /// Each chunk pair through the device's fused attention kernel that also gives the
+  /// log-sum-exp (on the CPU, ATen's flash attention); false: the plain products (the
+  /// reference, and the path on devices without such a kernel).
+  bool fused = true;
 };
 
 /// Attention of this rank's queries over the keys and values of the whole sequence, which the
@@ -86,5 +90,31 @@ struct RingAttentionOptions {
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const Dist& cp, const ContextSplit& split,
                           const RingAttentionOptions& options = {});
+
+/// What a model keeps for context parallelism, for its embedding and its attention layers: set
+/// through Model::context_parallel (the trainer's TrainerOptions::context_parallel), off by
+/// default. Off, positions() is 0 … n − 1 and attention() is scaled_dot_product_attention over
+/// the whole sequence; on, the rank's positions and ring_attention over the group.
+struct ContextParallelism {
+  std::optional<Dist> group;  // set: on
+  ContextSplit split;
+
+  bool on() const { return group.has_value() && split.degree > 1; }
+  /// Turns it on over `cp` (split.degree == cp->size(), split.rank == cp->rank(); UsageError
+  /// otherwise), or off (null).
+  void set(const Dist* cp, const ContextSplit& s);
+  /// The global positions of the `n` tokens this rank's slice of a sequence holds (the whole
+  /// sequence is n · degree long), as an int64 tensor with `options`' device.
+  at::Tensor positions(int64_t n, const at::TensorOptions& options) const;
+  /// Causal attention (q: [batch, heads, n, head_dim], k and v with kv heads dividing them) over
+  /// the whole sequence, with the scores scaled by `scale` (unset: head_dim^-½).
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       std::optional<double> scale = std::nullopt) const;
+  /// This rank's slice of `x` along `dim` (the sequence), or x when off.
+  at::Tensor shard(const at::Tensor& x, int64_t dim) const;
+  /// The whole sequence along `dim` from every rank's `slice` (collective over the group; the
+  /// tokens back in their order), or `slice` when off. Not differentiable: for evaluation.
+  at::Tensor gather(const at::Tensor& slice, int64_t dim) const;
+};
 
 }  // namespace scaletrain

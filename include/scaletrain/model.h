@@ -19,6 +19,7 @@
 namespace scaletrain {
 
 struct Dist;
+struct ContextSplit;
 
 struct Model {
   std::string name;
@@ -39,6 +40,13 @@ struct Model {
       nullptr;
   std::function<void()> after_backward = nullptr;
   bool output_split = false;
+  /// Context parallelism (context_parallel.h; the trainer's TrainerOptions::context_parallel):
+  /// from this call on, forward takes this rank's slice of each sequence (split.shard(ids, 1))
+  /// and gives the outputs of those tokens, its positions and attention over the whole sequence
+  /// (ContextParallelism, ring_attention over `cp`); a null `cp` turns it off. Throws UsageError
+  /// for what the model cannot split this way (attention dropout). Null: the model has no
+  /// attention to split.
+  std::function<void(const Dist* cp, const ContextSplit& split)> context_parallel = nullptr;
   /// Training FLOPs (forward and backward) of one sample, for the trainer's model FLOPs
   /// utilisation (TrainResult::mfu): the whole model's, however a strategy splits it, and
   /// without what activation checkpointing recomputes. 0: unknown (no MFU is reported). The

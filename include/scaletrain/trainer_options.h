@@ -135,6 +135,18 @@ struct TensorParallelTrainOptions {
   bool sequence_parallel = false;  // size > 1: LayerNorms etc. on a sequence slice
 };
 
+/// Context parallelism within each replica (context_parallel.h), under ddp, zero1, zero2 and
+/// fsdp, with or without tensor parallelism (the mesh {dp, cp, tp}): each sequence of a batch is
+/// cut over `size` ranks, which hold the same weights; the model (Model::context_parallel) takes
+/// its rank's slice, its positions and ring attention over the group, the loss and its targets
+/// are the slice's, and the gradients are averaged over dp · cp ranks. A loss is a mean over the
+/// slice's targets: exactly the whole sequence's when every slice counts as many (no ignored
+/// target, as in the text task).
+struct ContextParallelTrainOptions {
+  int size = 1;               // ranks per sequence; 1: none
+  bool load_balanced = true;  // causal balance: each rank a head and a tail chunk (ContextSplit)
+};
+
 /// The options of train(): first those of every run, then each strategy's own (ddp, pipeline,
 /// tensor_parallel). The pipeline's and the tensor-parallel ones are refused by the strategies
 /// that do not take them; `ddp` applies wherever DDP runs (ddp, and the replicas of a grid and of
@@ -199,15 +211,16 @@ struct TrainerOptions {
   // replicas. uneven_inputs: kFail within a step, naming the ranks, or kJoin (ddp only; kOff is
   // refused: the trainer always checks).
   DDPOptions ddp;
-  PipelineTrainOptions pipeline;               // pipeline and grid
-  TensorParallelTrainOptions tensor_parallel;  // ddp, zero1, zero2, fsdp and grid
+  PipelineTrainOptions pipeline;                 // pipeline and grid
+  TensorParallelTrainOptions tensor_parallel;    // ddp, zero1, zero2, fsdp and grid
+  ContextParallelTrainOptions context_parallel;  // ddp, zero1, zero2 and fsdp
 };
 
 /// The parallel degrees `options` stand for (parallel_dims.h), data parallelism the rest of the
 /// world: ddp {dp_replicate -1, tp}, zero1/zero2/fsdp {dp_shard -1, zero_stage 1/2/3, tp}, grid
 /// {dp_replicate -1, pp = pipeline.stages, tp}, dp and pipeline all 1 (one process), with tp =
-/// tensor_parallel.size. `.resolve(world)` gives a job's degrees; options validate() refuses
-/// may make it throw.
+/// tensor_parallel.size and cp = context_parallel.size. `.resolve(world)` gives a job's degrees;
+/// options validate() refuses may make it throw.
 ParallelDims parallel_dims(const TrainerOptions& options);
 
 /// Checks the options of a task against the world before any work: the strategy's combinations

@@ -1,38 +1,51 @@
 // Note [Ring attention]
 // ~~~~~~~~~~~~~~~~~~~~~
-// Rank r of N holds the queries, keys and values of its tokens (ContextSplit). Step i = 0 … N−1
-// it holds the keys and values of rank s = r − i (mod N): the block it computes is its queries
-// against them, and the block passes on to rank r + 1 while it computes (the next hop is posted
-// before the block's matmuls). Each block gives, for each query row, a partial output o_i
-// (softmax-weighted over the block's keys) and the log-sum-exp l_i of its scores; the rows'
-// running (o, l) take each block in:
+// Rank r of N holds the queries, keys and values of its tokens (ContextSplit): one chunk of the
+// sequence in order, or two (a head and a tail) load-balanced. Step i = 0 … N−1 it holds the keys
+// and values of rank s = r − i (mod N), computes its queries against them, and passes them on to
+// rank r + 1 while it computes (the next hop is posted before the step's kernels). A step is a
+// few chunk pairs (a query chunk of this rank against a key chunk of rank s), each one kernel
+// call, chosen by the chunks' place in the sequence (causal):
+//
+//     query chunk after the key chunk     every pair seen: attention without a mask
+//     the same chunk (rank r's own)       causal attention within it
+//     query chunk before the key chunk    nothing seen: not computed
+//
+// so no mask is ever built and no hidden pair is computed (load-balanced at N = 2: each rank
+// computes 3 of its 4 chunk pairs' worth, a half of the causal whole, as the other rank does).
+// A pair gives each query row a partial output o_i and the log-sum-exp l_i of its scores; the
+// rows' running (o, l) take each in:
 //
 //     l' = log(e^l + e^l_i)        o' = o · e^(l − l') + o_i · e^(l_i − l')
 //
-// which is exact: after the N blocks, o is the softmax over every key, whatever the order.
-// Causal, a block is computed on the query rows that see at least one of its keys and on the
-// keys that at least one row sees (by the tokens' true positions), masked where needed: no row
-// is ever all masked, and a block no row sees costs nothing (it still passes on, so that every
-// rank sends and receives the same messages). Rank r's own block comes first, and each of its
-// rows sees itself, so the running l is finite from the first step.
+// which is exact: after every pair, o is the softmax over every key seen, whatever the order.
+// Rank r's own chunks come first, and each row sees itself, so the running l is finite from the
+// first pair. A pair's kernel is the device's fused attention that also gives the log-sum-exp
+// (on the CPU, ATen's flash attention: nothing of size chunk² is held), or the plain products
+// (RingAttentionOptions::fused false, and devices without one).
 //
-// Backward recomputes each block from q, k, v and the final l (flash attention's way: nothing
-// of size S² is kept between forward and backward): with P = e^(scores − l) and
-// D = rowsum(dO ∘ O),
+// Backward computes each pair's share of the gradients from q, k, v, the final output O and the
+// final l (flash attention's backward: with P = e^(scores − l) and D = rowsum(dO ∘ O),
 //
 //     dV = Pᵀ dO     dS = P ∘ (dO Vᵀ − D)     dQ = dS K · scale     dK = dSᵀ Q · scale
 //
-// The keys and values go round the ring again, and with them an accumulator of their
-// gradients: each rank adds its queries' share and passes it on, and the N-th hop brings a
-// block's gradient home. Grouped-query attention exchanges the kv heads only; each is repeated
-// for its query heads in the block, and its gradients summed back over them.
+// for each pair), so nothing of size S² is kept between forward and backward. The keys and
+// values go round the ring again, and with them an accumulator of their gradients: each rank
+// adds its queries' share and passes it on, and the N-th hop brings a block's gradient home.
+// Grouped-query attention exchanges the kv heads only; each is repeated for its query heads in
+// the pair, and its gradients summed back over them. Half and bfloat16 inputs are computed in
+// float32 (the merges, the gradients' sums), and the result cast back.
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "scaletrain/context_parallel.h"
@@ -48,60 +61,63 @@ constexpr int kKvTag = 7301, kGradTag = 7302;  // point-to-point tags of the two
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-// Which part of a block is computed: the query rows that see a key of it and the keys that a
-// row sees (all: undefined), and where a pair is hidden within those (undefined: none).
-struct BlockPlan {
-  bool empty = false;
-  at::Tensor rows, cols, hidden;
+// A rank's chunks of the sequence: their index among the split's chunks and where each starts
+// in the rank's slice.
+struct Chunk {
+  int64_t id, at;
 };
 
-BlockPlan plan_block(const at::Tensor& q_pos, const at::Tensor& k_pos, bool causal,
-                     const at::Device& device) {
-  BlockPlan plan;
-  if (!causal) return plan;
-  const at::Tensor seen = k_pos.unsqueeze(0).le(q_pos.unsqueeze(1));  // [Sq, Sk], on the CPU
-  const at::Tensor row_sees = seen.any(1), col_seen = seen.any(0);
-  const int64_t nrows = row_sees.sum().item<int64_t>(), ncols = col_seen.sum().item<int64_t>();
-  if (nrows == 0) {
-    plan.empty = true;
-    return plan;
-  }
-  at::Tensor sub = seen;
-  if (nrows < seen.size(0)) {
-    plan.rows = row_sees.nonzero().flatten();
-    sub = sub.index_select(0, plan.rows);
-    plan.rows = plan.rows.to(device);
-  }
-  if (ncols < seen.size(1)) {
-    plan.cols = col_seen.nonzero().flatten();
-    sub = sub.index_select(1, plan.cols);
-    plan.cols = plan.cols.to(device);
-  }
-  if (!sub.all().item<bool>()) plan.hidden = sub.logical_not().to(device);
-  return plan;
+std::vector<Chunk> chunks_of(const ContextSplit& split, int rank, int64_t size) {
+  if (!split.balanced()) return {{rank, 0}};
+  return {{rank, 0}, {2 * split.degree - 1 - rank, size}};
 }
 
-at::Tensor rows_of(const at::Tensor& t, const at::Tensor& rows) {
-  return rows.defined() ? t.index_select(2, rows) : t;
-}
-
-// Keys or values of a block for the query heads: the plan's columns, each kv head repeated.
-at::Tensor for_heads(const at::Tensor& t, const BlockPlan& plan, int64_t group) {
-  at::Tensor out = rows_of(t, plan.cols);
-  return group > 1 ? out.repeat_interleave(group, 1) : out;
+// Keys or values of a pair for the query heads: each kv head repeated.
+at::Tensor for_heads(const at::Tensor& t, int64_t group) {
+  return group > 1 ? t.repeat_interleave(group, 1) : t;
 }
 
 // Gradients of the repeated heads summed back onto their kv head.
 at::Tensor to_kv_heads(const at::Tensor& g, int64_t group) {
   if (group == 1) return g;
   const auto s = g.sizes();
-  return g.view({s[0], s[1] / group, group, s[2], s[3]}).sum(2);
+  return g.reshape({s[0], s[1] / group, group, s[2], s[3]}).sum(2);
 }
 
-at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockPlan& plan, double scale) {
+// One pair's attention and the log-sum-exp of its rows' scores.
+std::tuple<at::Tensor, at::Tensor> pair_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, bool causal, double scale,
+                                                bool fused) {
+  if (fused && q.is_cpu()) {
+    return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale);
+  }
   at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
-  if (plan.hidden.defined()) s.masked_fill_(plan.hidden, -std::numeric_limits<double>::infinity());
-  return s;
+  if (causal) {
+    const auto future = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).triu(1);
+    s.masked_fill_(future, -std::numeric_limits<double>::infinity());
+  }
+  at::Tensor l = at::logsumexp(s, -1);
+  return {at::matmul(s.sub_(l.unsqueeze(-1)).exp_(), v), l};
+}
+
+// One pair's gradients of q, k and v, from the final output `o` and log-sum-exp `l` of its rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_backward(
+    const at::Tensor& d_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& o, const at::Tensor& l, bool causal, double scale, bool fused) {
+  if (fused && q.is_cpu()) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, o, l, 0.0,
+                                                                    causal, {}, scale);
+  }
+  at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
+  if (causal) {
+    const auto future = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).triu(1);
+    s.masked_fill_(future, -std::numeric_limits<double>::infinity());
+  }
+  const at::Tensor p = s.sub_(l.unsqueeze(-1)).exp_();
+  const at::Tensor delta = (d_out * o).sum(-1, /*keepdim=*/true);
+  const at::Tensor ds = p * (at::matmul(d_out, v.transpose(-2, -1)) - delta);
+  return {at::matmul(ds, k).mul_(scale), at::matmul(ds.transpose(-2, -1), q).mul_(scale),
+          at::matmul(p.transpose(-2, -1), d_out)};
 }
 
 // The ring as this rank sees it: its group, its split, its peers, and the traffic counters.
@@ -109,10 +125,29 @@ struct Ring : torch::CustomClassHolder {
   Dist cp;  // a handle on the caller's group (its backend is shared)
   ContextSplit split;
   RingAttentionOptions options;
-  int64_t length = 0;  // the whole sequence
+  int64_t chunk = 0;  // tokens per chunk
   int next() const { return (split.rank + 1) % split.degree; }
   int prev() const { return (split.rank + split.degree - 1) % split.degree; }
   int source(int step) const { return (split.rank - step + split.degree) % split.degree; }
+  double scale(const at::Tensor& q) const {
+    return options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  }
+
+  // The chunk pairs of step `i`: (query chunk, key chunk, causal), the key chunk's place in the
+  // block that rank source(i) sent.
+  std::vector<std::tuple<Chunk, Chunk, bool>> pairs(int i) const {
+    std::vector<std::tuple<Chunk, Chunk, bool>> out;
+    for (const Chunk& qc : chunks_of(split, split.rank, chunk)) {
+      for (const Chunk& kc : chunks_of(split, source(i), chunk)) {
+        if (!options.causal) {
+          out.emplace_back(qc, kc, false);
+        } else if (qc.id >= kc.id) {
+          out.emplace_back(qc, kc, qc.id == kc.id);
+        }
+      }
+    }
+    return out;
+  }
 
   // Posts the hop of `block` to the next rank and of the previous rank's into `into`.
   std::vector<Pending> hop(const at::Tensor& block, at::Tensor& into, int tag,
@@ -135,26 +170,42 @@ void wait_all(std::vector<Pending>& pending) {
   pending.clear();
 }
 
-// One block into the rows' running output and log-sum-exp (float32 or float64).
-void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& kv,
-                 const BlockPlan& plan, int64_t group, double scale) {
-  const at::Tensor s = scores(rows_of(q, plan.rows), for_heads(kv[0], plan, group), plan, scale);
-  const at::Tensor l = at::logsumexp(s, -1);
-  const at::Tensor o = at::matmul(at::exp(s - l.unsqueeze(-1)), for_heads(kv[1], plan, group));
-  const at::Tensor lo = rows_of(lse, plan.rows), oo = rows_of(out, plan.rows);
-  const at::Tensor ln = at::logaddexp(lo, l);
-  const at::Tensor on = oo * at::exp(lo - ln).unsqueeze(-1) + o * at::exp(l - ln).unsqueeze(-1);
-  if (plan.rows.defined()) {
-    lse.index_copy_(2, plan.rows, ln);
-    out.index_copy_(2, plan.rows, on);
-  } else {
-    lse.copy_(ln);
-    out.copy_(on);
+at::ScalarType compute_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A step's pairs into the rows' running output and log-sum-exp.
+void merge_step(const Ring& ring, int i, const at::Tensor& q, const at::Tensor& kv, at::Tensor& out,
+                at::Tensor& lse, int64_t group) {
+  const int64_t c = ring.chunk;
+  for (const auto& [qc, kc, causal] : ring.pairs(i)) {
+    const at::Tensor k = for_heads(kv[0].narrow(2, kc.at, c), group);
+    const at::Tensor v = for_heads(kv[1].narrow(2, kc.at, c), group);
+    auto [o, l] = pair_forward(q.narrow(2, qc.at, c).contiguous(), k.contiguous(), v.contiguous(),
+                               causal, ring.scale(q), ring.options.fused);
+    at::Tensor lo = lse.narrow(2, qc.at, c), oo = out.narrow(2, qc.at, c);
+    const at::Tensor ln = at::logaddexp(lo, l);
+    oo.copy_(oo * at::exp(lo - ln).unsqueeze(-1) + o * at::exp(l - ln).unsqueeze(-1));
+    lo.copy_(ln);
   }
 }
 
-at::ScalarType compute_type(const at::Tensor& t) {
-  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+// A step's pairs' gradients: dQ into `dq`, dK and dV of the block's keys into `dkv`.
+void backward_step(const Ring& ring, int i, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& d_out, const at::Tensor& out, const at::Tensor& lse,
+                   int64_t group, at::Tensor& dq, at::Tensor& dkv) {
+  const int64_t c = ring.chunk;
+  for (const auto& [qc, kc, causal] : ring.pairs(i)) {
+    const at::Tensor k = for_heads(kv[0].narrow(2, kc.at, c), group);
+    const at::Tensor v = for_heads(kv[1].narrow(2, kc.at, c), group);
+    auto rows = [&](const at::Tensor& t) { return t.narrow(2, qc.at, c).contiguous(); };
+    auto [gq, gk, gv] =
+        pair_backward(rows(d_out), rows(q), k.contiguous(), v.contiguous(), rows(out), rows(lse),
+                      causal, ring.scale(q), ring.options.fused);
+    dq.narrow(2, qc.at, c).add_(gq);
+    dkv[0].narrow(2, kc.at, c).add_(to_kv_heads(gk, group));
+    dkv[1].narrow(2, kc.at, c).add_(to_kv_heads(gv, group));
+  }
 }
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
@@ -162,10 +213,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
                             const at::Tensor& v, c10::IValue held) {
     const Ring& ring = *static_cast<Ring*>(held.toCapsule().get());
     const auto type = compute_type(q);
-    const at::Tensor qf = q.to(type);
+    const at::Tensor qf = q.to(type).contiguous();
     const int64_t group = q.size(1) / k.size(1);
-    const double scale = ring.options.scale.value_or(1.0 / std::sqrt(double(q.size(-1))));
-    const at::Tensor q_pos = ring.split.positions(ring.length);
     at::Tensor out = at::zeros(qf.sizes(), qf.options());
     at::Tensor lse = at::full({q.size(0), q.size(1), q.size(2)},
                               -std::numeric_limits<double>::infinity(), qf.options());
@@ -176,9 +225,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
         next = at::empty_like(block);
         pending = ring.hop(block, next, kKvTag, false);
       }
-      const auto plan = plan_block(q_pos, ring.split.positions_of(ring.source(i), ring.length),
-                                   ring.options.causal, q.device());
-      if (!plan.empty) merge_block(out, lse, qf, block.to(type), plan, group, scale);
+      merge_step(ring, i, qf, block.to(type), out, lse, group);
       if (i + 1 < ring.split.degree) {
         wait_all(pending);
         block = next;
@@ -192,43 +239,13 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   static variable_list backward(AutogradContext* ctx, variable_list g);
 };
 
-// Backward of one block: dQ of the rows into `dq`, dK and dV of its keys into `dkv`.
-void block_backward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& d_out,
-                    const at::Tensor& lse, const at::Tensor& delta, const BlockPlan& plan,
-                    int64_t group, double scale, at::Tensor& dq, at::Tensor& dkv) {
-  const at::Tensor qs = rows_of(q, plan.rows), dos = rows_of(d_out, plan.rows);
-  const at::Tensor ks = for_heads(kv[0], plan, group), vs = for_heads(kv[1], plan, group);
-  const at::Tensor p = at::exp(scores(qs, ks, plan, scale) - rows_of(lse, plan.rows).unsqueeze(-1));
-  const at::Tensor dv = to_kv_heads(at::matmul(p.transpose(-2, -1), dos), group);
-  const at::Tensor ds =
-      p * (at::matmul(dos, vs.transpose(-2, -1)) - rows_of(delta, plan.rows).unsqueeze(-1));
-  const at::Tensor dqs = at::matmul(ds, ks).mul_(scale);
-  const at::Tensor dk = to_kv_heads(at::matmul(ds.transpose(-2, -1), qs).mul_(scale), group);
-  if (plan.rows.defined()) {
-    dq.index_add_(2, plan.rows, dqs);
-  } else {
-    dq.add_(dqs);
-  }
-  at::Tensor dk_all = dkv[0], dv_all = dkv[1];
-  if (plan.cols.defined()) {
-    dk_all.index_add_(2, plan.cols, dk);
-    dv_all.index_add_(2, plan.cols, dv);
-  } else {
-    dk_all.add_(dk);
-    dv_all.add_(dv);
-  }
-}
-
 variable_list RingAttention::backward(AutogradContext* ctx, variable_list g) {
   const Ring& ring = *static_cast<Ring*>(ctx->saved_data.at("ring").toCapsule().get());
   const auto saved = ctx->get_saved_variables();
   const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
   const auto type = out.scalar_type();
-  const at::Tensor qf = q.to(type), d_out = g[0].to(type);
+  const at::Tensor qf = q.to(type).contiguous(), d_out = g[0].to(type).contiguous();
   const int64_t group = q.size(1) / k.size(1);
-  const double scale = ring.options.scale.value_or(1.0 / std::sqrt(double(q.size(-1))));
-  const at::Tensor q_pos = ring.split.positions(ring.length);
-  const at::Tensor delta = (d_out * out).sum(-1);
   at::Tensor dq = at::zeros_like(qf);
   at::Tensor block = at::stack({k, v}).contiguous(), next;
   at::Tensor dkv = at::zeros(block.sizes(), block.options().dtype(type)), dkv_next;
@@ -238,10 +255,7 @@ variable_list RingAttention::backward(AutogradContext* ctx, variable_list g) {
       next = at::empty_like(block);
       kv_hop = ring.hop(block, next, kKvTag, true);
     }
-    const auto plan = plan_block(q_pos, ring.split.positions_of(ring.source(i), ring.length),
-                                 ring.options.causal, q.device());
-    if (!plan.empty)
-      block_backward(qf, block.to(type), d_out, lse, delta, plan, group, scale, dq, dkv);
+    backward_step(ring, i, qf, block.to(type), d_out, out, lse, group, dq, dkv);
     if (ring.split.degree > 1) {  // the gradients go on with their block; the N-th hop: home
       dkv_next = at::empty_like(dkv);
       grad_hop = ring.hop(dkv, dkv_next, kGradTag, true);
@@ -318,6 +332,58 @@ at::Tensor ContextSplit::shard(const at::Tensor& x, int64_t dim) const {
   return at::cat({x.narrow(d, rank * c, c), x.narrow(d, (2 * degree - 1 - rank) * c, c)}, d);
 }
 
+void ContextParallelism::set(const Dist* cp, const ContextSplit& s) {
+  if (!cp) {
+    group.reset();
+    split = {};
+    return;
+  }
+  if (s.degree != cp->size() || s.rank != cp->rank()) {
+    throw UsageError("context parallelism: the split is for rank " + str(s.rank) + " of " +
+                     str(s.degree) + " but the group's rank is " + str(cp->rank()) + " of " +
+                     str(cp->size()) +
+                     "; make the ContextSplit from the group's size() and rank()");
+  }
+  group = *cp;
+  split = s;
+}
+
+at::Tensor ContextParallelism::positions(int64_t n, const at::TensorOptions& options) const {
+  const auto longs = options.dtype(at::kLong);
+  if (!on()) return at::arange(n, longs);
+  return split.positions(n * split.degree).to(longs.device());
+}
+
+at::Tensor ContextParallelism::attention(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, std::optional<double> scale) const {
+  if (on()) {
+    RingAttentionOptions o;
+    o.scale = scale;
+    return ring_attention(q, k, v, *group, split, o);
+  }
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
+                                          /*enable_gqa=*/q.size(1) != k.size(1));
+}
+
+at::Tensor ContextParallelism::shard(const at::Tensor& x, int64_t dim) const {
+  return on() ? split.shard(x, dim) : x;
+}
+
+at::Tensor ContextParallelism::gather(const at::Tensor& slice, int64_t dim) const {
+  if (!on()) return slice;
+  const int64_t d = dim < 0 ? dim + slice.dim() : dim;
+  const auto parts = group->all_gather(slice.contiguous(), "context-parallel gather of outputs");
+  const int64_t length = slice.size(d) * split.degree;
+  auto sizes = slice.sizes().vec();
+  sizes[static_cast<size_t>(d)] = length;
+  at::Tensor whole = at::empty(sizes, slice.options());
+  for (int r = 0; r < split.degree; ++r) {
+    whole.index_copy_(d, split.positions_of(r, length).to(slice.device()),
+                      parts[static_cast<size_t>(r)].to(slice.device()));
+  }
+  return whole;
+}
+
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const Dist& cp, const ContextSplit& split,
                           const RingAttentionOptions& options) {
@@ -326,8 +392,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   ring->cp = cp;
   ring->split = split;
   ring->options = options;
-  ring->length = q.size(2) * split.degree;
-  split.check(ring->length);
+  const int64_t length = q.size(2) * split.degree;
+  split.check(length);
+  ring->chunk = length / split.chunks();
   return RingAttention::apply(q, k, v, c10::IValue::make_capsule(std::move(ring)));
 }
 

@@ -11,13 +11,18 @@ namespace {
 
 // The degrees by name, in mesh order (dp_replicate and dp_shard both before pp).
 std::vector<std::pair<const char*, int>> degrees(const ParallelDims& d) {
-  return {{"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"pp", d.pp}, {"tp", d.tp}};
+  return {{"dp_replicate", d.dp_replicate},
+          {"dp_shard", d.dp_shard},
+          {"pp", d.pp},
+          {"cp", d.cp},
+          {"tp", d.tp}};
 }
 
 int* degree_named(ParallelDims& d, const std::string& name) {
   if (name == "dp_replicate") return &d.dp_replicate;
   if (name == "dp_shard") return &d.dp_shard;
   if (name == "pp") return &d.pp;
+  if (name == "cp") return &d.cp;
   return &d.tp;
 }
 
@@ -81,8 +86,8 @@ ParallelDims ParallelDims::resolve(int world) const {
 
 DeviceMesh ParallelDims::mesh(const std::vector<std::string>& names) const {
   for (const auto& n : names) {
-    if (n != "dp" && n != "pp" && n != "tp") {
-      throw UsageError("ParallelDims has no mesh dimension '" + n + "': dp, pp or tp");
+    if (n != "dp" && n != "pp" && n != "cp" && n != "tp") {
+      throw UsageError("ParallelDims has no mesh dimension '" + n + "': dp, pp, cp or tp");
     }
   }
   for (const auto& [name, degree] : degrees(*this)) {
@@ -91,7 +96,7 @@ DeviceMesh ParallelDims::mesh(const std::vector<std::string>& names) const {
                        " " + std::to_string(degree) + "): call resolve(world) first");
     }
   }
-  const std::vector<MeshDim> all{{"dp", dp()}, {"pp", pp}, {"tp", tp}};
+  const std::vector<MeshDim> all{{"dp", dp()}, {"pp", pp}, {"cp", cp}, {"tp", tp}};
   std::vector<MeshDim> dims;
   for (const auto& d : all) {
     const bool named = std::find(names.begin(), names.end(), d.name) != names.end();
@@ -110,7 +115,7 @@ std::string ParallelDims::describe() const {
   auto degree = [](int n) { return n == -1 ? std::string("rest") : std::to_string(n); };
   std::string out;
   auto add = [&](const std::string& part) { out += (out.empty() ? "" : " x ") + part; };
-  if (dp_replicate != 1 || (dp_shard == 1 && zero_stage == 0 && pp == 1 && tp == 1)) {
+  if (dp_replicate != 1 || (dp_shard == 1 && zero_stage == 0 && pp == 1 && cp == 1 && tp == 1)) {
     add("dp " + degree(dp_replicate));
   }
   if (dp_shard != 1 || zero_stage != 0) {
@@ -118,6 +123,7 @@ std::string ParallelDims::describe() const {
         (zero_stage == 3 ? std::string("fsdp") : "zero" + std::to_string(zero_stage)) + ")");
   }
   if (pp != 1) add("pp " + degree(pp));
+  if (cp != 1) add("cp " + degree(cp));
   if (tp != 1) add("tp " + degree(tp));
   return out;
 }

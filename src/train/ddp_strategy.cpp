@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint_dcp.h"
 #include "scaletrain/amp.h"
 #include "scaletrain/ddp.h"
+#include "train/loss_sums.h"
 #include "train/optimizer_states.h"
 #include "train/own_boxes.h"
 #include "train/strategy.h"
@@ -35,7 +36,7 @@ class DdpStrategy : public TrainStrategy, StrategyState {
           if (tp_.split()) so.agree_over = &d;
           return so;
         }()) {
-    if (!tp_.split() || tp_.data_replicas() > 1) {
+    if (!tp_.split() || tp_.dp().size() > 1) {  // dp x cp ranks average the gradients
       ddp_ = std::make_unique<DistributedDataParallel>(tp_.trained().module, tp_.dp(), o.ddp);
     }
     place(tp_.placement(dev_));
@@ -47,25 +48,29 @@ class DdpStrategy : public TrainStrategy, StrategyState {
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
     if (ddp_ && !sync) local.emplace(*ddp_);
+    const at::Tensor xs = tp_.context_slice(x);  // this rank's slice of each sequence, if cp
     at::Tensor out;
     {
       std::optional<Autocast> autocast;  // the layers' products, and what they send
       if (amp_) autocast.emplace(dev_.type(), amp_dtype_);
-      auto forward = [&] { return tp_.trained().forward(x); };
+      auto forward = [&] { return tp_.trained().forward(xs); };
       out = ddp_ ? ddp_->forward(forward) : forward();
     }
-    at::Tensor loss = tp_.loss()(amp_ ? out.to(at::kFloat) : out, y);
+    at::Tensor loss = tp_.loss()(amp_ ? out.to(at::kFloat) : out, tp_.context_slice(y));
     scaler_.scale(weight != 1 ? loss * weight : loss).backward();
     if (sync) tp_.after_last_backward();
     return loss.detach();
   }
 
   at::Tensor predict(const at::Tensor& x) override {
-    return tp_.whole_outputs(tp_.trained().forward(x));
+    return tp_.whole_outputs(tp_.trained().forward(tp_.context_slice(x)));
   }
   std::optional<SplitOutputs> predict_split(const at::Tensor& x) override {
-    if (!tp_.outputs_split()) return std::nullopt;
+    if (!tp_.evaluates_split()) return std::nullopt;
     return tp_.split_outputs(tp_.trained().forward(x));
+  }
+  at::Tensor loss_weight_of(const at::Tensor& y) const override {
+    return loss_weight(tp_.context_slice(y));
   }
   bool gradients_finite() override {
     return fp16_ || TrainStrategy::gradients_finite();  // fp16: the scaler skips such steps

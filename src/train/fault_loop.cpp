@@ -81,7 +81,7 @@ void Run::train_fault_tolerant() {
       ++state_.global_step;
       samples_ += take;
       if (std::isfinite(loss) && strategy_->counts_loss()) {  // Note [Global losses]
-        loss_sum_.add(loss, loss_weight(b.targets).item<double>());
+        loss_sum_.add(loss, strategy_->loss_weight_of(b.targets).item<double>());
       }
       const int64_t left = n - sampler_->state().position;
       reporter_->step(

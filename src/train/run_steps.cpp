@@ -57,7 +57,7 @@ Run::Pending Run::step(const Batch& b, bool last_micro, int64_t epoch) {
   const double weight = o_.accumulate > 1 ? 1.0 / o_.accumulate : 1.0;
   Pending p;
   p.loss = strategy_->step(x, y, last_micro, weight);
-  if (p.loss.defined() && strategy_->counts_loss()) p.weight = loss_weight(y);
+  if (p.loss.defined() && strategy_->counts_loss()) p.weight = strategy_->loss_weight_of(y);
   if (last_micro) {
     if (defer_reads_) p.finite = strategy_->gradients_finite_flag();
     if (!p.finite.defined() && !strategy_->gradients_finite()) {

@@ -54,6 +54,7 @@
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/version.h"
 #include "train/balance.h"
+#include "train/loss_sums.h"
 
 #ifdef SCALETRAIN_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -267,6 +268,8 @@ double TrainStrategy::gradient_square_sum() {
   for (auto& p : parameters()) grads.push_back(p.grad());
   return square_sum(grads);
 }
+
+at::Tensor TrainStrategy::loss_weight_of(const at::Tensor& y) const { return loss_weight(y); }
 
 double TrainStrategy::clip_gradients(double max_norm) {
   const double norm = std::sqrt(gradient_square_sum());

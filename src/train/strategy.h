@@ -53,6 +53,10 @@ class TrainStrategy {
   /// differentiated (1 / accumulate). Returns the batch's loss, not scaled by `weight`, where
   /// this rank computes it, undefined elsewhere.
   virtual at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) = 0;
+  /// What this rank's step() loss of batch targets `y` is a mean over, for the global loss
+  /// (Note [Global losses] in loss_sums.cpp): loss_weight(y), or that of the slice of `y` the
+  /// rank's loss was taken on (context parallelism).
+  virtual at::Tensor loss_weight_of(const at::Tensor& y) const;
   /// Outputs for evaluation (no grad) where this rank has them, undefined elsewhere.
   virtual at::Tensor predict(const at::Tensor& x) = 0;
   /// Outputs for evaluation left split over the classes, where the strategy splits them over a

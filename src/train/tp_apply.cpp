@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/error.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
@@ -19,14 +20,45 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
       degree_(std::max(o.tensor_parallel.size, 1)),
       device_(device),
       loss_(task.loss) {
-  if (!split()) {
-    whole_.module->to(device_);
-    return;
+  const ParallelDims dims = parallel_dims(o).resolve(world.size());
+  if (split()) {  // "dp" here is dp x cp flattened: the ranks that average a gradient
+    mesh_ = DeviceMesh({{"dp", dims.dp_cp()}, {"tp", dims.tp}}, world.size());
+    groups_ = mesh_groups(world_, *mesh_, "tensor_parallel");
+    build_split(task, o);
   }
-  mesh_ = parallel_dims(o).resolve(world.size()).mesh({"dp", "tp"});
-  groups_ = mesh_groups(world_, *mesh_, "tensor_parallel");
-  build_split(task, o);
-  split_.module->to(device_);
+  trained().module->to(device_);
+  if (dims.cp > 1) apply_context_parallel(o, dims);
+}
+
+// Note [Context parallelism applied after tensor parallelism] in tp_apply.h.
+void TpApplied::apply_context_parallel(const TrainerOptions& o, const ParallelDims& dims) {
+  Model& m = trained();
+  if (!m.context_parallel) {
+    throw UsageError("TrainerOptions::context_parallel.size " + std::to_string(dims.cp) +
+                     ": the model '" + m.name +
+                     "' has no attention to split over a sequence (its Model::context_parallel "
+                     "is null); train it with TrainerOptions::context_parallel.size 1, or give its Model a "
+                     "context_parallel hook (context_parallel.h)");
+  }
+  cp_degree_ = dims.cp;
+  const Dist cp =
+      mesh_groups(world_, dims.mesh({"dp", "cp", "tp"}), "context_parallel", {"cp"}).at("cp");
+  const ContextSplit split{cp.size(), cp.rank(), o.context_parallel.load_balanced};
+  m.context_parallel(&cp, split);
+  context_.set(&cp, split);
+  context_off_ = m.context_parallel;
+}
+
+TpApplied::~TpApplied() {
+  if (context_off_) context_off_(nullptr, ContextSplit{});  // the task's model whole again
+}
+
+int TpApplied::data_rank() const {
+  return (mesh_ ? mesh_->coordinate(world_.rank(), "dp") : world_.rank()) / cp_degree_;
+}
+
+int TpApplied::data_replicas() const {
+  return (mesh_ ? mesh_->size("dp") : world_.size()) / cp_degree_;
 }
 
 TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world,
@@ -58,11 +90,11 @@ at::Device TpApplied::collective() const {
 }
 
 at::Tensor TpApplied::whole_outputs(const at::Tensor& out) const {
-  return outputs_split() ? gather_from_region(out, tp(), -1) : out;
+  return context_.gather(outputs_split() ? gather_from_region(out, tp(), -1) : out, 1);
 }
 
 std::optional<TrainStrategy::SplitOutputs> TpApplied::split_outputs(const at::Tensor& out) const {
-  if (!outputs_split()) return std::nullopt;
+  if (!evaluates_split()) return std::nullopt;
   return TrainStrategy::SplitOutputs{out, ClassSlice{&tp(), tp().rank() * out.size(-1)}};
 }
 
@@ -190,6 +222,33 @@ std::string TpApplied::slice_dir(const std::string& dir) const {
   return split() ? tensor_slice_dir(dir, degree_, tp().rank()) : dir;
 }
 
+void validate_context_parallel(const TrainerOptions& o, int world) {
+  const int cp = o.context_parallel.size, tp = std::max(o.tensor_parallel.size, 1);
+  const std::string what = "TrainerOptions::context_parallel.size " + std::to_string(cp);
+  if (cp < 1) throw UsageError(what + ": the context-parallel degree is at least 1 (1: none)");
+  if (cp == 1) return;
+  const Strategy s = o.strategy;
+  if (s != Strategy::kDDP && s != Strategy::kZero1 && s != Strategy::kZero2 &&
+      s != Strategy::kFsdp) {
+    throw UsageError(what + " goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (" +
+                     to_string(s) + " does not split sequences yet)");
+  }
+  if (world % (cp * tp) != 0) {
+    throw UsageError(what +
+                     (tp > 1 ? " times TrainerOptions::tensor_parallel.size " + std::to_string(tp)
+                             : std::string()) +
+                     " does not divide the world of " + std::to_string(world) +
+                     " ranks; give a world that is a multiple of " + std::to_string(cp * tp));
+  }
+  if (o.fault_tolerant) {
+    throw UsageError(what + " with TrainerOptions::fault_tolerant is not supported yet");
+  }
+  if (o.ddp.uneven_inputs == UnevenInputs::kJoin) {
+    throw UsageError("TrainerOptions::ddp.uneven_inputs join with " + what +
+                     " is not supported yet; use fail");
+  }
+}
+
 void validate_tensor_parallel(const TrainerOptions& o, int world) {
   if (o.tensor_parallel.size < 1) {
     throw UsageError("TrainerOptions::tensor_parallel.size " +
@@ -220,7 +279,7 @@ void validate_tensor_parallel(const TrainerOptions& o, int world) {
   }
   // A grid's stages each take a tp group: the world is dp x pp x tp (else validate_grid says
   // so, in the grid's words).
-  const int per_replica = parallel_dims(o).model_ranks();
+  const int per_replica = parallel_dims(o).model_ranks() * std::max(o.context_parallel.size, 1);
   if (per_replica < 1 || world % per_replica != 0) return;
   const int replicas = world / per_replica;
   if (o.batch_size % replicas != 0) {

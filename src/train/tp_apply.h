@@ -17,6 +17,19 @@
 //     resumes at another;
 //   - t = 1: `whole` itself trains, on the rank's device, and every step here is the identity:
 //     data parallelism runs over the world as it did before there was a tp dimension.
+//
+// Note [Context parallelism applied after tensor parallelism]
+// With TrainerOptions::context_parallel.size c > 1 (ddp, zero1, zero2, fsdp) the world is the
+// mesh {dp, cp, tp}: after the split over tp, the trained model is given its rank's place in
+// its cp group (Model::context_parallel: its slice of each sequence, positions and ring
+// attention; context_parallel.h), and data parallelism runs over dp x cp flattened (the "dp"
+// group here: a cp group's ranks hold the same weights and average their gradients with the
+// replicas', TorchTitan's rule). A cp group's ranks read the same batch (data_rank() is the
+// replica's) and each takes its slice of the inputs and targets (context_slice()); each counts
+// its slice's loss, weighted by the slice's targets. Evaluation gathers the outputs along the
+// sequence (whole_outputs()). Checkpoints see nothing of it: the weights are whole on each cp
+// rank, so a run resumes at any other cp degree.
+//
 // The grid applies it the same way on its mesh {dp, pp, tp} (grid.cpp), then cuts the trained
 // model into pipeline stages, then puts DDP over each stage's replicas: tp, then pp, then dp.
 // Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
@@ -29,13 +42,16 @@
 // or on ZeRO's gradient shards, where the gradients are by then; the sums over tp and dp
 // commute. The gradient norm counts an element of a replicated parameter 1/t on each tp rank.
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/mesh.h"
+#include "scaletrain/parallel_dims.h"
 #include "train/optimizer_states.h"
 #include "train/strategy.h"
 
@@ -54,6 +70,10 @@ class TpApplied {
   /// this rank trains (a pipeline's stages) to `device`.
   TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist& world, Model& whole,
             const at::Device& device, DeviceMesh mesh, std::map<std::string, Dist> groups);
+  /// Turns the model's context parallelism off again.
+  ~TpApplied();
+  TpApplied(const TpApplied&) = delete;
+  TpApplied& operator=(const TpApplied&) = delete;
 
   bool split() const { return degree_ > 1; }
   int degree() const { return degree_; }
@@ -62,14 +82,21 @@ class TpApplied {
   const Model& trained() const { return split() ? split_ : whole_; }
   /// Whether evaluation outputs are split over tp (the model's vocabulary-parallel head).
   bool outputs_split() const { return split() && split_.output_split; }
+  /// Whether evaluation takes the outputs split over tp as they are (not under context
+  /// parallelism, whose outputs are gathered along the sequence: predict()).
+  bool evaluates_split() const { return outputs_split() && !context_.on(); }
+  /// This rank's slice of a batch's inputs or targets [batch, sequence, ...] under context
+  /// parallelism; the batch itself otherwise.
+  at::Tensor context_slice(const at::Tensor& t) const { return context_.shard(t, 1); }
   Model& whole() { return whole_; }
   const LossFn& loss() const { return loss_; }
   /// The data-parallel group (the world at t = 1 without a mesh of the caller's) and this rank's
   /// tensor-parallel group (t > 1).
   const Dist& dp() const { return mesh_ ? groups_.at("dp") : world_; }
   const Dist& tp() const { return groups_.at("tp"); }
-  int data_rank() const { return mesh_ ? mesh_->coordinate(world_.rank(), "dp") : world_.rank(); }
-  int data_replicas() const { return mesh_ ? mesh_->size("dp") : world_.size(); }
+  /// This rank's data replica (a context-parallel group's ranks read the same batch).
+  int data_rank() const;
+  int data_replicas() const;
   // A tp group's ranks compute the same loss of their replica's batch (Note [Global losses]).
   bool counts_loss() const { return !split() || tp().rank() == 0; }
   /// A ddp or sharded strategy's rank over this split, on `device`.
@@ -136,9 +163,16 @@ class TpApplied {
   LossFn loss_;
   std::set<const void*> replicated_;  // the split build's parameters whole on every tp rank
   std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums
+  int cp_degree_ = 1;                 // context parallelism's, 1: none
+  ContextParallelism context_;        // what the trained model was given
+  std::function<void(const Dist*, const ContextSplit&)> context_off_;  // its hook, for off
 
   void build_split(const TrainTask& task, const TrainerOptions& o);
+  void apply_context_parallel(const TrainerOptions& o, const ParallelDims& dims);
 };
+
+/// UsageError for context-parallel options the world or the strategy cannot take.
+void validate_context_parallel(const TrainerOptions& o, int world);
 
 /// UsageError for tensor-parallel options the world or the strategy cannot take.
 void validate_tensor_parallel(const TrainerOptions& o, int world);

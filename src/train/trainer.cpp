@@ -416,11 +416,13 @@ TrainResult Run::go() {
   return r_;
 }
 
-void validate_tensor_parallel(const TrainerOptions& o, int world);  // tp_apply.cpp
+void validate_tensor_parallel(const TrainerOptions& o, int world);   // tp_apply.cpp
+void validate_context_parallel(const TrainerOptions& o, int world);  // tp_apply.cpp
 
 void validate(const TrainerOptions& o, int world) {
   validate_trainer_numbers(o);
   validate_tensor_parallel(o, world);
+  validate_context_parallel(o, world);
   validate_strategy(o, world);
   validate_output(o);
 }

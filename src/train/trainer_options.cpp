@@ -55,6 +55,7 @@ std::vector<std::string> PipelineTrainOptions::given(const std::vector<std::stri
 ParallelDims parallel_dims(const TrainerOptions& o) {
   ParallelDims d;
   d.tp = o.tensor_parallel.size;
+  d.cp = o.context_parallel.size;
   switch (o.strategy) {
     case Strategy::kDDP:
       d.dp_replicate = -1;
@@ -71,7 +72,7 @@ ParallelDims parallel_dims(const TrainerOptions& o) {
       break;
     case Strategy::kDataParallel:
     case Strategy::kPipeline:
-      d.tp = 1;  // one process: its devices are threads (validation refuses a tp degree here)
+      d.tp = d.cp = 1;  // one process: its devices are threads (validation refuses tp, cp here)
       break;
   }
   return d;

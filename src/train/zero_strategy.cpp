@@ -19,6 +19,7 @@
 #include "scaletrain/error.h"
 #include "scaletrain/zero.h"
 #include "train/balance.h"
+#include "train/loss_sums.h"
 #include "train/optimizer_states.h"
 #include "train/own_boxes.h"
 #include "train/reshard.h"
@@ -70,7 +71,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
   StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
-    at::Tensor loss = tp_.loss()(forward(x), y);
+    at::Tensor loss = tp_.loss()(forward(tp_.context_slice(x)), tp_.context_slice(y));
     (weight != 1 ? loss * weight : loss).backward();
     // Once per step, after its last backward: in the gradient shards, where the gradients are.
     if (sync) tp_.after_last_backward(*zero_, zero_parameters());
@@ -78,10 +79,13 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
   }
   // Evaluation runs without autocast (as ddp's does).
   at::Tensor predict(const at::Tensor& x) override {
-    return tp_.whole_outputs(forward(x, /*autocast=*/false));
+    return tp_.whole_outputs(forward(tp_.context_slice(x), /*autocast=*/false));
+  }
+  at::Tensor loss_weight_of(const at::Tensor& y) const override {
+    return loss_weight(tp_.context_slice(y));
   }
   std::optional<SplitOutputs> predict_split(const at::Tensor& x) override {
-    if (!tp_.outputs_split()) return std::nullopt;
+    if (!tp_.evaluates_split()) return std::nullopt;
     return tp_.split_outputs(forward(x, /*autocast=*/false));
   }
 

@@ -229,7 +229,8 @@ int launch_ranks(Args& a) {
   const auto s = a.o.strategy;
   const bool per_device =
       s == Strategy::kDDP || s == Strategy::kZero1 || s == Strategy::kZero2 || s == Strategy::kFsdp;
-  const int automatic = s == Strategy::kGrid ? std::max(parallel_dims(a.o).model_ranks(), 1)
+  const ParallelDims dims = parallel_dims(a.o);  // a grid: one replica's ranks, times cp
+  const int automatic = s == Strategy::kGrid ? std::max(dims.model_ranks() * dims.cp, 1)
                         : per_device ? (gpus ? cuda_device_count() : auto_nproc_per_node(false))
                                      : 1;  // dp, pipeline: one process
   lo.nproc_per_node = parse_nproc_per_node(a.nproc, automatic);

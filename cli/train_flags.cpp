@@ -123,10 +123,11 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", a.o.tensor_parallel.sequence_parallel,
                 "With --tp: LayerNorms, dropout and residuals on a slice of the sequence");
-  cmd->add_option("--cp", a.o.context_parallel.size,
-                  "ddp, zero1, zero2, fsdp: ranks per sequence (context parallelism: each rank "
-                  "a slice of every sequence, ring attention over them; GPTs and Llamas, "
-                  "--dropout 0, a --context that 2 x --cp divides)")
+  cmd->add_option(
+         "--cp", a.o.context_parallel.size,
+         "ddp, zero1, zero2, fsdp, grid: ranks per sequence (context parallelism: each rank "
+         "a slice of every sequence, ring attention over them; GPTs and Llamas, "
+         "--dropout 0, a --context that 2 x --cp divides)")
       ->capture_default_str();
   cmd->add_flag("--cp-in-order{false}", a.o.context_parallel.load_balanced,
                 "With --cp: rank r takes chunk r of the sequence, instead of a head and a tail "

@@ -12,12 +12,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/data.h"
 #include "scaletrain/error.h"
 #include "scaletrain/trainer.h"
@@ -32,11 +34,12 @@ namespace {
 namespace fs = std::filesystem;
 using testing::TempDir;
 
-ModelOptions cp_model_options(double dropout = 0) {
+ModelOptions cp_model_options(double dropout = 0, bool recompute = false) {
   ModelOptions o;
   o.vocab_size = 16;
   o.context = 8;
   o.dropout = dropout;
+  o.checkpoint_activations = recompute;
   return o;
 }
 
@@ -54,12 +57,12 @@ struct CpTokens {
     m.module->to(at::kDouble);
     for (const auto& p : m.module->named_parameters()) start[p.key()] = p.value().detach().clone();
   }
-  TrainTask task(double dropout = 0) const {
+  TrainTask task(double dropout = 0, bool recompute = false) const {
     TrainTask t;
     t.train_data = in_memory(train);
     t.test_data = in_memory(test);
-    t.model = [this, dropout] {
-      Model m = make_model(name, cp_model_options(dropout));
+    t.model = [this, dropout, recompute] {
+      Model m = make_model(name, cp_model_options(dropout, recompute));
       m.module->to(at::kDouble);
       torch::NoGradGuard no_grad;
       for (auto& p : m.module->named_parameters()) p.value().copy_(start.at(p.key()));
@@ -151,6 +154,52 @@ TEST(TrainContextParallel, GptFollowsTheSingleRankUnderZeroAndFsdp) {
   expect_same_run(data, cp_run(4, data.task(), o), r1, "fsdp x cp 2 x tp 2, sequence parallel");
 }
 
+// Where features cross: each block recomputed in backward (its ring attention runs again inside
+// backward, its hops in the same order on both ranks), two batches per optimizer step, and the
+// gradients clipped by their global norm, at cp 2 against the same on one rank.
+TEST(TrainContextParallel, RecomputedBlocksAccumulationAndClippingFollowTheSingleRank) {
+  const CpTokens data("gpt-tiny");
+  TempDir one("cpx_one"), two("cpx_two");
+  auto o1 = cp_options(one.path, 1);
+  o1.accumulate = 2;
+  o1.batch_size = 8;
+  o1.max_grad_norm = 0.05;
+  auto o2 = o1;
+  o2.out_dir = two.path.string();
+  o2.context_parallel.size = 2;
+  const auto r1 = cp_run(1, data.task(0, /*recompute=*/true), o1);
+  ASSERT_EQ(r1.global_step, 16);  // batches: 8 optimizer steps
+  expect_same_run(data, cp_run(2, data.task(0, /*recompute=*/true), o2), r1,
+                  "cp 2, recomputed blocks, accumulate 2, clipped");
+}
+
+// The grid: 2 pipeline stages, each with its sequences over cp 2 (the mesh {dp 1, cp 2, pp 2}):
+// the first stage takes the inputs' slices, the last the targets', DDP averages each stage
+// over its cp ranks.
+TEST(TrainContextParallel, GridFollowsTheSingleRank) {
+  const CpTokens data("gpt-tiny");
+  TempDir one("cpg_one"), grid("cpg_grid");
+  const auto r1 = cp_run(1, data.task(), cp_options(one.path, 1));
+  auto o = cp_options(grid.path, 2);
+  o.strategy = Strategy::kGrid;
+  o.pipeline.stages = 2;
+  // Each rank's model is given a split of degree 2 (a run that left the sequences whole would
+  // follow the single rank too).
+  std::atomic<int> split_models{0};
+  TrainTask task = data.task();
+  task.model = [base = task.model, &split_models] {
+    Model m = base();
+    m.context_parallel = [inner = m.context_parallel, &split_models](const Dist* cp,
+                                                                     const ContextSplit& s) {
+      if (cp && s.degree == 2) ++split_models;
+      inner(cp, s);
+    };
+    return m;
+  };
+  expect_same_run(data, cp_run(4, task, o), r1, "pp 2 x cp 2");
+  EXPECT_EQ(split_models.load(), 4);
+}
+
 // Llama: its rotary embeddings at the slice's true positions, its grouped key/value heads
 // exchanged as they are (4 heads over 2).
 TEST(TrainContextParallel, LlamaFollowsTheSingleRank) {
@@ -211,9 +260,13 @@ TEST(TrainContextParallel, BadCombinationsAreNamed) {
     EXPECT_NE(e.find(part), std::string::npos) << "wanted '" << part << "' in: " << e;
   };
   auto o = cp_options(dir.path, 2);
-  o.strategy = Strategy::kGrid;
-  expect_error(2, o, "goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (grid",
+  o.strategy = Strategy::kPipeline;
+  expect_error(2, o, "goes with TrainerOptions::strategy ddp, zero1, zero2, fsdp or grid (pipeline",
                data.task());
+  o = cp_options(dir.path, 2);
+  o.strategy = Strategy::kGrid;
+  o.pipeline.stages = 2;
+  expect_error(2, o, "dividing the world and TrainerOptions::context_parallel.size 2", data.task());
   expect_error(4, cp_options(dir.path, 3), "does not divide the world of 4 ranks", data.task());
   expect_error(2, cp_options(dir.path, 0), "is at least 1", data.task());
   expect_error(4, cp_options(dir.path, 2, 4),

@@ -106,22 +106,27 @@ TEST(ParallelDims, MeshLaysRanksOutDpPpTp) {
   EXPECT_EQ(Dims({1, 1, 0, 1, 1}).mesh({}).describe(), "dp=1");
 }
 
-// The mesh {dp, pp, cp, tp}: a context-parallel group is the ranks next to a tensor-parallel
-// group (rank = (dp · cp + cp) · tp + tp here), and dp x cp flattened is the gradients' group.
-TEST(ParallelDims, MeshLaysContextParallelBetweenPpAndTp) {
-  const auto m = Dims({2, 1, 0, 1, 2, 2}).mesh({"dp", "pp", "cp", "tp"});
-  EXPECT_EQ(m.describe(), "dp=2 x pp=1 x cp=2 x tp=2");
-  // rank: dp, pp, cp, tp
-  const std::vector<std::vector<int>> coordinates{{0, 0, 0, 0}, {0, 0, 0, 1}, {0, 0, 1, 0},
-                                                  {0, 0, 1, 1}, {1, 0, 0, 0}, {1, 0, 0, 1},
-                                                  {1, 0, 1, 0}, {1, 0, 1, 1}};
-  for (int r = 0; r < 8; ++r) EXPECT_EQ(m.coordinates(r), coordinates[r]) << "rank " << r;
-  EXPECT_EQ(m.group(5, "cp"), (std::vector<int>{5, 7}));
-  EXPECT_EQ(m.group(5, "tp"), (std::vector<int>{4, 5}));
-  EXPECT_EQ(m.group(5, "dp"), (std::vector<int>{1, 5}));
-  const auto no_pp = Dims({2, 1, 0, 1, 2, 2}).mesh({"dp", "cp", "tp"});
-  EXPECT_EQ(no_pp.describe(), "dp=2 x cp=2 x tp=2");
-  EXPECT_EQ(no_pp.group(6, "cp"), (std::vector<int>{4, 6}));
+// The mesh {dp, cp, pp, tp}: cp right after dp, so that dp x cp flattened (the ranks that
+// average a gradient) is the "dp" of a mesh {dp · cp, pp, tp} with every rank in its place.
+TEST(ParallelDims, MeshLaysContextParallelAfterDp) {
+  const auto m = Dims({1, 1, 0, 2, 1, 2}).mesh({"dp", "cp", "pp", "tp"});  // pp 2 x cp 2
+  EXPECT_EQ(m.describe(), "dp=1 x cp=2 x pp=2 x tp=1");
+  // rank: dp, cp, pp, tp
+  const std::vector<std::vector<int>> coordinates{
+      {0, 0, 0, 0}, {0, 0, 1, 0}, {0, 1, 0, 0}, {0, 1, 1, 0}};
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(m.coordinates(r), coordinates[r]) << "rank " << r;
+  EXPECT_EQ(m.group(1, "cp"), (std::vector<int>{1, 3}));
+  EXPECT_EQ(m.group(1, "pp"), (std::vector<int>{0, 1}));
+  const DeviceMesh flat({{"dp", 2}, {"pp", 2}, {"tp", 1}}, 4);  // dp x cp flattened
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(flat.coordinate(r, "dp"), m.coordinate(r, "cp")) << "rank " << r;
+    EXPECT_EQ(flat.coordinate(r, "pp"), m.coordinate(r, "pp")) << "rank " << r;
+  }
+  const auto with_tp = Dims({2, 1, 0, 1, 2, 2}).mesh({"dp", "cp", "tp"});
+  EXPECT_EQ(with_tp.describe(), "dp=2 x cp=2 x tp=2");
+  EXPECT_EQ(with_tp.group(5, "cp"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(with_tp.group(5, "tp"), (std::vector<int>{4, 5}));
+  EXPECT_EQ(with_tp.group(6, "cp"), (std::vector<int>{4, 6}));
 }
 
 TEST(ParallelDims, MeshRefusesALeftOutDegreeAboveOneAnUnknownNameAndTheUnresolved) {

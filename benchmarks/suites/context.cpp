@@ -11,16 +11,11 @@
 // the step waits for it.
 
 #include <ATen/Parallel.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <exception>
-#include <mutex>
-#include <thread>
 
 #include "counting_allocator.h"
 #include "gpt.h"
-#include "launch/net.h"
 #include "scaletrain/context_parallel.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
@@ -39,25 +34,10 @@ struct CpFigures {
   double mib = 0, seconds = 0;  // the fullest rank's activations, the slowest rank's step
 };
 
-int cp_free_port() {
-  const int fd = net::bind_tcp(0, /*loopback_only=*/true, /*listen=*/false);
-  const int port = net::bound_port(fd);
-  ::close(fd);
-  return port;
-}
-
 // One rank: a warm-up step, the measured step (memory, between barriers), then `repeats` timed
 // steps (the best; each between barriers, so the slowest rank sets it). Rank 0 writes `out`.
-void cp_rank(const CpCase& c, const GPTConfig& g, int64_t batch, int repeats, int rank, int port,
+void cp_rank(const CpCase& c, const GPTConfig& g, int64_t batch, int repeats, int rank, Dist& d,
              CountingAllocator& counting, CpFigures& out) {
-  InitOptions o;
-  World w;
-  w.rank = w.local_rank = rank;
-  w.world_size = w.local_world_size = c.cp;
-  w.master_port = port;
-  o.world = w;
-  o.backend = "gloo";
-  Dist d = init_process_group(o);
   torch::manual_seed(0);
   GPT m(g);
   const ContextSplit split{c.cp, rank, c.balanced};
@@ -90,23 +70,9 @@ void cp_rank(const CpCase& c, const GPTConfig& g, int64_t batch, int repeats, in
 
 CpFigures cp_measure(const CpCase& c, const GPTConfig& g, int64_t batch, int repeats,
                      CountingAllocator& counting) {
-  const int port = cp_free_port();
-  std::mutex mu;
-  std::exception_ptr error;
   CpFigures out;
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < c.cp; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        cp_rank(c, g, batch, repeats, r, port, counting, out);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        error = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  if (error) std::rethrow_exception(error);
+  run_thread_ranks(
+      c.cp, [&](int rank, Dist& d) { cp_rank(c, g, batch, repeats, rank, d, counting, out); });
   out.mib = static_cast<double>(counting.peak_of_fullest_thread()) / (1 << 20);
   return out;
 }

@@ -1,9 +1,15 @@
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 
+#include "launch/net.h"
+#include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "scaletrain/launch.h"
 #include "suites_internal.h"
@@ -60,6 +66,35 @@ PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name) {
                 "SCALETRAIN_SOURCE_DIR)");
   }
   return peer;
+}
+
+void run_thread_ranks(int n, const std::function<void(int rank, Dist& d)>& body) {
+  const int fd = net::bind_tcp(0, /*loopback_only=*/true, /*listen=*/false);
+  const int port = net::bound_port(fd);
+  ::close(fd);
+  std::mutex mu;
+  std::exception_ptr error;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        InitOptions o;
+        World w;
+        w.rank = w.local_rank = r;
+        w.world_size = w.local_world_size = n;
+        w.master_port = port;
+        o.world = w;
+        o.backend = "gloo";
+        Dist d = init_process_group(o);
+        body(r, d);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  if (error) std::rethrow_exception(error);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {

@@ -5,12 +5,17 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "scaletrain/bench_suites.h"
 #include "scaletrain/intra_op_threads.h"
+
+namespace scaletrain {
+struct Dist;
+}  // namespace scaletrain
 
 namespace scaletrain::bench {
 
@@ -38,6 +43,11 @@ struct PythonPeer {
   std::string python, script;
 };
 PythonPeer python_peer(const SuiteOptions& o, const std::string& script_name);
+
+/// Runs `body(rank, dist)` as `n` ranks on threads of this process, each with a Gloo process
+/// group of its own over a free loopback port (the memory suites', whose counting allocator
+/// tells the ranks apart by thread); rethrows a rank's error once every rank has ended.
+void run_thread_ranks(int n, const std::function<void(int rank, Dist& d)>& body);
 
 /// Seconds on the steady clock since `t0`.
 double seconds_since(std::chrono::steady_clock::time_point t0);

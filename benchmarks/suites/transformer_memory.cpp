@@ -9,15 +9,9 @@
 // splits those too, about halving it; recomputation keeps each block's input only.
 
 #include <ATen/Parallel.h>
-#include <unistd.h>
-
-#include <exception>
-#include <mutex>
-#include <thread>
 
 #include "counting_allocator.h"
 #include "gpt.h"
-#include "launch/net.h"
 #include "scaletrain/dist.h"
 #include "scaletrain/error.h"
 #include "suites_internal.h"
@@ -31,25 +25,10 @@ struct Case {
   bool sequence_parallel, recompute;
 };
 
-int free_port() {
-  const int fd = net::bind_tcp(0, /*loopback_only=*/true, /*listen=*/false);
-  const int port = net::bound_port(fd);
-  ::close(fd);
-  return port;
-}
-
 // One rank of a case: a warm-up step, then the measured one (between barriers, so that the
 // counts start when every rank is idle).
-void rank_step(const Case& c, const GPTConfig& base, int64_t batch, int rank, int port,
+void rank_step(const Case& c, const GPTConfig& base, int64_t batch, int rank, Dist& d,
                CountingAllocator& counting) {
-  InitOptions o;
-  World w;
-  w.rank = w.local_rank = rank;
-  w.world_size = w.local_world_size = c.tp;
-  w.master_port = port;
-  o.world = w;
-  o.backend = "gloo";
-  Dist d = init_process_group(o);
   GPTConfig g = base;
   g.checkpoint_blocks = c.recompute;
   torch::manual_seed(0);
@@ -73,22 +52,7 @@ void rank_step(const Case& c, const GPTConfig& base, int64_t batch, int rank, in
 
 // The fullest rank's peak activation bytes of one step.
 double measure(const Case& c, const GPTConfig& g, int64_t batch, CountingAllocator& counting) {
-  const int port = free_port();
-  std::mutex mu;
-  std::exception_ptr error;
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < c.tp; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        rank_step(c, g, batch, r, port, counting);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        error = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  if (error) std::rethrow_exception(error);
+  run_thread_ranks(c.tp, [&](int rank, Dist& d) { rank_step(c, g, batch, rank, d, counting); });
   return static_cast<double>(counting.peak_of_fullest_thread()) / (1 << 20);
 }
 

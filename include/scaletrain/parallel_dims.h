@@ -4,9 +4,10 @@
 //
 //     world = dp · pp · cp · tp,   dp = dp_replicate · dp_shard
 //
-// laid out on the DeviceMesh {dp, pp, cp, tp} (mesh.h), outermost first, so that the ranks of
-// one tensor-parallel group are neighbours, and a context-parallel group's next to them
-// (rank = ((dp · pp + pp) · cp + cp) · tp + tp, in coordinates):
+// laid out on the DeviceMesh {dp, cp, pp, tp} (mesh.h), outermost first, so that the ranks of
+// one tensor-parallel group are neighbours (rank = ((dp · cp + cp) · pp + pp) · tp + tp, in
+// coordinates), and dp and cp are next to each other: dp x cp flattened, the ranks that average a
+// gradient, is one dimension of a mesh {dp · cp, pp, tp} with the same ranks in the same places:
 //
 //   dp_replicate  data-parallel replicas that each hold whole parameters and optimizer state
 //                 (DDP; a grid's replicas of its pipeline)
@@ -50,7 +51,7 @@ struct ParallelDims {
   int tp = 1;            ///< tensor-parallel degree; -1: the rest
   int cp = 1;            ///< context-parallel degree: ranks per sequence; -1: the rest
                          ///< (last, so that {dp_replicate, dp_shard, zero_stage, pp, tp}
-                         ///< reads as before; the mesh puts it between pp and tp)
+                         ///< reads as before; the mesh puts it after dp)
 
   /// dp_replicate · dp_shard: the data-parallel ranks the global batch splits over.
   int dp() const { return dp_replicate * dp_shard; }
@@ -68,14 +69,14 @@ struct ParallelDims {
   /// degree to say so: dp_shard 1 with a stage is a world of one data-parallel rank, allowed).
   ParallelDims resolve(int world) const;
 
-  /// The mesh of the named dimensions ("dp", "pp", "cp", "tp"), in that order whatever the order of
+  /// The mesh of the named dimensions ("dp", "cp", "pp", "tp"), in that order whatever the order of
   /// `names`; every dimension left out must have degree 1. Throws UsageError for an unknown
   /// name, a left-out dimension of degree above 1, or unresolved degrees (-1).
   /// The default is the mesh without cp (cp 1), as every strategy but context parallelism's
   /// lays it out.
   DeviceMesh mesh(const std::vector<std::string>& names = {"dp", "pp", "tp"}) const;
 
-  /// "dp 4 (zero1) x pp 2 x cp 2 x tp 2"; degrees of 1 are left out ("dp 1" when all are 1; a -1
+  /// "dp 4 (zero1) x cp 2 x pp 2 x tp 2"; degrees of 1 are left out ("dp 1" when all are 1; a -1
   /// reads "rest").
   std::string describe() const;
 

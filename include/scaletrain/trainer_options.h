@@ -135,13 +135,13 @@ struct TensorParallelTrainOptions {
   bool sequence_parallel = false;  // size > 1: LayerNorms etc. on a sequence slice
 };
 
-/// Context parallelism within each replica (context_parallel.h), under ddp, zero1, zero2 and
-/// fsdp, with or without tensor parallelism (the mesh {dp, cp, tp}): each sequence of a batch is
-/// cut over `size` ranks, which hold the same weights; the model (Model::context_parallel) takes
-/// its rank's slice, its positions and ring attention over the group, the loss and its targets
-/// are the slice's, and the gradients are averaged over dp · cp ranks. A loss is a mean over the
-/// slice's targets: exactly the whole sequence's when every slice counts as many (no ignored
-/// target, as in the text task).
+/// Context parallelism within each replica (context_parallel.h), under ddp, zero1, zero2, fsdp
+/// and grid, with or without tensor parallelism (the mesh {dp, cp, pp, tp}): each sequence of a
+/// batch is cut over `size` ranks, which hold the same weights; the model (Model::context_parallel)
+/// takes its rank's slice, its positions and ring attention over the group, the loss and its
+/// targets are the slice's, and the gradients are averaged over dp · cp ranks. A loss is a mean
+/// over the slice's targets: exactly the whole sequence's when every slice counts as many (no
+/// ignored target, as in the text task).
 struct ContextParallelTrainOptions {
   int size = 1;               // ranks per sequence; 1: none
   bool load_balanced = true;  // causal balance: each rank a head and a tail chunk (ContextSplit)
@@ -213,7 +213,7 @@ struct TrainerOptions {
   DDPOptions ddp;
   PipelineTrainOptions pipeline;                 // pipeline and grid
   TensorParallelTrainOptions tensor_parallel;    // ddp, zero1, zero2, fsdp and grid
-  ContextParallelTrainOptions context_parallel;  // ddp, zero1, zero2 and fsdp
+  ContextParallelTrainOptions context_parallel;  // ddp, zero1, zero2, fsdp and grid
 };
 
 /// The parallel degrees `options` stand for (parallel_dims.h), data parallelism the rest of the

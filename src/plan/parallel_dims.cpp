@@ -9,12 +9,12 @@ namespace scaletrain {
 
 namespace {
 
-// The degrees by name, in mesh order (dp_replicate and dp_shard both before pp).
+// The degrees by name, in mesh order (dp_replicate and dp_shard both before cp).
 std::vector<std::pair<const char*, int>> degrees(const ParallelDims& d) {
   return {{"dp_replicate", d.dp_replicate},
           {"dp_shard", d.dp_shard},
-          {"pp", d.pp},
           {"cp", d.cp},
+          {"pp", d.pp},
           {"tp", d.tp}};
 }
 
@@ -96,7 +96,7 @@ DeviceMesh ParallelDims::mesh(const std::vector<std::string>& names) const {
                        " " + std::to_string(degree) + "): call resolve(world) first");
     }
   }
-  const std::vector<MeshDim> all{{"dp", dp()}, {"pp", pp}, {"cp", cp}, {"tp", tp}};
+  const std::vector<MeshDim> all{{"dp", dp()}, {"cp", cp}, {"pp", pp}, {"tp", tp}};
   std::vector<MeshDim> dims;
   for (const auto& d : all) {
     const bool named = std::find(names.begin(), names.end(), d.name) != names.end();
@@ -122,8 +122,8 @@ std::string ParallelDims::describe() const {
     add("dp " + degree(dp_shard) + " (" +
         (zero_stage == 3 ? std::string("fsdp") : "zero" + std::to_string(zero_stage)) + ")");
   }
-  if (pp != 1) add("pp " + degree(pp));
   if (cp != 1) add("cp " + degree(cp));
+  if (pp != 1) add("pp " + degree(pp));
   if (tp != 1) add("tp " + degree(tp));
   return out;
 }

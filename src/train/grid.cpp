@@ -9,6 +9,13 @@
 //                                                          replica 0   rank 0    rank 1
 //                                                          replica 1   rank 2    rank 3
 //
+// With TrainerOptions::context_parallel.size c > 1 each stage's sequences are cut over c ranks
+// besides (Note [Context parallelism applied after tensor parallelism] in tp_apply.h): the mesh
+// {dp, cp, pp, tp}, here {dp · cp, pp, tp} (the same ranks in the same places), so that DDP
+// averages each stage over its replicas and its cp ranks; the first stage takes its rank's slice
+// of the inputs, the last its slice of the targets, and each stage's attention runs over its cp
+// group, whose ranks run the same schedule.
+//
 // Every rank builds the whole model and trains its stage's blocks; checkpoints gather the
 // stages' weights from replica 0 onto every rank (the file holds the whole model under PyTorch's
 // names) and the optimizer state of each stage onto rank 0.
@@ -46,6 +53,7 @@
 #include "scaletrain/mesh.h"
 #include "scaletrain/tensor_parallel.h"
 #include "train/balance.h"
+#include "train/loss_sums.h"
 #include "train/optimizer_states.h"
 #include "train/own_boxes.h"
 #include "train/strategy.h"
@@ -63,6 +71,14 @@ std::string optimizer_key(int stage, int tp, int degree) {
          (degree > 1 ? "/tp" + std::to_string(tp) : "");
 }
 
+// The grid's mesh {dp, pp, tp}, its "dp" being dp x cp flattened under context parallelism (the
+// ranks that average a stage's gradients: ParallelDims' {dp, cp, pp, tp} puts them in the same
+// places).
+DeviceMesh grid_mesh(const TrainerOptions& o, const Dist& d) {
+  const ParallelDims dims = parallel_dims(o).resolve(d.size());
+  return DeviceMesh({{"dp", dims.dp_cp()}, {"pp", dims.pp}, {"tp", dims.tp}}, d.size());
+}
+
 class GridStrategy : public TrainStrategy, StrategyState {
  public:
   GridStrategy(const TrainTask& task, const TrainerOptions& o, const Dist& d, Model& model,
@@ -70,7 +86,7 @@ class GridStrategy : public TrainStrategy, StrategyState {
       : TrainStrategy(d),
         stages_(o.pipeline.resolved().stages),
         degree_(std::max(o.tensor_parallel.size, 1)),
-        mesh_(parallel_dims(o).resolve(d.size()).mesh()),
+        mesh_(grid_mesh(o, d)),
         replica_(mesh_.coordinate(d.rank(), "dp")),
         stage_(mesh_.coordinate(d.rank(), "pp")),
         dev_(rank_device(o.device, d)),
@@ -87,6 +103,12 @@ class GridStrategy : public TrainStrategy, StrategyState {
     const int v = v_ = p.stages_per_device;
     const auto balance = resolve_balance(p.balance, chain_of(tp_.whole(), Strategy::kGrid),
                                          stages_ * v, sample, d, dev_);
+    const int cp = std::max(o.context_parallel.size, 1);
+    if (cp > 1) {  // after the balance, which times the whole sequence
+      const ParallelDims dims = parallel_dims(o).resolve(d.size());
+      tp_.apply_context(
+          o, mesh_groups(d, dims.mesh({"dp", "cp", "pp", "tp"}), "grid_context", {"cp"}).at("cp"));
+    }
     balance_.assign(balance.begin(), balance.end());
     stage_params_ = stage_parameters(tp_.trained(), &chunks_);
     // The whole model's, which checkpoints gather (the same tensors without a split).
@@ -107,7 +129,9 @@ class GridStrategy : public TrainStrategy, StrategyState {
     pipe_ = v > 1 ? std::make_unique<DistPipeline>(chunks_, po, d)
                   : std::make_unique<DistPipeline>(stage_module_, po, d);
     // The last stage computes the loss, each of its tp ranks the same (Note [Global losses]).
-    place({dev_, replica_, mesh_.size("dp"), last() && mesh_.coordinate(d.rank(), "tp") == 0});
+    // A cp group's ranks read their replica's batch, each counting its slice's loss.
+    place({dev_, replica_ / cp, mesh_.size("dp") / cp,
+           last() && mesh_.coordinate(d.rank(), "tp") == 0});
   }
 
   std::vector<at::Tensor> parameters() override {
@@ -135,7 +159,8 @@ class GridStrategy : public TrainStrategy, StrategyState {
     // their gradients, DDP's sums over the stage's replicas and the optimizer stay float32.
     std::optional<Autocast> autocast;
     if (bf16_) autocast.emplace(dev_.type(), at::kBFloat16);
-    auto out = pipe_->train_step(first() ? x : at::Tensor(), last() ? y : at::Tensor(), loss);
+    auto out = pipe_->train_step(first() ? tp_.context_slice(x) : at::Tensor(),
+                                 last() ? tp_.context_slice(y) : at::Tensor(), loss);
     // Once per step, after its last backward: over what the step accumulated (Note [Partial
     // gradients summed in backward]: it commutes with DDP's average over dp).
     if (sync) tp_.after_last_backward();
@@ -143,8 +168,11 @@ class GridStrategy : public TrainStrategy, StrategyState {
   }
 
   at::Tensor predict(const at::Tensor& x) override {
-    at::Tensor out = pipe_->forward(first() ? x : at::Tensor());
+    at::Tensor out = pipe_->forward(first() ? tp_.context_slice(x) : at::Tensor());
     return out.defined() ? tp_.whole_outputs(out) : out;
+  }
+  at::Tensor loss_weight_of(const at::Tensor& y) const override {
+    return loss_weight(tp_.context_slice(y));
   }
 
   // Each rank holds its stages' gradients, the same in each of the replicas: the world's sum
@@ -155,7 +183,7 @@ class GridStrategy : public TrainStrategy, StrategyState {
     std::vector<at::Tensor> grads;
     for (const auto& p : params) grads.push_back(p.grad());
     const double mine = tp_.square_sum(params, grads);
-    return sum_over(dist_, mine, dev_) / data_replicas();
+    return sum_over(dist_, mine, dev_) / mesh_.size("dp");  // replicas x cp ranks
   }
   bool gradients_finite() override {  // every stage's own: agreed over the world
     return on_every_rank(dist_, TrainStrategy::gradients_finite(), dev_);

@@ -32,17 +32,20 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
 
 // Note [Context parallelism applied after tensor parallelism] in tp_apply.h.
 void TpApplied::apply_context_parallel(const TrainerOptions& o, const ParallelDims& dims) {
+  apply_context(
+      o, mesh_groups(world_, dims.mesh({"dp", "cp", "tp"}), "context_parallel", {"cp"}).at("cp"));
+}
+
+void TpApplied::apply_context(const TrainerOptions& o, const Dist& cp) {
   Model& m = trained();
   if (!m.context_parallel) {
-    throw UsageError("TrainerOptions::context_parallel.size " + std::to_string(dims.cp) +
+    throw UsageError("TrainerOptions::context_parallel.size " + std::to_string(cp.size()) +
                      ": the model '" + m.name +
                      "' has no attention to split over a sequence (its Model::context_parallel "
-                     "is null); train it with TrainerOptions::context_parallel.size 1, or give its Model a "
-                     "context_parallel hook (context_parallel.h)");
+                     "is null); train it with TrainerOptions::context_parallel.size 1, or give "
+                     "its Model a context_parallel hook (context_parallel.h)");
   }
-  cp_degree_ = dims.cp;
-  const Dist cp =
-      mesh_groups(world_, dims.mesh({"dp", "cp", "tp"}), "context_parallel", {"cp"}).at("cp");
+  cp_degree_ = cp.size();
   const ContextSplit split{cp.size(), cp.rank(), o.context_parallel.load_balanced};
   m.context_parallel(&cp, split);
   context_.set(&cp, split);
@@ -229,8 +232,9 @@ void validate_context_parallel(const TrainerOptions& o, int world) {
   if (cp == 1) return;
   const Strategy s = o.strategy;
   if (s != Strategy::kDDP && s != Strategy::kZero1 && s != Strategy::kZero2 &&
-      s != Strategy::kFsdp) {
-    throw UsageError(what + " goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (" +
+      s != Strategy::kFsdp && s != Strategy::kGrid) {
+    throw UsageError(what +
+                     " goes with TrainerOptions::strategy ddp, zero1, zero2, fsdp or grid (" +
                      to_string(s) + " does not split sequences yet)");
   }
   if (world % (cp * tp) != 0) {

@@ -20,15 +20,15 @@
 //
 // Note [Context parallelism applied after tensor parallelism]
 // With TrainerOptions::context_parallel.size c > 1 (ddp, zero1, zero2, fsdp) the world is the
-// mesh {dp, cp, tp}: after the split over tp, the trained model is given its rank's place in
-// its cp group (Model::context_parallel: its slice of each sequence, positions and ring
-// attention; context_parallel.h), and data parallelism runs over dp x cp flattened (the "dp"
-// group here: a cp group's ranks hold the same weights and average their gradients with the
-// replicas', TorchTitan's rule). A cp group's ranks read the same batch (data_rank() is the
-// replica's) and each takes its slice of the inputs and targets (context_slice()); each counts
-// its slice's loss, weighted by the slice's targets. Evaluation gathers the outputs along the
-// sequence (whole_outputs()). Checkpoints see nothing of it: the weights are whole on each cp
-// rank, so a run resumes at any other cp degree.
+// mesh {dp, cp, tp} (the grid: {dp, cp, pp, tp}): after the split over tp, the trained model is
+// given its rank's place in its cp group (Model::context_parallel: its slice of each sequence,
+// positions and ring attention; context_parallel.h), and data parallelism runs over dp x cp
+// flattened (the "dp" group here: a cp group's ranks hold the same weights and average their
+// gradients with the replicas', TorchTitan's rule). A cp group's ranks read the same batch
+// (data_rank() is the replica's) and each takes its slice of the inputs and targets
+// (context_slice()); each counts its slice's loss, weighted by the slice's targets. Evaluation
+// gathers the outputs along the sequence (whole_outputs()). Checkpoints see nothing of it: the
+// weights are whole on each cp rank, so a run resumes at any other cp degree.
 //
 // The grid applies it the same way on its mesh {dp, pp, tp} (grid.cpp), then cuts the trained
 // model into pipeline stages, then puts DDP over each stage's replicas: tp, then pp, then dp.
@@ -85,6 +85,10 @@ class TpApplied {
   /// Whether evaluation takes the outputs split over tp as they are (not under context
   /// parallelism, whose outputs are gathered along the sequence: predict()).
   bool evaluates_split() const { return outputs_split() && !context_.on(); }
+  /// Context parallelism over `cp` (the caller's group: the grid's), after the split: the
+  /// trained model takes its rank's slice of each sequence (Model::context_parallel; UsageError
+  /// where it has no hook). The first constructor calls it itself.
+  void apply_context(const TrainerOptions& o, const Dist& cp);
   /// This rank's slice of a batch's inputs or targets [batch, sequence, ...] under context
   /// parallelism; the batch itself otherwise.
   at::Tensor context_slice(const at::Tensor& t) const { return context_.shard(t, 1); }

@@ -239,11 +239,14 @@ void validate_grid(const TrainerOptions& o, const Family& f, int world) {
   }
   const auto p = o.pipeline.resolved();
   const int tp = std::max(o.tensor_parallel.size, 1);
-  if (p.stages < 2 || world % (p.stages * tp) != 0) {
+  const int cp = std::max(o.context_parallel.size, 1);
+  if (p.stages < 2 || world % (p.stages * tp * cp) != 0) {
     refuse(
         "TrainerOptions::strategy grid needs TrainerOptions::pipeline.stages of at least 2 "
         "dividing the world" +
         std::string(tp > 1 ? " with TrainerOptions::tensor_parallel.size " + std::to_string(tp)
+                           : "") +
+        std::string(cp > 1 ? " and TrainerOptions::context_parallel.size " + std::to_string(cp)
                            : "") +
         ": " + std::to_string(world) + " processes, " + std::to_string(p.stages) +
         " stages; e.g. 4 processes = 2 replicas x 2 stages" +

@@ -187,6 +187,49 @@ TEST_P(DistCollectives, EachCollectiveGivesItsResultOnEveryRank) {
   EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(n)));
 }
 
+// all_to_all_single with uneven splits, as expert parallelism's dispatch sends them: rank r
+// sends r + j + 1 rows to rank j, each row [100·r + j, its index among them]; rank j receives,
+// in rank order, r + j + 1 rows from each rank r. Equal parts when no split is given. A rank
+// that sends nothing to some rank, and bad splits.
+TEST_P(DistCollectives, AllToAllSingleSendsEachRankItsRows) {
+  const int n = GetParam();
+  auto errors = testing::run_ranks(n, [&](Dist& d) {
+    const int r = d.rank();
+    std::vector<int64_t> in_splits, out_splits;
+    std::vector<at::Tensor> rows;
+    for (int j = 0; j < n; ++j) {
+      const int64_t k = (r == 0 && j == n - 1) ? 0 : r + j + 1;  // rank 0 sends none to the last
+      in_splits.push_back(k);
+      out_splits.push_back((j == 0 && r == n - 1) ? 0 : j + r + 1);
+      rows.push_back(at::stack({at::full({k}, 100.0 * r + j), at::arange(k).to(at::kDouble)}, 1));
+    }
+    const at::Tensor got = d.all_to_all_single(at::cat(rows), out_splits, in_splits);
+    int64_t at_row = 0;
+    for (int src = 0; src < n; ++src) {
+      const int64_t k = out_splits[static_cast<size_t>(src)];
+      const at::Tensor want =
+          at::stack({at::full({k}, 100.0 * src + r), at::arange(k).to(at::kDouble)}, 1);
+      if (!at::equal(got.narrow(0, at_row, k), want)) {
+        throw Error("rows from rank " + std::to_string(src) + " differ");
+      }
+      at_row += k;
+    }
+    if (at_row != got.size(0)) throw Error("extra rows");
+    const at::Tensor equal = d.all_to_all_single(at::full({2 * n, 3}, double(r)));
+    for (int src = 0; src < n; ++src) {
+      if (!at::equal(equal.narrow(0, 2 * src, 2), at::full({2, 3}, double(src)))) {
+        throw Error("equal parts from rank " + std::to_string(src) + " differ");
+      }
+    }
+    EXPECT_THROW(d.all_to_all_single(at::zeros({3}), {}, {1, 1}), UsageError);
+    if (n > 1) {
+      EXPECT_THROW(d.all_to_all_single(at::zeros({2 * n + 1})), UsageError);
+    }
+    d.barrier();
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(n)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, DistCollectives, ::testing::Values(1, 2, 3, 4));
 
 // A rank that never joins a collective: the others fail within the group's timeout, with an error

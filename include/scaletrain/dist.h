@@ -140,6 +140,17 @@ struct Dist {
   Pending reduce_scatter_tensor_async(at::Tensor& out, const at::Tensor& input,
                                       ReduceOp op = ReduceOp::SUM,
                                       const std::string& what = "") const;
+  /// PyTorch's all_to_all_single: `input`'s dimension 0 holds, in rank order, the rows this rank
+  /// sends to each rank (input_splits[r] rows to rank r; empty: size() equal parts), and the
+  /// result holds the rows each rank sent this one, in rank order (output_splits[r] from rank r;
+  /// empty: equal parts), the other dimensions as `input`'s. Each pair of ranks must agree on what
+  /// goes between them (the row counts are usually exchanged first, by an all-to-all of one count
+  /// per rank). Throws UsageError when the splits have another length than size(), are
+  /// negative, or do not add up to `input`'s rows, or when an empty split does not divide them.
+  at::Tensor all_to_all_single(const at::Tensor& input,
+                               const std::vector<int64_t>& output_splits = {},
+                               const std::vector<int64_t>& input_splits = {},
+                               const std::string& what = "") const;
   /// Returns when every rank has called it.
   void barrier(const std::string& what = "") const;
 

@@ -110,6 +110,56 @@ void Dist::barrier(const std::string& what) const {
   wait_for(backend->barrier(), or_else(what, "barrier"), *this);
 }
 
+namespace {
+
+// A split of `rows` over the group: the one given (checked), or equal parts.
+std::vector<int64_t> checked_splits(const std::vector<int64_t>& given, int64_t rows, int ranks,
+                                    const std::string& which) {
+  if (given.empty()) {
+    if (rows % ranks != 0) {
+      throw UsageError("all_to_all_single: " + std::to_string(rows) + " rows of " + which +
+                       " do not split into " + std::to_string(ranks) +
+                       " equal parts; give the splits");
+    }
+    return std::vector<int64_t>(static_cast<size_t>(ranks), rows / ranks);
+  }
+  int64_t sum = 0;
+  for (int64_t n : given) {
+    if (n < 0) throw UsageError("all_to_all_single: a negative split in " + which);
+    sum += n;
+  }
+  if (static_cast<int>(given.size()) != ranks || (rows >= 0 && sum != rows)) {
+    throw UsageError("all_to_all_single: " + which + " splits " + std::to_string(given.size()) +
+                     " ways, " + std::to_string(sum) + " rows in all, for " +
+                     std::to_string(ranks) + " ranks" +
+                     (rows >= 0 ? " and " + std::to_string(rows) + " rows" : std::string()) +
+                     "; give one count per rank, adding up to the rows");
+  }
+  return given;
+}
+
+}  // namespace
+
+at::Tensor Dist::all_to_all_single(const at::Tensor& input,
+                                   const std::vector<int64_t>& output_splits,
+                                   const std::vector<int64_t>& input_splits,
+                                   const std::string& what) const {
+  if (input.dim() < 1) throw UsageError("all_to_all_single: the input needs a dimension 0");
+  auto in_splits = checked_splits(input_splits, input.size(0), size(), "the input's");
+  auto out_splits = checked_splits(output_splits, output_splits.empty() ? input.size(0) : -1,
+                                   size(), "the output's");
+  int64_t out_rows = 0;
+  for (int64_t n : out_splits) out_rows += n;
+  auto sizes = input.sizes().vec();
+  sizes[0] = out_rows;
+  at::Tensor out = at::empty(sizes, input.options());
+  at::Tensor in = input.contiguous();
+  c10d::AllToAllOptions o;
+  wait_for(backend->alltoall_base(out, in, out_splits, in_splits, o),
+           described(what, "all_to_all_single", input), *this);
+  return out;
+}
+
 Pending Dist::isend(const at::Tensor& tensor, int dst, int tag, const std::string& what) const {
   check_peer(*this, dst, "send");
   std::vector<at::Tensor> t{tensor};

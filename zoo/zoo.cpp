@@ -14,6 +14,7 @@
 #include "gpt.h"
 #include "hf_folder.h"
 #include "scaletrain/checkpoint.h"
+#include "scaletrain/context_parallel.h"
 #include "scaletrain/data.h"
 #include "scaletrain/image_folder.h"
 #include "scaletrain/lr_schedule.h"
@@ -357,7 +358,7 @@ void validate_zoo_context_parallel(const TrainOptions& o) {
                      ": ring attention never holds the whole sequence's attention "
                      "probabilities to drop; give --dropout 0 with --cp");
   }
-  const int64_t chunks = o.context_parallel.load_balanced ? 2 * cp : cp;
+  const int64_t chunks = ContextSplit{cp, 0, o.context_parallel.load_balanced}.chunks();
   if (o.context > 0 && o.context % chunks != 0) {
     throw UsageError("--context " + std::to_string(o.context) + " does not cut into " +
                      std::to_string(chunks) + " equal chunks for --cp " + std::to_string(cp) +

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "scaletrain/dist.h"
 
@@ -42,6 +43,9 @@ struct ContextSplit {
   bool balanced() const { return load_balanced && degree > 1; }
   /// The number of chunks a sequence is cut into: 2N balanced, N otherwise.
   int64_t chunks() const { return balanced() ? 2 * degree : degree; }
+  /// The chunks rank `rank_of` holds, in the order its slice keeps them: {r} in order, {r,
+  /// 2N − 1 − r} balanced (chunk k is tokens k · L/chunks() … (k + 1) · L/chunks() − 1).
+  std::vector<int64_t> chunk_ids(int rank_of) const;
   /// The global positions of this rank's tokens, in the order shard() keeps them: an int64
   /// tensor of length / degree, on the CPU. Throws UsageError (naming the length, the degree and
   /// the fix) when chunks() does not divide `length`.

@@ -68,8 +68,18 @@ struct Chunk {
 };
 
 std::vector<Chunk> chunks_of(const ContextSplit& split, int rank, int64_t size) {
-  if (!split.balanced()) return {{rank, 0}};
-  return {{rank, 0}, {2 * split.degree - 1 - rank, size}};
+  std::vector<Chunk> out;
+  for (int64_t id : split.chunk_ids(rank)) out.push_back({id, size * int64_t(out.size())});
+  return out;
+}
+
+// UsageError unless `split` is for rank `rank` of `size`.
+void check_split(const ContextSplit& split, int size, int rank, const std::string& who) {
+  if (split.degree != size || split.rank != rank) {
+    throw UsageError(who + "the split is for rank " + str(split.rank) + " of " + str(split.degree) +
+                     " but the group's rank is " + str(rank) + " of " + str(size) +
+                     "; make the ContextSplit from the group's size() and rank()");
+  }
 }
 
 // Keys or values of a pair for the query heads: each kv head repeated.
@@ -290,12 +300,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     throw UsageError(who + str(k.size(1)) + " key/value heads do not divide " + str(q.size(1)) +
                      " query heads; give a kv head count that divides the head count");
   }
-  const int size = cp.joined() ? cp.size() : 1, rank = cp.joined() ? cp.rank() : 0;
-  if (split.degree != size || split.rank != rank) {
-    throw UsageError(who + "the split is for rank " + str(split.rank) + " of " + str(split.degree) +
-                     " but the group's rank is " + str(rank) + " of " + str(size) +
-                     "; make the ContextSplit from the group's size() and rank()");
-  }
+  check_split(split, cp.joined() ? cp.size() : 1, cp.joined() ? cp.rank() : 0, who);
 }
 
 }  // namespace
@@ -313,13 +318,18 @@ void ContextSplit::check(int64_t length) const {
   }
 }
 
+std::vector<int64_t> ContextSplit::chunk_ids(int rank_of) const {
+  if (!balanced()) return {rank_of};
+  return {rank_of, 2 * degree - 1 - rank_of};
+}
+
 at::Tensor ContextSplit::positions_of(int rank_of, int64_t length) const {
   check(length);
   const int64_t c = length / chunks();
-  if (!balanced()) return at::arange(rank_of * c, (rank_of + 1) * c, at::kLong);
-  const int64_t tail = 2 * degree - 1 - rank_of;
-  return at::cat({at::arange(rank_of * c, (rank_of + 1) * c, at::kLong),
-                  at::arange(tail * c, (tail + 1) * c, at::kLong)});
+  std::vector<at::Tensor> parts;
+  for (int64_t id : chunk_ids(rank_of))
+    parts.push_back(at::arange(id * c, (id + 1) * c, at::kLong));
+  return at::cat(parts);
 }
 
 at::Tensor ContextSplit::positions(int64_t length) const { return positions_of(rank, length); }
@@ -328,8 +338,9 @@ at::Tensor ContextSplit::shard(const at::Tensor& x, int64_t dim) const {
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
   check(x.size(d));
   const int64_t c = x.size(d) / chunks();
-  if (!balanced()) return x.narrow(d, rank * c, c).contiguous();
-  return at::cat({x.narrow(d, rank * c, c), x.narrow(d, (2 * degree - 1 - rank) * c, c)}, d);
+  std::vector<at::Tensor> parts;
+  for (int64_t id : chunk_ids(rank)) parts.push_back(x.narrow(d, id * c, c));
+  return at::cat(parts, d);
 }
 
 void ContextParallelism::set(const Dist* cp, const ContextSplit& s) {
@@ -338,12 +349,7 @@ void ContextParallelism::set(const Dist* cp, const ContextSplit& s) {
     split = {};
     return;
   }
-  if (s.degree != cp->size() || s.rank != cp->rank()) {
-    throw UsageError("context parallelism: the split is for rank " + str(s.rank) + " of " +
-                     str(s.degree) + " but the group's rank is " + str(cp->rank()) + " of " +
-                     str(cp->size()) +
-                     "; make the ContextSplit from the group's size() and rank()");
-  }
+  check_split(s, cp->size(), cp->rank(), "context parallelism: ");
   group = *cp;
   split = s;
 }

@@ -91,6 +91,8 @@ void print_summary(const TrainOptions& o, const TrainResult& r, const Dist& d) {
                     : std::string())
             << (o.context_parallel.size > 1 ? " --cp " + std::to_string(o.context_parallel.size)
                                             : std::string())
+            << (o.expert_parallel.size > 1 ? " --ep " + std::to_string(o.expert_parallel.size)
+                                           : std::string())
             << ", " << d.size() << " process(es) (" << d.backend_name << ")\n"
             << "  test accuracy   " << r.test_accuracy << "\n"
             << (r.metrics.count("test_perplexity")
@@ -317,6 +319,7 @@ void add_train_command(CLI::App& app, Action& action) {
                     {"TrainerOptions::tensor_parallel.size", "--tp"},
                     {"TrainerOptions::context_parallel.size", "--cp"},
                     {"TrainerOptions::context_parallel.load_balanced", "--cp-in-order"},
+                    {"TrainerOptions::expert_parallel.size", "--ep"},
                     {"TrainerOptions::timeout_s", "--timeout"},
                     {"TrainerOptions::ddp.uneven_inputs", "--uneven-inputs"},
                     {"TrainerOptions::workers", "--workers"},

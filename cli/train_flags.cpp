@@ -132,6 +132,23 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
   cmd->add_flag("--cp-in-order{false}", a.o.context_parallel.load_balanced,
                 "With --cp: rank r takes chunk r of the sequence, instead of a head and a tail "
                 "chunk each (causal load balancing)");
+  cmd->add_option("--ep", a.o.expert_parallel.size,
+                  "ddp: ranks each MoE layer's experts are spread over (expert parallelism: "
+                  "blocks of this many data-parallel ranks, --experts / --ep experts each; "
+                  "tokens travel to their experts by all-to-all)")
+      ->capture_default_str();
+  cmd->add_option("--experts", a.o.experts,
+                  "gpt-tiny, gpt2-small, llama-tiny: MoE layers of this many experts in place "
+                  "of the MLPs (0: dense)")
+      ->capture_default_str();
+  cmd->add_option("--top-k", a.o.top_k, "With --experts: the experts each token goes to")
+      ->capture_default_str();
+  cmd->add_option("--moe-every", a.o.moe_every,
+                  "With --experts: the MLP of every n-th layer is a MoE (1: every layer)")
+      ->capture_default_str();
+  cmd->add_option("--aux-loss-coef", a.o.aux_loss_coef,
+                  "With --experts: the load-balancing loss's weight (0: none)")
+      ->capture_default_str();
 }
 
 // Steps, seed, and what the run writes: checkpoints, metrics.

@@ -13,7 +13,7 @@
 namespace scaletrain {
 namespace {
 
-// Degrees in the order of the fields: {dp_replicate, dp_shard, zero_stage, pp, tp, cp}.
+// Degrees in the order of the fields: {dp_replicate, dp_shard, zero_stage, pp, tp, cp, ep}.
 using Dims = ParallelDims;
 
 std::string error_of(const ParallelDims& d, int world) {
@@ -178,6 +178,21 @@ TEST(ParallelDims, ResolveRefusesDegreesThatDoNotMakeTheWorld) {
             "ParallelDims::dp_replicate 2 with dp_shard 2 (a hybrid of replicas and shards) is not "
             "supported yet: shard over the whole data-parallel dimension (dp_replicate 1, dp_shard "
             "-1)");
+}
+
+// ep borrows its ranks from dp x cp: no factor of the world, a divisor of dp x cp.
+TEST(ParallelDims, ExpertParallelDividesDpTimesCp) {
+  const auto r = Dims({-1, 1, 0, 1, 1, 2, 4}).resolve(8);  // dp 4 x cp 2, ep 4
+  EXPECT_EQ(r.world(), 8);
+  EXPECT_EQ(r.dp(), 4);
+  EXPECT_EQ(r.describe(), "dp 4 x cp 2 (ep 4)");
+  EXPECT_EQ(Dims({-1, 1, 0, 1, 2, 1, 2}).resolve(8).describe(), "dp 4 x tp 2 (ep 2)");
+  EXPECT_EQ(error_of(Dims({-1, 1, 0, 1, 2, 1, 3}), 8),
+            "ParallelDims::ep 3: the expert-parallel degree is at least 1 and divides dp x cp (4 "
+            "ranks here, dp 4 x tp 2 (ep 3)); give an ep degree that divides it");
+  EXPECT_NE(error_of(Dims({-1, 1, 0, 1, 1, 1, 0}), 2).find("ParallelDims::ep 0"),
+            std::string::npos);
+  EXPECT_NE(Dims({2, 1, 0, 1, 1, 1, 2}), Dims({2, 1, 0, 1, 1, 1, 1}));
 }
 
 }  // namespace

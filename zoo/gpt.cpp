@@ -18,6 +18,7 @@
 #include "scaletrain/context_parallel.h"
 #include "scaletrain/coordinated_dropout.h"
 #include "scaletrain/error.h"
+#include "scaletrain/expert_parallel.h"
 
 namespace scaletrain {
 
@@ -113,19 +114,30 @@ TORCH_MODULE(Mlp);
 
 class TransformerBlockImpl : public torch::nn::Module {
  public:
-  TransformerBlockImpl(const GPTConfig& c, const std::shared_ptr<const LayerContext>& shared) {
+  TransformerBlockImpl(const GPTConfig& c, const std::shared_ptr<const LayerContext>& shared,
+                       int64_t layer)
+      : shared_(shared) {
     ln_1 = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
     attn = register_module("attn", Attention(c, shared));
     ln_2 = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
-    mlp = register_module("mlp", Mlp(c, shared));
+    if (c.moe.at(layer)) {
+      moe = register_module("moe", MoE(c.moe.options(c.n_embd, 4 * c.n_embd, false)));
+    } else {
+      mlp = register_module("mlp", Mlp(c, shared));
+    }
   }
   at::Tensor forward(at::Tensor x) {
     x = x + attn(ln_1(x));
+    if (moe) return x + shared_->residual(moe(ln_2(x)), is_training());
     return x + mlp(ln_2(x));
   }
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
+  MoE moe{nullptr};
+
+ private:
+  std::shared_ptr<const LayerContext> shared_;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -150,7 +162,11 @@ int64_t gpt_flops_parameters(const GPTConfig& c) {
   // Per block: ln_1 and ln_2 (2·C each), c_attn (C·3C + 3C), attn.c_proj (C·C + C), mlp.c_fc
   // (C·4C + 4C), mlp.c_proj (4C·C + C): 12·C² + 13·C. Then ln_f (2·C) and the head (V·C).
   const int64_t block = 12 * w * w + 13 * w;
-  return c.n_layer * block + 2 * w + c.vocab_size * w;
+  int64_t n = c.n_layer * block + 2 * w + c.vocab_size * w;
+  for (int64_t i = 0; i < c.n_layer; ++i) {  // a MoE layer: its router and k experts (no bias)
+    if (c.moe.at(i)) n += c.moe.active_parameters(w, 8 * w * w) - (8 * w * w + 5 * w);
+  }
+  return n;
 }
 
 int64_t gpt_flops_per_token(const GPTConfig& c) {
@@ -168,7 +184,7 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), shared_(std::make_shared<Laye
   wte_ = transformer_->register_module("wte", ParallelEmbedding(c.vocab_size, c.n_embd));
   wpe_ = transformer_->register_module("wpe", ParallelEmbedding(c.block_size, c.n_embd));
   h_ = transformer_->register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c, shared_));
+  for (int64_t i = 0; i < c.n_layer; ++i) h_->push_back(TransformerBlock(c, shared_, i));
   ln_f_ = transformer_->register_module(
       "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.n_embd})));
   if (!c.tied_head) {
@@ -183,7 +199,8 @@ GPTImpl::GPTImpl(const GPTConfig& c) : config_(c), shared_(std::make_shared<Laye
     if (n.find("ln_") != std::string::npos) continue;  // LayerNorm: ones and zeros
     if (n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0) {
       p.value().zero_();
-    } else if (n.find("c_proj.weight") != std::string::npos) {
+    } else if (n.find("c_proj.weight") != std::string::npos ||
+               n.find("moe.w2") != std::string::npos) {
       torch::nn::init::normal_(p.value(), 0.0, 0.02 / std::sqrt(2.0 * c.n_layer));
     } else {
       torch::nn::init::normal_(p.value(), 0.0, 0.02);
@@ -264,6 +281,7 @@ TensorParallelPlan GPTImpl::plan(bool sp) const {
     const std::string b = "transformer.h." + std::to_string(i) + ".";
     p[b + "attn.c_attn"] = colwise(3, sp);
     p[b + "attn.c_proj"] = rowwise(sp);
+    if (config_.moe.at(i)) continue;  // a MoE layer: its experts whole on every tp rank
     p[b + "mlp.c_fc"] = colwise(1, sp);
     p[b + "mlp.c_proj"] = rowwise(sp);
   }

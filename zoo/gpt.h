@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "moe_config.h"
 #include "scaletrain/tensor_parallel.h"
 
 namespace scaletrain {
@@ -30,6 +31,8 @@ struct GPTConfig {
   bool gelu_tanh = false;          // the MLP's GELU in its tanh form (GPT-2's "gelu_new")
   bool checkpoint_blocks = false;  // training: each block recomputed in backward
                                    // (activation_checkpoint.h), its activations not kept
+  ZooMoE moe;  // experts > 0: MoE layers (h.<i>.moe.{router, w1, w2}) in place of the MLPs
+               // it names, each expert a GELU MLP of four times the width
 };
 
 /// "gpt-tiny" (2 layers, 4 heads, 64 wide, context 64, bytes: vocabulary 256) and "gpt2-small"

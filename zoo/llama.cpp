@@ -17,6 +17,7 @@
 #include "scaletrain/blocks.h"
 #include "scaletrain/context_parallel.h"
 #include "scaletrain/error.h"
+#include "scaletrain/expert_parallel.h"
 
 namespace scaletrain {
 
@@ -118,20 +119,27 @@ TORCH_MODULE(LlamaMlp);
 
 class LlamaLayerImpl : public torch::nn::Module {
  public:
-  LlamaLayerImpl(const LlamaConfig& c, const std::shared_ptr<const ContextParallelism>& cp) {
+  LlamaLayerImpl(const LlamaConfig& c, const std::shared_ptr<const ContextParallelism>& cp,
+                 int64_t layer) {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
     self_attn = register_module("self_attn", LlamaAttention(c, cp));
     post_attention_layernorm =
         register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-    mlp = register_module("mlp", LlamaMlp(c));
+    if (c.moe.at(layer)) {
+      moe = register_module("moe", MoE(c.moe.options(c.hidden_size, c.intermediate_size, true)));
+    } else {
+      mlp = register_module("mlp", LlamaMlp(c));
+    }
   }
   at::Tensor forward(at::Tensor x) {
     x = x + self_attn(input_layernorm(x));
-    return x + mlp(post_attention_layernorm(x));
+    const at::Tensor h = post_attention_layernorm(x);
+    return x + (moe ? moe(h) : mlp(h));
   }
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   LlamaMlp mlp{nullptr};
+  MoE moe{nullptr};
 };
 TORCH_MODULE(LlamaLayer);
 
@@ -174,7 +182,11 @@ int64_t llama_flops_per_token(const LlamaConfig& c) {
   const int64_t w = c.hidden_size, d = c.dim();
   const int64_t attn = w * c.n_heads * d * 2 + w * c.n_kv_heads * d * 2;
   const int64_t block = attn + 3 * w * c.intermediate_size + 2 * w;
-  const int64_t n = c.n_layers * block + w + c.vocab_size * w;
+  int64_t n = c.n_layers * block + w + c.vocab_size * w;
+  for (int64_t i = 0; i < c.n_layers; ++i) {  // a MoE layer: its router and k experts
+    if (c.moe.at(i))
+      n += c.moe.active_parameters(w, 3 * w * c.intermediate_size) - 3 * w * c.intermediate_size;
+  }
   return 6 * n + 12 * c.n_layers * c.n_heads * d * c.max_positions;
 }
 
@@ -185,7 +197,7 @@ LlamaImpl::LlamaImpl(const LlamaConfig& c)
   embed_tokens_ =
       model_->register_module("embed_tokens", ParallelEmbedding(c.vocab_size, c.hidden_size));
   layers_ = model_->register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layers; ++i) layers_->push_back(LlamaLayer(c, cp_));
+  for (int64_t i = 0; i < c.n_layers; ++i) layers_->push_back(LlamaLayer(c, cp_, i));
   norm_ = model_->register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps).ptr());
   if (!c.tied_head) {
     lm_head_ = register_module(
@@ -235,11 +247,13 @@ TensorParallelPlan LlamaImpl::plan(bool sp) const {
   if (!config_.tied_head) p["lm_head"] = colwise(1, sp);
   for (int64_t i = 0; i < config_.n_layers; ++i) {
     const std::string l = "model.layers." + std::to_string(i) + ".";
-    for (const char* name : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                             "mlp.gate_proj", "mlp.up_proj"}) {
+    for (const char* name : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}) {
       p[l + name] = colwise(1, sp);
     }
     p[l + "self_attn.o_proj"] = rowwise(sp);
+    if (config_.moe.at(i)) continue;  // a MoE layer: its experts whole on every tp rank
+    p[l + "mlp.gate_proj"] = colwise(1, sp);
+    p[l + "mlp.up_proj"] = colwise(1, sp);
     p[l + "mlp.down_proj"] = rowwise(sp);
   }
   return p;

@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 
+#include "moe_config.h"
 #include "scaletrain/tensor_parallel.h"
 
 namespace scaletrain {
@@ -36,6 +37,8 @@ struct LlamaConfig {
   double rms_norm_eps = 1e-5;
   bool tied_head = false;          // the head is embed_tokens' weight
   bool checkpoint_blocks = false;  // training: each block recomputed in backward
+  ZooMoE moe;  // experts > 0: MoE layers (layers.<i>.moe.{router, w1, w3, w2}) in place of the
+               // MLPs it names, each expert a SwiGLU MLP intermediate_size wide
 
   int64_t dim() const { return head_dim > 0 ? head_dim : hidden_size / n_heads; }
 };

@@ -301,6 +301,17 @@ bool is_llama_name(const std::string& name) {
   return name == "llama-tiny" || (is_hf_folder(name) && hf_model_type(name) != "gpt2");
 }
 
+namespace {
+ZooMoE zoo_moe(const ModelOptions& o) {
+  ZooMoE m;
+  m.experts = o.experts;
+  m.top_k = o.top_k;
+  m.every = o.moe_every;
+  m.aux_loss_coef = o.aux_loss_coef;
+  return m;
+}
+}  // namespace
+
 LlamaConfig llama_config_of(const std::string& name, const ModelOptions& o) {
   const bool hf = is_hf_folder(name);
   LlamaConfig c = hf ? llama_config_from_hf(name) : llama_config(name);
@@ -309,6 +320,7 @@ LlamaConfig llama_config_of(const std::string& name, const ModelOptions& o) {
   // stays its own; --context only shortens the windows.
   if (o.context > 0 && !hf) c.max_positions = o.context;
   c.checkpoint_blocks = o.checkpoint_activations;
+  c.moe = zoo_moe(o);
   return c;
 }
 
@@ -348,6 +360,7 @@ Model make_gpt(const std::string& name, const ModelOptions& o) {
   if (o.context > 0 && !hf) c.block_size = o.context;  // a folder's positions are its weights'
   c.dropout = o.dropout;
   c.checkpoint_blocks = o.checkpoint_activations;
+  c.moe = zoo_moe(o);
   if (!hf) c.tied_head = false;
   Model model = gpt_model(name, c);
   if (hf) {

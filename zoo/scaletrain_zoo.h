@@ -31,6 +31,10 @@ struct TrainOptions : TrainerOptions {
   double dropout = 0;              // mlp, GPTs: their dropout's probability
   bool checkpoint_blocks = false;  // GPT: recompute each block in backward (ModelOptions)
   int64_t context = 0;             // GPTs: the longest sequence, the text windows' length
+  int64_t experts = 0;             // GPTs, Llama: MoE layers of this many experts (0: dense MLPs)
+  int64_t top_k = 2;               //   each token's experts
+  int64_t moe_every = 1;           //   the MLP of every n-th layer a MoE
+  double aux_loss_coef = 0.01;     //   the load-balancing loss's coefficient
   int64_t vocab_size = 0;  // GPTs: the vocabulary's rows (0: the model's own); a larger one pads
                            // it, so that a tensor-parallel degree divides it
                            // (0: the size's own: gpt-tiny 64, gpt2-small 1024)

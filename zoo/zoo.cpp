@@ -367,6 +367,42 @@ void validate_zoo_context_parallel(const TrainOptions& o) {
   }
 }
 
+// --experts: the zoo's own GPTs and Llama (a folder's weights have dense MLPs), a --top-k and
+// an --ep the experts take (the trainer's ranks would refuse each later).
+void validate_zoo_experts(const TrainOptions& o) {
+  const int ep = o.expert_parallel.size;
+  const std::string e = "--experts " + std::to_string(o.experts);
+  if (o.experts < 0) throw UsageError(e + ": give 0 (dense MLPs) or a number of experts");
+  if (o.experts == 0) {
+    if (ep > 1) {
+      throw UsageError("--ep " + std::to_string(ep) +
+                       " spreads the experts of MoE layers, and the model has none; give "
+                       "--experts N (a multiple of --ep) with a GPT or Llama");
+    }
+    return;
+  }
+  if (o.model != "gpt-tiny" && o.model != "gpt2-small" && o.model != "llama-tiny") {
+    throw UsageError(e + " is for --model gpt-tiny, gpt2-small and llama-tiny (" + o.model +
+                     " has no MoE form)");
+  }
+  if (o.top_k < 1 || o.top_k > o.experts) {
+    throw UsageError("--top-k " + std::to_string(o.top_k) + " must be between 1 and " + e +
+                     "; route each token to at most as many experts as there are");
+  }
+  if (o.moe_every < 1) {
+    throw UsageError("--moe-every " + std::to_string(o.moe_every) +
+                     ": give 1 (every layer a MoE) or more (every n-th)");
+  }
+  if (!(o.aux_loss_coef >= 0)) {
+    throw UsageError("--aux-loss-coef " + std::to_string(o.aux_loss_coef) +
+                     ": give 0 (no load-balancing loss) or a positive weight, e.g. 0.01");
+  }
+  if (o.experts % ep != 0) {
+    throw UsageError(e + " does not spread evenly over --ep " + std::to_string(ep) +
+                     " ranks; give --experts a multiple of " + std::to_string(ep));
+  }
+}
+
 void validate(const TrainOptions& o, int world) {
   validate_zoo_numbers(o);
   validate_zoo_names(o);
@@ -375,6 +411,7 @@ void validate(const TrainOptions& o, int world) {
   validate_zoo_shapes(o);
   validate(static_cast<const TrainerOptions&>(o), world);
   validate_zoo_context_parallel(o);
+  validate_zoo_experts(o);
   validate_vocabulary(o);  // after the degree against the world, which comes first
   validate_zoo_balance(o);
 }
@@ -388,6 +425,10 @@ TrainTask zoo_task(const TrainOptions& o) {
   data.model.checkpoint_activations = o.checkpoint_blocks;
   data.model.context = o.context;
   data.model.vocab_size = o.vocab_size;
+  data.model.experts = o.experts;
+  data.model.top_k = o.top_k;
+  data.model.moe_every = o.moe_every;
+  data.model.aux_loss_coef = o.aux_loss_coef;
   t.model = [name = o.model, mo = data.model, init = o.init_weights] {
     Model m = make_model(name, mo);
     if (!init.empty()) load_weights(init, *m.module);
@@ -447,7 +488,9 @@ TrainResult train(const TrainOptions& o, const Dist& d) {
   TrainResult r = train(zoo_task(o), o, d);
   // A Llama's or a Hugging Face GPT-2's weights also as a Hugging Face folder, for
   // transformers' from_pretrained.
-  if (d.rank() == 0 && !r.left_behind && (is_llama_name(o.model) || is_hf_folder(o.model))) {
+  // (Not with MoE layers, which Hugging Face's Llama and GPT-2 do not have.)
+  if (d.rank() == 0 && !r.left_behind && o.experts == 0 &&
+      (is_llama_name(o.model) || is_hf_folder(o.model))) {
     write_hf_out(o, r.weights_path);
   }
   return r;

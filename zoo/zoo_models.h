@@ -41,6 +41,10 @@ struct ModelOptions {
   double dropout = 0;                   // MLP, GPT: the probability of its dropout
   int64_t vocab_size = 0;               // GPT: the vocabulary (0: the size's own)
   int64_t context = 0;                  // GPT: the longest sequence (0: the size's own)
+  int64_t experts = 0;                  // GPTs, Llamas: MoE layers of this many experts
+  int64_t top_k = 2;                    //   each token's experts
+  int64_t moe_every = 1;                //   the MLP of every n-th layer a MoE
+  double aux_loss_coef = 0.01;          //   the load-balancing loss's coefficient
   bool checkpoint_activations = false;  // GPT: each block recomputed in backward, its
                                         // activations not kept (activation_checkpoint.h)
   /// The zoo's model-level CPU optimisations: LeNet's crop of the input to what its pools read

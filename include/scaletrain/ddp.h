@@ -55,6 +55,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -98,6 +99,10 @@ struct DDPOptions {
   bool shared_memory = true;     // same-machine ranks reduce CPU float32 buckets through /dev/shm
   bool hierarchical = true;      // with shared_memory, across machines: within each machine
                                  // through its segment, between machines by one leader each
+  /// Parameters (by the module's names) DDP leaves alone: not checked, broadcast, reduced or
+  /// compared, PyTorch's params_and_buffers_to_ignore. For parameters that differ by rank on
+  /// purpose, whose gradients the program averages itself (expert parallelism's experts).
+  std::set<std::string> ignored_parameters;
 };
 
 class DistributedDataParallel {

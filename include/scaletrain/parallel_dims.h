@@ -18,6 +18,11 @@
 //                 (context_parallel.h); they hold the same weights, and their gradients are
 //                 averaged with the data-parallel ones (over dp · cp ranks, TorchTitan's rule)
 //   tp            the tensor-parallel degree: ranks that split each layer
+//   ep            expert parallelism: consecutive blocks of ep ranks of dp x cp (flattened) each
+//                 spread every MoE layer's experts over them, E / ep per rank; the other
+//                 weights are as dp and cp have them. It borrows its ranks from dp x cp and adds
+//                 none to the world; the ranks holding the same experts (dp x cp / ep of them,
+//                 "edp") average those experts' gradients
 //
 // dp_replicate and dp_shard share the mesh's one "dp" dimension: a strategy today either
 // replicates or shards over all of it (a hybrid of both would make it two dimensions). The
@@ -52,6 +57,9 @@ struct ParallelDims {
   int cp = 1;            ///< context-parallel degree: ranks per sequence; -1: the rest
                          ///< (last, so that {dp_replicate, dp_shard, zero_stage, pp, tp}
                          ///< reads as before; the mesh puts it after dp)
+  int ep = 1;            ///< expert-parallel degree: each MoE layer's experts spread over ep of
+                         ///< the dp x cp ranks (expert_parallel.h); not a factor of the world:
+                         ///< dp x cp = edp x ep, TorchTitan's rule
 
   /// dp_replicate · dp_shard: the data-parallel ranks the global batch splits over.
   int dp() const { return dp_replicate * dp_shard; }
@@ -66,7 +74,8 @@ struct ParallelDims {
   /// naming the degrees, the world and the fix when a degree is 0 or below -1, two are -1, the
   /// others do not divide `world`, their product is not `world`, zero_stage is not 0-3, or
   /// zero_stage and dp_shard disagree (a shard without a stage, or a stage without a shard
-  /// degree to say so: dp_shard 1 with a stage is a world of one data-parallel rank, allowed).
+  /// degree to say so: dp_shard 1 with a stage is a world of one data-parallel rank, allowed),
+  /// or ep is below 1 or does not divide dp x cp.
   ParallelDims resolve(int world) const;
 
   /// The mesh of the named dimensions ("dp", "cp", "pp", "tp"), in that order whatever the order of
@@ -76,13 +85,13 @@ struct ParallelDims {
   /// lays it out.
   DeviceMesh mesh(const std::vector<std::string>& names = {"dp", "pp", "tp"}) const;
 
-  /// "dp 4 (zero1) x cp 2 x pp 2 x tp 2"; degrees of 1 are left out ("dp 1" when all are 1; a -1
-  /// reads "rest").
+  /// "dp 4 (zero1) x cp 2 x pp 2 x tp 2", with " (ep 2)" after where ep > 1; degrees of 1 are left
+  /// out ("dp 1" when all are 1; a -1 reads "rest").
   std::string describe() const;
 
   bool operator==(const ParallelDims& o) const {
     return dp_replicate == o.dp_replicate && dp_shard == o.dp_shard && zero_stage == o.zero_stage &&
-           pp == o.pp && cp == o.cp && tp == o.tp;
+           pp == o.pp && cp == o.cp && tp == o.tp && ep == o.ep;
   }
   bool operator!=(const ParallelDims& o) const { return !(*this == o); }
 };

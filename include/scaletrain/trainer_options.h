@@ -147,6 +147,16 @@ struct ContextParallelTrainOptions {
   bool load_balanced = true;  // causal balance: each rank a head and a tail chunk (ContextSplit)
 };
 
+/// Expert parallelism (expert_parallel.h), under ddp: every MoE layer of the model (moe_layers())
+/// spreads its experts over blocks of `size` consecutive data-parallel ranks (dp x cp flattened;
+/// ParallelDims::ep), each rank E / size of them; tokens travel to their experts by all-to-all.
+/// The other weights are averaged over every data-parallel rank as before, an expert's over the
+/// ranks that hold it. Checkpoints hold every expert by its global index (the weights gathered
+/// over the group), so a run resumes at any other degree.
+struct ExpertParallelTrainOptions {
+  int size = 1;  // ranks the experts are spread over; 1: every rank holds every expert
+};
+
 /// The options of train(): first those of every run, then each strategy's own (ddp, pipeline,
 /// tensor_parallel). The pipeline's and the tensor-parallel ones are refused by the strategies
 /// that do not take them; `ddp` applies wherever DDP runs (ddp, and the replicas of a grid and of
@@ -214,13 +224,14 @@ struct TrainerOptions {
   PipelineTrainOptions pipeline;                 // pipeline and grid
   TensorParallelTrainOptions tensor_parallel;    // ddp, zero1, zero2, fsdp and grid
   ContextParallelTrainOptions context_parallel;  // ddp, zero1, zero2, fsdp and grid
+  ExpertParallelTrainOptions expert_parallel;    // ddp
 };
 
 /// The parallel degrees `options` stand for (parallel_dims.h), data parallelism the rest of the
 /// world: ddp {dp_replicate -1, tp}, zero1/zero2/fsdp {dp_shard -1, zero_stage 1/2/3, tp}, grid
 /// {dp_replicate -1, pp = pipeline.stages, tp}, dp and pipeline all 1 (one process), with tp =
-/// tensor_parallel.size and cp = context_parallel.size. `.resolve(world)` gives a job's degrees;
-/// options validate() refuses may make it throw.
+/// tensor_parallel.size, cp = context_parallel.size and ep = expert_parallel.size.
+/// `.resolve(world)` gives a job's degrees; options validate() refuses may make it throw.
 ParallelDims parallel_dims(const TrainerOptions& options);
 
 /// Checks the options of a task against the world before any work: the strategy's combinations

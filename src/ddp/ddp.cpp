@@ -16,7 +16,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   std::vector<at::Tensor> params;
   std::vector<std::string> names, described;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
+    if (!item.value().requires_grad() || options_.ignored_parameters.count(item.key())) continue;
     names.push_back(item.key());
     params.push_back(item.value());
     described.push_back(describe_param(item.key(), item.value()));
@@ -205,7 +205,9 @@ void DistributedDataParallel::sync_after_join(const std::vector<int32_t>& before
   }
   if (authority < 0) return;  // nobody stepped since the last join: nothing to bring in line
   std::vector<at::Tensor> params;
-  for (auto& p : module_->parameters()) params.push_back(p);
+  for (auto& p : module_->named_parameters()) {
+    if (!options_.ignored_parameters.count(p.key())) params.push_back(p.value());
+  }
   broadcast_coalesced(dist_, params, "the weights after join", authority);
   auto buffers = module_->buffers();
   if (!buffers.empty()) broadcast_coalesced(dist_, buffers, "the buffers after join", authority);
@@ -214,8 +216,10 @@ void DistributedDataParallel::sync_after_join(const std::vector<int32_t>& before
 void DistributedDataParallel::check_replicas() {
   std::vector<std::string> names;
   std::vector<at::Tensor> tensors;
-  for (auto& item : module_->named_parameters())
+  for (auto& item : module_->named_parameters()) {
+    if (options_.ignored_parameters.count(item.key())) continue;
     names.push_back(item.key()), tensors.push_back(item.value());
+  }
   for (auto& item : module_->named_buffers())
     names.push_back(item.key()), tensors.push_back(item.value());
   auto sums = at::empty({static_cast<int64_t>(tensors.size()), 2}, at::kDouble);

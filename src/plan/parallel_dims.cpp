@@ -81,6 +81,12 @@ ParallelDims ParallelDims::resolve(int world) const {
                      std::to_string(world) +
                      ": make the degrees' product the world size (or one degree -1, the rest)");
   }
+  if (ep < 1 || r.dp_cp() % ep != 0) {
+    throw UsageError("ParallelDims::ep " + std::to_string(ep) +
+                     ": the expert-parallel degree is at least 1 and divides dp x cp (" +
+                     std::to_string(r.dp_cp()) + " ranks here, " + r.describe() +
+                     "); give an ep degree that divides it");
+  }
   return r;
 }
 
@@ -125,6 +131,7 @@ std::string ParallelDims::describe() const {
   if (cp != 1) add("cp " + degree(cp));
   if (pp != 1) add("pp " + degree(pp));
   if (tp != 1) add("tp " + degree(tp));
+  if (ep != 1) out += " (ep " + std::to_string(ep) + ")";
   return out;
 }
 

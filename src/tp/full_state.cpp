@@ -13,16 +13,20 @@
 #include <vector>
 
 #include "scaletrain/error.h"
+#include "scaletrain/expert_parallel.h"
 #include "scaletrain/tensor_parallel.h"
 #include "tp/split.h"
 
 namespace scaletrain {
 namespace {
 
-// Where a split parameter's slices go back together.
+// Where a split parameter's slices go back together, and over which group: the caller's tp,
+// or a group of the parameter's own (a MoE layer's experts over its ep group: expert_parallel.h).
 struct Split {
   int64_t dim = 0;
   int64_t chunks = 1;
+  const Dist* group = nullptr;  // null: the tp group the caller gives
+  const Dist& over(const Dist& tp) const { return group != nullptr ? *group : tp; }
 };
 
 // Every split parameter of `module`, by its name there.
@@ -40,6 +44,11 @@ std::map<std::string, Split> split_parameters(torch::nn::Module& module) {
       }
     } else if (auto* e = dynamic_cast<ParallelEmbeddingImpl*>(item.value().get())) {
       if (e->style().kind == ParallelStyle::Kind::kVocab) out[prefix + "weight"] = {0, 1};
+    } else if (auto* moe = dynamic_cast<MoEImpl*>(item.value().get())) {
+      if (moe->ep() == nullptr) continue;  // every expert here
+      for (const char* w : {"w1", "w2", "w3"}) {
+        if (moe->named_parameters(false).contains(w)) out[prefix + w] = {0, 1, moe->ep()};
+      }
     }
   }
   return out;
@@ -76,11 +85,11 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
     at::Tensor v = p.value().detach();
     if (gradients) v = p.value().grad().defined() ? p.value().grad() : at::zeros_like(v);
     auto it = split.find(p.key());
-    if (it == split.end() || tp.size() == 1) {
+    if (it == split.end() || it->second.over(tp).size() == 1) {
       out[p.key()] = v.cpu().clone();
       continue;
     }
-    out[p.key()] = joined(tp.all_gather(v.contiguous()), it->second).cpu();
+    out[p.key()] = joined(it->second.over(tp).all_gather(v.contiguous()), it->second).cpu();
   }
   if (gradients) return out;
   for (const auto& b : module.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();
@@ -114,9 +123,12 @@ std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, co
     auto it = whole.find(p.key());
     if (it == whole.end()) continue;
     auto s = split.find(p.key());
-    out[p.key()] = s != split.end() && tp.size() > 1
-                       ? split_of(it->second, s->second.dim, s->second.chunks, tp.rank(), tp.size())
-                       : it->second;
+    if (s == split.end() || s->second.over(tp).size() == 1) {
+      out[p.key()] = it->second;
+      continue;
+    }
+    const Dist& g = s->second.over(tp);
+    out[p.key()] = split_of(it->second, s->second.dim, s->second.chunks, g.rank(), g.size());
   }
   return out;
 }
@@ -129,9 +141,11 @@ std::map<std::string, at::Tensor> gather_full_tensors(
     auto it = slices.find(p.key());
     if (it == slices.end()) continue;
     auto s = split.find(p.key());
-    out[p.key()] = s == split.end() || tp.size() == 1
-                       ? it->second.detach().cpu().clone()
-                       : joined(tp.all_gather(it->second.detach().contiguous()), s->second).cpu();
+    out[p.key()] =
+        s == split.end() || s->second.over(tp).size() == 1
+            ? it->second.detach().cpu().clone()
+            : joined(s->second.over(tp).all_gather(it->second.detach().contiguous()), s->second)
+                  .cpu();
   }
   return out;
 }
@@ -144,23 +158,24 @@ std::map<std::string, SlicePlacement> slice_placements(torch::nn::Module& module
     SlicePlacement& place = out[p.key()];
     place.whole_shape = shape;
     auto s = split.find(p.key());
-    if (s == split.end() || tp.size() == 1) {
+    if (s == split.end() || s->second.over(tp).size() == 1) {
       place.pieces.push_back({whole(shape), std::vector<int64_t>(shape.size(), 0)});
       continue;
     }
+    const Dist& g = s->second.over(tp);
     // Chunk c of every rank lies before chunk c + 1 (joined() above): rank r's chunk c at
     // (the chunks before it, of every rank) + r · (its size).
     // Sizes only: a sharded strategy's module may hold no storage. Tensor::chunk's sizes:
     // ceil(L / chunks) each, the last the rest.
     const auto d = static_cast<size_t>(s->second.dim);
-    place.whole_shape[d] = shape[d] * tp.size();
+    place.whole_shape[d] = shape[d] * g.size();
     const int64_t step = (shape[d] + s->second.chunks - 1) / s->second.chunks;
     for (int64_t local = 0; local < shape[d]; local += step) {
       const int64_t size = std::min(step, shape[d] - local);
       SlicePlacement::Piece piece{whole(shape), std::vector<int64_t>(shape.size(), 0)};
       piece.local.offsets[d] = local;
       piece.local.sizes[d] = size;
-      piece.global_offsets[d] = local * tp.size() + tp.rank() * size;
+      piece.global_offsets[d] = local * g.size() + g.rank() * size;
       place.pieces.push_back(std::move(piece));
     }
   }
@@ -170,6 +185,11 @@ std::map<std::string, SlicePlacement> slice_placements(torch::nn::Module& module
 std::string describe_split(torch::nn::Module& module) {
   std::string out;
   for (const auto& [name, s] : split_parameters(module)) {
+    if (s.group != nullptr) {
+      throw UsageError("describe_split: '" + name +
+                       "' is split over a group of its own (expert "
+                       "parallelism); sharded checkpoints of it are not supported");
+    }
     out += name + " " + std::to_string(s.dim) + " " + std::to_string(s.chunks) + "\n";
   }
   return out;

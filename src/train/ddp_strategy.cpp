@@ -37,7 +37,9 @@ class DdpStrategy : public TrainStrategy, StrategyState {
           return so;
         }()) {
     if (!tp_.split() || tp_.dp().size() > 1) {  // dp x cp ranks average the gradients
-      ddp_ = std::make_unique<DistributedDataParallel>(tp_.trained().module, tp_.dp(), o.ddp);
+      DDPOptions ddp = o.ddp;
+      ddp.ignored_parameters = tp_.expert_names();  // averaged over their edp group instead
+      ddp_ = std::make_unique<DistributedDataParallel>(tp_.trained().module, tp_.dp(), ddp);
     }
     place(tp_.placement(dev_));
   }
@@ -49,6 +51,7 @@ class DdpStrategy : public TrainStrategy, StrategyState {
     std::optional<DistributedDataParallel::NoSync> local;
     if (ddp_ && !sync) local.emplace(*ddp_);
     const at::Tensor xs = tp_.context_slice(x);  // this rank's slice of each sequence, if cp
+    tp_.set_aux_loss_scale(weight);
     at::Tensor out;
     {
       std::optional<Autocast> autocast;  // the layers' products, and what they send
@@ -93,10 +96,14 @@ class DdpStrategy : public TrainStrategy, StrategyState {
   // (LayerNorms, biases of rowwise layers) the same whole gradient on each.
   double gradient_square_sum() override {
     if (!tp_.split()) return TrainStrategy::gradient_square_sum();
-    auto params = module().parameters();
-    std::vector<at::Tensor> grads;
-    for (const auto& p : params) grads.push_back(p.grad());
-    return sum_over(tp_.tp(), tp_.square_sum(params, grads), tp_.collective());
+    std::vector<at::Tensor> params, grads;
+    for (const auto& p : module().parameters()) {
+      if (tp_.is_expert(p)) continue;  // the experts' below, over their ep group
+      params.push_back(p);
+      grads.push_back(p.grad());
+    }
+    return sum_over(tp_.tp(), tp_.square_sum(params, grads), tp_.collective()) +
+           tp_.expert_square_sum();
   }
   void optimizer_step(torch::optim::Optimizer& opt) override {
     scaler_.step(opt);  // skips a step whose gradients overflowed (fp16), on every rank
@@ -105,6 +112,7 @@ class DdpStrategy : public TrainStrategy, StrategyState {
   void zero_grad(torch::optim::Optimizer& opt) override {
     if (ddp_) {
       ddp_->zero_grad();  // keeps the views
+      tp_.zero_expert_gradients();
     } else {
       opt.zero_grad();
     }

@@ -237,14 +237,14 @@ std::map<std::string, at::Tensor> named_values(torch::nn::Module& module) {
 Model split_build(const TrainTask& task, Model& whole, const Dist& world, const Dist& tp,
                   bool sequence_parallel, const at::Device& device) {
   Model split = task.model();
-  if (!split.parallelize) {
+  if (tp.size() > 1 && !split.parallelize) {
     throw UsageError("tensor parallelism: model '" + split.name +
                      "' cannot be split (its Model has no parallelize; build its linear layers "
                      "as ParallelLinear and give Model::parallelize, tensor_parallel.h)");
   }
   broadcast_parameters(*whole.module, world, device);  // rank 0's weights everywhere
   copy_parameters(*whole.module, *split.module);
-  split.parallelize(tp, sequence_parallel);  // then this rank's slices of them
+  if (tp.size() > 1) split.parallelize(tp, sequence_parallel);  // then this rank's slices
   return split;
 }
 

@@ -20,6 +20,7 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
       degree_(std::max(o.tensor_parallel.size, 1)),
       device_(device),
       loss_(task.loss) {
+  ep_degree_ = std::max(o.expert_parallel.size, 1);
   const ParallelDims dims = parallel_dims(o).resolve(world.size());
   if (split()) {  // "dp" here is dp x cp flattened: the ranks that average a gradient
     mesh_ = DeviceMesh({{"dp", dims.dp_cp()}, {"tp", dims.tp}}, world.size());
@@ -28,6 +29,67 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
   }
   trained().module->to(device_);
   if (dims.cp > 1) apply_context_parallel(o, dims);
+  moes_ = moe_layers(*trained().module);
+  if (ep_degree_ > 1) apply_expert_parallel(dims);
+}
+
+// Note [Expert parallelism applied after context parallelism] in tp_apply.h.
+void TpApplied::apply_expert_parallel(const ParallelDims& dims) {
+  if (moes_.empty()) {
+    throw UsageError("TrainerOptions::expert_parallel.size " + std::to_string(ep_degree_) +
+                     ": the model '" + split_.name +
+                     "' has no MoE layer (expert_parallel.h) to spread over ranks; train it with "
+                     "expert_parallel.size 1, or build its feed-forward layers as MoE");
+  }
+  const DeviceMesh mesh({{"edp", dims.dp_cp() / ep_degree_}, {"ep", ep_degree_}, {"tp", dims.tp}},
+                        world_.size());
+  auto groups = mesh_groups(world_, mesh, "expert_parallel", {"ep", "edp"});
+  ep_ = groups.at("ep");
+  edp_ = groups.at("edp");
+  for (MoEImpl* moe : moes_) moe->expert_parallel(&*ep_);
+  for (const auto& m : split_.module->named_modules()) {
+    auto* moe = dynamic_cast<MoEImpl*>(m.value().get());
+    if (moe == nullptr) continue;
+    for (const auto& p : moe->named_parameters(false)) {
+      if (p.key() == "router") continue;
+      expert_names_.insert(m.key().empty() ? p.key() : m.key() + "." + p.key());
+      experts_.insert(p.value().unsafeGetTensorImpl());
+      expert_params_.push_back(p.value());
+    }
+  }
+}
+
+void TpApplied::set_aux_loss_scale(double weight) {
+  for (MoEImpl* moe : moes_) moe->aux_loss_scale = weight;
+}
+
+void TpApplied::zero_expert_gradients() {
+  for (auto& p : expert_params_) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+void TpApplied::reduce_expert_gradients() {
+  if (expert_params_.empty()) return;
+  std::vector<at::Tensor> grads;
+  for (auto& p : expert_params_) {  // every expert has one: its rows' products, or zeros
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  at::Tensor flat = flat_copy(grads, collective());
+  if (edp_->size() > 1) edp_->all_reduce(flat, ReduceOp::SUM, "the experts' gradients");
+  flat.div_(dp().size());  // DDP's average over dp x cp
+  torch::NoGradGuard no_grad;
+  copy_from_flat(flat, grads);
+}
+
+double TpApplied::expert_square_sum() const {
+  if (expert_params_.empty()) return 0;
+  double mine = 0;
+  for (const auto& p : expert_params_) {
+    if (p.grad().defined()) mine += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  return sum_over(*ep_, mine, collective());
 }
 
 // Note [Context parallelism applied after tensor parallelism] in tp_apply.h.
@@ -85,7 +147,7 @@ void TpApplied::build_split(const TrainTask& task, const TrainerOptions& o) {
     deferred_ = replicated_parameters(*split_.module);
     defer_partial_sums(deferred_);
   }
-  if (split_.parallel_loss) loss_ = split_.parallel_loss;
+  if (degree_ > 1 && split_.parallel_loss) loss_ = split_.parallel_loss;
 }
 
 at::Device TpApplied::collective() const {
@@ -103,6 +165,7 @@ std::optional<TrainStrategy::SplitOutputs> TpApplied::split_outputs(const at::Te
 
 void TpApplied::after_last_backward() {
   if (!split()) return;  // the whole model's own after_backward runs in its forward's place
+  reduce_expert_gradients();
   if (!deferred_.empty()) sum_deferred_partial_gradients(deferred_, tp());
   if (split_.after_backward) split_.after_backward();
 }
@@ -243,6 +306,35 @@ void validate_context_parallel(const TrainerOptions& o, int world) {
                              : std::string()) +
                      " does not divide the world of " + std::to_string(world) +
                      " ranks; give a world that is a multiple of " + std::to_string(cp * tp));
+  }
+  if (o.fault_tolerant) {
+    throw UsageError(what + " with TrainerOptions::fault_tolerant is not supported yet");
+  }
+  if (o.ddp.uneven_inputs == UnevenInputs::kJoin) {
+    throw UsageError("TrainerOptions::ddp.uneven_inputs join with " + what +
+                     " is not supported yet; use fail");
+  }
+}
+
+void validate_expert_parallel(const TrainerOptions& o, int world) {
+  const int ep = o.expert_parallel.size;
+  const std::string what = "TrainerOptions::expert_parallel.size " + std::to_string(ep);
+  if (ep < 1) throw UsageError(what + ": the expert-parallel degree is at least 1 (1: none)");
+  if (ep == 1) return;
+  if (o.strategy != Strategy::kDDP) {
+    throw UsageError(what + " goes with TrainerOptions::strategy ddp (" + to_string(o.strategy) +
+                     " does not spread experts yet)");
+  }
+  if (o.tensor_parallel.size > 1) {
+    throw UsageError(what + " with TrainerOptions::tensor_parallel.size " +
+                     std::to_string(o.tensor_parallel.size) +
+                     " is not supported yet; give one of them 1");
+  }
+  const int data_ranks = world / std::max(o.tensor_parallel.size, 1);
+  if (world % std::max(o.tensor_parallel.size, 1) != 0 || data_ranks % ep != 0) {
+    throw UsageError(what + " does not divide the " + std::to_string(data_ranks) +
+                     " data-parallel ranks of a world of " + std::to_string(world) +
+                     "; give an ep degree that divides them");
   }
   if (o.fault_tolerant) {
     throw UsageError(what + " with TrainerOptions::fault_tolerant is not supported yet");

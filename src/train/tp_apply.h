@@ -30,6 +30,19 @@
 // gathers the outputs along the sequence (whole_outputs()). Checkpoints see nothing of it: the
 // weights are whole on each cp rank, so a run resumes at any other cp degree.
 //
+// Note [Expert parallelism applied after context parallelism]
+// With TrainerOptions::expert_parallel.size e > 1 (ddp) the trained model is a second build as
+// under tp (the whole one keeps every expert for checkpoints), and each of its MoE layers
+// (expert_parallel.h) keeps E / e experts: the ranks of "dp" (dp x cp flattened) in blocks of e
+// consecutive ones are the ep groups, and the ranks at the same place of every block, the edp
+// groups, hold the same experts. DDP leaves the experts alone (DDPOptions::ignored_parameters);
+// after the step's last backward an expert's gradient, the sum over its ep group's tokens, is
+// summed over its edp group and divided by dp x cp: DDP's average over every token. The
+// gradient norm adds the experts' square sums over the ep group. gather_weights(), join() and
+// slice() gather and cut the experts along their first dimension over the ep group (the layer's
+// own group, tensor_parallel.h's gather_full_state), so checkpoints hold experts by their
+// global index and a run resumes at another e.
+//
 // The grid applies it the same way on its mesh {dp, pp, tp} (grid.cpp), then cuts the trained
 // model into pipeline stages, then puts DDP over each stage's replicas: tp, then pp, then dp.
 // Data: replica r reads slice r of W/t; its tp ranks read the same batch. Metrics are counted
@@ -50,6 +63,7 @@
 #include <vector>
 
 #include "scaletrain/context_parallel.h"
+#include "scaletrain/expert_parallel.h"
 #include "scaletrain/mesh.h"
 #include "scaletrain/parallel_dims.h"
 #include "train/optimizer_states.h"
@@ -75,13 +89,14 @@ class TpApplied {
   TpApplied(const TpApplied&) = delete;
   TpApplied& operator=(const TpApplied&) = delete;
 
-  bool split() const { return degree_ > 1; }
+  /// Whether the trained model is a build of its own: split over tp, or its experts over ep.
+  bool split() const { return degree_ > 1 || ep_degree_ > 1; }
   int degree() const { return degree_; }
   /// The model this rank trains: the split build, or the whole model.
   Model& trained() { return split() ? split_ : whole_; }
   const Model& trained() const { return split() ? split_ : whole_; }
   /// Whether evaluation outputs are split over tp (the model's vocabulary-parallel head).
-  bool outputs_split() const { return split() && split_.output_split; }
+  bool outputs_split() const { return degree_ > 1 && split_.output_split; }
   /// Whether evaluation takes the outputs split over tp as they are (not under context
   /// parallelism, whose outputs are gathered along the sequence: predict()).
   bool evaluates_split() const { return outputs_split() && !context_.on(); }
@@ -126,6 +141,16 @@ class TpApplied {
   /// replicated parameters' parts of this rank's gradient shards summed over tp.
   void after_last_backward(const ShardedDataParallel& zero,
                            const std::vector<at::Tensor>& zero_params);
+  /// Expert parallelism (Note [Expert parallelism applied after context parallelism]): the
+  /// names of the experts' parameters, which DDP leaves alone; whether `p` is one; their
+  /// gradients averaged after the step's last backward (in after_last_backward()), zeroed, and
+  /// their square sum over the ep group (collective). Empty, false and 0 at ep 1.
+  const std::set<std::string>& expert_names() const { return expert_names_; }
+  bool is_expert(const at::Tensor& p) const { return experts_.count(p.unsafeGetTensorImpl()) > 0; }
+  void zero_expert_gradients();
+  double expert_square_sum() const;
+  /// The load-balancing losses' gradients scaled by `weight`, as the step scales its loss.
+  void set_aux_loss_scale(double weight);
   /// The square sum of `parts` (parts of `params`' gradients, by parameter), a replicated
   /// parameter's counted 1/t (t > 1 only).
   double square_sum(const std::vector<at::Tensor>& params,
@@ -168,12 +193,23 @@ class TpApplied {
   std::set<const void*> replicated_;  // the split build's parameters whole on every tp rank
   std::vector<at::Tensor> deferred_;  // sequence parallelism's partial sums
   int cp_degree_ = 1;                 // context parallelism's, 1: none
-  ContextParallelism context_;        // what the trained model was given
+  int ep_degree_ = 1;                 // expert parallelism's, 1: none
+  std::optional<Dist> ep_, edp_;      // e > 1: this rank's ep and edp groups
+  std::vector<MoEImpl*> moes_;        // the trained model's MoE layers
+  std::set<std::string> expert_names_;
+  std::set<const void*> experts_;
+  std::vector<at::Tensor> expert_params_;
+  ContextParallelism context_;  // what the trained model was given
   std::function<void(const Dist*, const ContextSplit&)> context_off_;  // its hook, for off
 
   void build_split(const TrainTask& task, const TrainerOptions& o);
   void apply_context_parallel(const TrainerOptions& o, const ParallelDims& dims);
+  void apply_expert_parallel(const ParallelDims& dims);
+  void reduce_expert_gradients();
 };
+
+/// UsageError for expert-parallel options the world or the strategy cannot take.
+void validate_expert_parallel(const TrainerOptions& o, int world);
 
 /// UsageError for context-parallel options the world or the strategy cannot take.
 void validate_context_parallel(const TrainerOptions& o, int world);

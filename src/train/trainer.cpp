@@ -418,11 +418,13 @@ TrainResult Run::go() {
 
 void validate_tensor_parallel(const TrainerOptions& o, int world);   // tp_apply.cpp
 void validate_context_parallel(const TrainerOptions& o, int world);  // tp_apply.cpp
+void validate_expert_parallel(const TrainerOptions& o, int world);   // tp_apply.cpp
 
 void validate(const TrainerOptions& o, int world) {
   validate_trainer_numbers(o);
   validate_tensor_parallel(o, world);
   validate_context_parallel(o, world);
+  validate_expert_parallel(o, world);
   validate_strategy(o, world);
   validate_output(o);
 }

@@ -56,6 +56,7 @@ ParallelDims parallel_dims(const TrainerOptions& o) {
   ParallelDims d;
   d.tp = o.tensor_parallel.size;
   d.cp = o.context_parallel.size;
+  d.ep = o.expert_parallel.size;
   switch (o.strategy) {
     case Strategy::kDDP:
       d.dp_replicate = -1;
@@ -72,7 +73,7 @@ ParallelDims parallel_dims(const TrainerOptions& o) {
       break;
     case Strategy::kDataParallel:
     case Strategy::kPipeline:
-      d.tp = d.cp = 1;  // one process: its devices are threads (validation refuses tp, cp here)
+      d.tp = d.cp = d.ep = 1;  // one process: its devices are threads (validation refuses tp, cp here)
       break;
   }
   return d;

@@ -1,0 +1,260 @@
+// The trainer's expert parallelism (Note [Expert parallelism applied after context parallelism]
+// in src/train/tp_apply.h): the zoo's GPT and Llama with MoE layers trained under ddp with the
+// experts spread over 2 and 4 ranks follow the same world with every expert on every rank
+// (final weights, losses, test accuracy), with accumulation and clipping; a run stopped
+// mid-epoch at ep 2 resumes at ep 1 and the other way round, from PyTorch's DCP layout and from
+// one file; bad combinations are UsageErrors naming the option and the fix, and the command line
+// exits 2 on them.
+// Float64: a token's path through the layer is the same sums at every ep degree (Note [Expert
+// parallelism tolerance] in expert_parallel_test.cpp: 1e-14 of the scale per step); after 8
+// steps the weights agree within 1e-9 of each tensor's largest entry, as the other trainer
+// transparency tests allow, and an expert averaged over the wrong ranks, or a token at the
+// wrong expert, is off by 1e-3 of it or more. The load-balancing loss is on: each rank's is
+// over its own tokens at every degree, so it is the same loss.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "scaletrain/checkpoint.h"
+#include "scaletrain/data.h"
+#include "scaletrain/error.h"
+#include "scaletrain/expert_parallel.h"
+#include "scaletrain/trainer.h"
+#include "support/ranks.h"
+#include "support/subprocess.h"
+#include "support/temp_dir.h"
+#include "zoo_models.h"
+
+namespace scaletrain {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+ModelOptions moe_model_options(int64_t experts = 4, int64_t top_k = 2) {
+  ModelOptions o;
+  o.vocab_size = 16;
+  o.context = 8;
+  o.experts = experts;
+  o.top_k = top_k;
+  return o;
+}
+
+// 64 windows of 8 tokens (next-token targets) and one set of starting weights of `name`.
+struct MoeTokens {
+  std::string name;
+  ModelOptions options;
+  Dataset train, test;
+  std::map<std::string, at::Tensor> start;
+  MoeTokens(std::string model, ModelOptions mo) : name(std::move(model)), options(mo) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(12);
+    auto tokens = at::randint(0, 16, {64, 9}, g, at::kLong);
+    train = Dataset{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
+    test = Dataset{train.inputs.narrow(0, 0, 16), train.targets.narrow(0, 0, 16), 16};
+    Model m = make_model(name, options);
+    m.module->to(at::kDouble);
+    for (const auto& p : m.module->named_parameters()) start[p.key()] = p.value().detach().clone();
+  }
+  TrainTask task() const {
+    TrainTask t;
+    t.train_data = in_memory(train);
+    t.test_data = in_memory(test);
+    t.model = [this] {
+      Model m = make_model(name, options);
+      m.module->to(at::kDouble);
+      torch::NoGradGuard no_grad;
+      for (auto& p : m.module->named_parameters()) p.value().copy_(start.at(p.key()));
+      return m;
+    };
+    return t;
+  }
+  std::map<std::string, at::Tensor> weights_of(const std::string& path) const {
+    Model m = make_model(name, options);
+    m.module->to(at::kDouble);
+    load_weights(path, *m.module);
+    std::map<std::string, at::Tensor> out;
+    for (const auto& p : m.module->named_parameters()) out[p.key()] = p.value().detach().clone();
+    return out;
+  }
+};
+
+TrainerOptions ep_options(const fs::path& out, int ep) {
+  TrainerOptions o;
+  o.epochs = 2;
+  o.batch_size = 16;
+  o.progress = false;
+  o.tensorboard = false;
+  o.out_dir = out.string();
+  o.resume = Resume::none();
+  o.device = at::kCPU;
+  o.expert_parallel.size = ep;
+  return o;
+}
+
+TrainResult ep_run(int world, const TrainTask& task, const TrainerOptions& o) {
+  TrainResult r;
+  auto errors = testing::run_ranks(world, [&](Dist& d) {
+    auto mine = train(task, o, d);
+    if (d.rank() == 0) r = mine;
+  });
+  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(world)));
+  return r;
+}
+
+void expect_same_weights(const MoeTokens& data, const std::string& got, const std::string& want,
+                         const std::string& what) {
+  const auto a = data.weights_of(got), b = data.weights_of(want);
+  ASSERT_TRUE(b.count("transformer.h.0.moe.w1") || b.count("model.layers.0.moe.w1")) << what;
+  for (const auto& [name, w] : b) {
+    const double bound = 1e-9 * w.abs().max().item<double>() + 1e-13;
+    const double err = (a.at(name) - w).abs().max().item<double>();
+    EXPECT_LE(err, bound) << what << ": " << name << " off by " << err;
+  }
+}
+
+void expect_same_run(const MoeTokens& data, const TrainResult& got, const TrainResult& want,
+                     const std::string& what) {
+  EXPECT_EQ(got.global_step, want.global_step) << what;
+  EXPECT_NEAR(got.final_loss, want.final_loss, 1e-9 * want.final_loss) << what;
+  EXPECT_NEAR(got.test_accuracy, want.test_accuracy, 1e-12) << what;
+  expect_same_weights(data, got.weights_path, want.weights_path, what);
+}
+
+TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  for (int world : {2, 4}) {
+    TempDir one("ep_one");
+    const auto r1 = ep_run(world, data.task(), ep_options(one.path, 1));
+    ASSERT_EQ(r1.global_step, 8);
+    for (int ep = 2; ep <= world; ep *= 2) {
+      TempDir dir("ep_ddp");
+      const std::string what = "world " + std::to_string(world) + ", ep " + std::to_string(ep);
+      expect_same_run(data, ep_run(world, data.task(), ep_options(dir.path, ep)), r1, what);
+    }
+  }
+}
+
+TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 1));
+  auto options = [](const fs::path& out, int ep) {
+    auto o = ep_options(out, ep);
+    o.accumulate = 2;
+    o.batch_size = 8;
+    o.max_grad_norm = 0.05;  // below the norms here: every step clips
+    return o;
+  };
+  TempDir one("epc_one"), two("epc_two");
+  const auto r1 = ep_run(2, data.task(), options(one.path, 1));
+  expect_same_run(data, ep_run(2, data.task(), options(two.path, 2)), r1, "ep 2, accumulate 2");
+}
+
+TEST(TrainExpertParallel, LlamaFollowsEveryExpertOnEveryRank) {
+  const MoeTokens data("llama-tiny", moe_model_options(4, 2));
+  TempDir one("epl_one"), two("epl_two");
+  const auto r1 = ep_run(2, data.task(), ep_options(one.path, 1));
+  expect_same_run(data, ep_run(2, data.task(), ep_options(two.path, 2)), r1, "llama ep 2");
+}
+
+TEST(TrainExpertParallel, ResumesMidEpochAtAnotherDegree) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  TempDir whole("epr_whole");
+  const auto straight = ep_run(2, data.task(), ep_options(whole.path, 1));
+  struct Case {
+    int from, to;
+    CheckpointFormat format;
+  };
+  for (const Case& c : {Case{2, 1, CheckpointFormat::kDcp}, Case{1, 2, CheckpointFormat::kDcp},
+                        Case{2, 1, CheckpointFormat::kFull}}) {
+    const std::string what = "ep " + std::to_string(c.from) + " -> " + std::to_string(c.to) +
+                             (c.format == CheckpointFormat::kFull ? " (one file)" : " (dcp)");
+    TempDir dir("epr");
+    auto o = ep_options(dir.path, c.from);
+    o.checkpoint_every = 1;
+    o.checkpoint_format = c.format;
+    const std::string stop = "stopped at step 5";
+    auto stopped = testing::run_ranks(2, [&](Dist& d) {
+      TrainTask t = data.task();
+      t.on_step = [&](const StepReport& r) {
+        if (r.global_step == 5) throw std::runtime_error(stop);
+      };
+      train(t, o, d);
+    });
+    for (const auto& e : stopped) ASSERT_EQ(e, stop) << what;
+    o.expert_parallel.size = c.to;
+    o.resume = Resume::automatic();
+    const auto resumed = ep_run(2, data.task(), o);
+    EXPECT_EQ(resumed.global_step, 8) << what;
+    expect_same_weights(data, resumed.weights_path, straight.weights_path, what);
+  }
+}
+
+std::string train_error(int world, const TrainTask& task, const TrainerOptions& o) {
+  auto errors = testing::run_ranks(world, [&](Dist& d) { train(task, o, d); });
+  return errors.at(0);
+}
+
+TEST(TrainExpertParallel, BadCombinationsAreNamed) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  TempDir dir("ep_bad");
+  auto expect_error = [&](int world, TrainerOptions o, const std::string& part,
+                          const TrainTask& task) {
+    o.overwrite = true;  // a run refused in its ranks leaves its folder's first files
+    const std::string e = train_error(world, task, o);
+    EXPECT_NE(e.find(part), std::string::npos) << "wanted '" << part << "' in: " << e;
+  };
+  auto o = ep_options(dir.path, 2);
+  o.strategy = Strategy::kFsdp;
+  expect_error(2, o, "goes with TrainerOptions::strategy ddp (fsdp", data.task());
+  expect_error(4, ep_options(dir.path, 3), "does not divide the 4 data-parallel ranks",
+               data.task());
+  expect_error(2, ep_options(dir.path, 0), "is at least 1", data.task());
+  o = ep_options(dir.path, 2);
+  o.tensor_parallel.size = 2;
+  expect_error(4, o, "with TrainerOptions::tensor_parallel.size 2 is not supported", data.task());
+  const MoeTokens dense("gpt-tiny", moe_model_options(0));
+  expect_error(2, ep_options(dir.path, 2), "has no MoE layer", dense.task());
+  const MoeTokens six("gpt-tiny", moe_model_options(6, 2));
+  expect_error(4, ep_options(dir.path, 4), "6 experts cannot be spread over --ep 4", six.task());
+}
+
+TEST(TrainExpertParallel, CommandLineTrainsAndRefusesWithExitTwo) {
+  TempDir dir("ep_cli");
+  auto data = testing::run_command(testing::cli_path() + " data text --input " +
+                                   testing::script_path("hf_reference.py") + " --out " +
+                                   (dir.path / "text").string() + " 2>&1");
+  ASSERT_EQ(data.exit_code, 0) << data.output;
+  const std::string gpt = testing::cli_path() + " train --model gpt-tiny --dataset text " +
+                          "--data-dir " + (dir.path / "text").string() + " --out " +
+                          (dir.path / "gpt").string() + " --context 16";
+  struct Refusal {
+    std::string flags, part;
+  };
+  for (const Refusal& r :
+       {Refusal{"--nproc-per-node 2 --ep 2",
+                "--ep 2 spreads the experts of MoE layers, and the model has none"},
+        Refusal{"--nproc-per-node 2 --experts 4 --top-k 5",
+                "--top-k 5 must be between 1 and --experts 4"},
+        Refusal{"--experts 6 --ep 4 --nproc-per-node 4",
+                "--experts 6 does not spread evenly over --ep 4 ranks"},
+        Refusal{"--nproc-per-node 2 --experts 4 --ep 2 --strategy zero1",
+                "--ep 2 goes with --strategy ddp"},
+        Refusal{"--nproc-per-node 2 --experts -1", "--experts -1"}}) {
+    auto got = testing::run_command(gpt + " " + r.flags + " 2>&1", 60);
+    EXPECT_EQ(got.exit_code, 2) << r.flags << ": " << got.output;
+    EXPECT_NE(got.output.find(r.part), std::string::npos) << r.flags << ": " << got.output;
+  }
+  auto got = testing::run_command(
+      gpt + " --nproc-per-node 2 --experts 4 --ep 2 --limit-train 32 --limit-test 16 " +
+          "--epochs 1 --batch-size 8 --device cpu 2>&1",
+      180);
+  EXPECT_EQ(got.exit_code, 0) << got.output;
+  EXPECT_NE(got.output.find("--strategy ddp --ep 2"), std::string::npos) << got.output;
+}
+
+}  // namespace
+}  // namespace scaletrain

@@ -99,6 +99,7 @@ void add_bench_worker_command(CLI::App& app, Action& action) {
       if (*suite == "ddp") return bench::run_ddp_worker(extras);
       if (*suite == "zero") return bench::run_zero_worker(extras);
       if (*suite == "transformer") return bench::run_transformer_worker(extras);
+      if (*suite == "experts") return bench::run_experts_worker(extras);
       if (*suite == "pipeline-ranks") return bench::run_pipeline_ranks_worker(extras);
       if (*suite == "allreduce") return run_allreduce_worker(extras);
       throw UsageError("no worker for suite '" + *suite + "'");

@@ -52,7 +52,7 @@ TEST_P(BenchCli, WritesCsvJsonPngAndReport) {
 INSTANTIATE_TEST_SUITE_P(Suites, BenchCli,
                          ::testing::Values("pipeline-memory", "loader", "pipeline-ranks",
                                            "transformer", "checkpoint", "transformer-memory",
-                                           "resilience", "context"));
+                                           "resilience", "context", "experts"));
 
 }  // namespace
 }  // namespace scaletrain

@@ -193,6 +193,10 @@ const std::vector<Suite>& suites() {
        "GPT at a long context on CPU ranks: activation memory per rank and tokens/s at cp 1, "
        "2 (balanced and in order) and 4, ring attention",
        run_context},
+      {"experts",
+       "a mixture-of-experts layer on 1 and 2 CPU processes: tokens/s at ep 1 and ep 2, "
+       "scaletrain vs PyTorch's Python path (all-to-all dispatch as TorchTitan writes it)",
+       run_experts},
       {"resilience",
        "one worker SIGKILLed mid-training: time lost by fault-tolerant replicas (healed from a "
        "peer) vs ddp restarted from its checkpoint, and the replicas' times to re-form",

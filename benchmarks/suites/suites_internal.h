@@ -81,5 +81,6 @@ SuiteResult run_checkpoint(const SuiteOptions& o);
 SuiteResult run_transformer_memory(const SuiteOptions& o);
 SuiteResult run_resilience(const SuiteOptions& o);
 SuiteResult run_context(const SuiteOptions& o);
+SuiteResult run_experts(const SuiteOptions& o);
 
 }  // namespace scaletrain::bench

@@ -54,4 +54,10 @@ int run_ddp_worker(const std::vector<std::string>& args);
 /// `params,n` and `loss,x` to F.
 int run_transformer_worker(const std::vector<std::string>& args);
 
+/// Worker of the experts suite: `--csv F [--dim D] [--hidden H] [--experts E] [--top-k K]
+/// [--tokens T] [--steps N] [--warmup W]`: one MoE layer, its experts spread over the world, T
+/// tokens per rank; rank 0 writes `step,seconds` per timed step and `loss,x` (the first step's,
+/// the ranks' mean) to F.
+int run_experts_worker(const std::vector<std::string>& args);
+
 }  // namespace scaletrain::bench

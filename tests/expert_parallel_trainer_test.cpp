@@ -1,7 +1,8 @@
 // The trainer's expert parallelism (Note [Expert parallelism applied after context parallelism]
 // in src/train/tp_apply.h): the zoo's GPT and Llama with MoE layers trained under ddp with the
 // experts spread over 2 and 4 ranks follow the same world with every expert on every rank
-// (final weights, losses, test accuracy), with accumulation and clipping; a run stopped
+// (final weights, losses, test accuracy), with tensor, sequence and context parallelism beside
+// it, with accumulation and clipping; a run stopped
 // mid-epoch at ep 2 resumes at ep 1 and the other way round, from PyTorch's DCP layout and from
 // one file; bad combinations are UsageErrors naming the option and the fix, and the command line
 // exits 2 on them.
@@ -139,6 +140,42 @@ TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
   }
 }
 
+// The experts are not in the tensor-parallel plan: whole on every rank of a tp group, which
+// dispatches the same tokens (each tp rank in an ep group of its own tp coordinate); with
+// sequence parallelism each tp rank routes its slice of the sequence, and the experts'
+// gradients are summed over tp with the other replicated parameters'.
+TEST(TrainExpertParallel, TensorParallelGptFollowsEveryExpertOnEveryRank) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  for (bool sp : {false, true}) {
+    auto options = [sp](const fs::path& out, int ep) {
+      auto o = ep_options(out, ep);
+      o.tensor_parallel.size = 2;
+      o.tensor_parallel.sequence_parallel = sp;
+      return o;
+    };
+    TempDir one("eptp_one"), two("eptp_two");
+    const auto r1 = ep_run(4, data.task(), options(one.path, 1));
+    expect_same_run(data, ep_run(4, data.task(), options(two.path, 2)), r1,
+                    std::string("tp 2 x ep 2") + (sp ? ", sequence parallel" : ""));
+  }
+}
+
+// ep borrows from dp x cp: the ranks of a sequence's cp group may hold different experts.
+TEST(TrainExpertParallel, ContextParallelGptFollowsEveryExpertOnEveryRank) {
+  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  for (int world : {2, 4}) {
+    auto options = [](const fs::path& out, int ep) {
+      auto o = ep_options(out, ep);
+      o.context_parallel.size = 2;
+      return o;
+    };
+    TempDir one("epcp_one"), two("epcp_two");
+    const auto r1 = ep_run(world, data.task(), options(one.path, 1));
+    expect_same_run(data, ep_run(world, data.task(), options(two.path, 2)), r1,
+                    "cp 2 x ep 2 at world " + std::to_string(world));
+  }
+}
+
 TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
   const MoeTokens data("gpt-tiny", moe_model_options(4, 1));
   auto options = [](const fs::path& out, int ep) {
@@ -213,9 +250,9 @@ TEST(TrainExpertParallel, BadCombinationsAreNamed) {
   expect_error(4, ep_options(dir.path, 3), "does not divide the 4 data-parallel ranks",
                data.task());
   expect_error(2, ep_options(dir.path, 0), "is at least 1", data.task());
-  o = ep_options(dir.path, 2);
+  o = ep_options(dir.path, 4);
   o.tensor_parallel.size = 2;
-  expect_error(4, o, "with TrainerOptions::tensor_parallel.size 2 is not supported", data.task());
+  expect_error(4, o, "does not divide the 2 data-parallel ranks", data.task());
   const MoeTokens dense("gpt-tiny", moe_model_options(0));
   expect_error(2, ep_options(dir.path, 2), "has no MoE layer", dense.task());
   const MoeTokens six("gpt-tiny", moe_model_options(6, 2));

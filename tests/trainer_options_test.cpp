@@ -207,6 +207,11 @@ TEST(TrainerOptions, StrategyWordsStandForParallelDims) {
     EXPECT_EQ(resolved, row.dims) << row.strategy << " tp " << row.tp << " at " << row.world << ": "
                                   << resolved.describe();
   }
+  // Expert parallelism borrows its ranks from dp: ddp at 4 with ep 2 is dp 4 (ep 2).
+  TrainerOptions o;
+  o.expert_parallel.size = 2;
+  EXPECT_EQ(parallel_dims(o).resolve(4), (d{4, 1, 0, 1, 1, 1, 2}));
+  EXPECT_EQ(parallel_dims(o).resolve(4).describe(), "dp 4 (ep 2)");
 }
 
 }  // namespace

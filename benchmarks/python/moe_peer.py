@@ -9,7 +9,7 @@ their experts' ranks the way TorchTitan's AllToAllTokenDispatcher sends them: so
 the counts exchanged first with torch.distributed's all_to_all_single, then the rows with
 all_to_all_single_autograd (torch.distributed._functional_collectives), regrouped by local
 expert, each expert's rows through its MLP in a loop (TorchTitan's path without grouped_mm, which
-has no CPU backward), and back the same way.
+has no CPU backward; the weights unbound once, as the C++ layer does), and back the same way.
 
 The weights and tokens are functions of their indices (sin of a ramp), the same as the C++
 side's, so both sides compute the same function: rank 0 writes the first step's loss.
@@ -99,7 +99,10 @@ def main():
                           for e in range(local) for j in range(world)])
         grouped = arrived.index_select(0, perm)
         per_expert = grid.sum(0).tolist()
-        outs = [F.gelu(part @ w1[e]) @ w2[e]
+        # Each weight unbound once, as the C++ layer does (one stack in backward, where w1[e]
+        # would fill a zero tensor of the whole weight per expert): the same layer both sides.
+        u1, u2 = w1.unbind(0), w2.unbind(0)
+        outs = [F.gelu(part @ u1[e]) @ u2[e]
                 for e, part in enumerate(torch.split(grouped, per_expert))]
         y = torch.cat(outs)
         undo = torch.empty_like(perm)

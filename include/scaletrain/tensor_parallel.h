@@ -246,7 +246,10 @@ void sync_sequence_parallel_grads(const std::vector<at::Tensor>& params, const D
 std::vector<at::Tensor> replicated_parameters(torch::nn::Module& module);
 
 /// The whole model's state dict, collective over `tp`: every split parameter gathered back into
-/// its full shape (chunks in place), the rest as they are; keys are the module's own. Every rank
+/// its full shape (chunks in place), the rest as they are; keys are the module's own. A MoE
+/// layer spread over an ep group (expert_parallel.h) is split too, along its experts' first
+/// dimension over the layer's own group: this and the functions below are then collective over
+/// that group as well. Every rank
 /// gets it (CPU tensors). With `gradients`: the parameters' gradients instead, assembled the same
 /// way (zeros where a parameter has none), buffers left out.
 std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, const Dist& tp,

@@ -140,11 +140,14 @@ at::Tensor MoEImpl::experts_forward(const Dispatched& d) {
     return at::_grouped_mm(h, w2, offsets);
   }
 #endif
+  // Each weight unbound once: its experts' gradients come back as one stack, where w[e] would
+  // fill a zero tensor of the whole weight per expert and add them up.
   std::vector<at::Tensor> outs;
   const auto parts = at::split_with_sizes(d.rows, d.rows_per_expert);
-  for (int64_t e = 0; e < local_experts(); ++e) {
-    outs.push_back(expert_mlp(parts[static_cast<size_t>(e)], w1[e], w2[e],
-                              options.swiglu ? w3[e] : at::Tensor(), options.swiglu));
+  const auto a = w1.unbind(0), b = w2.unbind(0);
+  const auto c = options.swiglu ? w3.unbind(0) : std::vector<at::Tensor>(a.size());
+  for (size_t e = 0; e < a.size(); ++e) {
+    outs.push_back(expert_mlp(parts[e], a[e], b[e], c[e], options.swiglu));
   }
   return at::cat(outs);
 }

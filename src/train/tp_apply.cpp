@@ -325,11 +325,6 @@ void validate_expert_parallel(const TrainerOptions& o, int world) {
     throw UsageError(what + " goes with TrainerOptions::strategy ddp (" + to_string(o.strategy) +
                      " does not spread experts yet)");
   }
-  if (o.tensor_parallel.size > 1) {
-    throw UsageError(what + " with TrainerOptions::tensor_parallel.size " +
-                     std::to_string(o.tensor_parallel.size) +
-                     " is not supported yet; give one of them 1");
-  }
   const int data_ranks = world / std::max(o.tensor_parallel.size, 1);
   if (world % std::max(o.tensor_parallel.size, 1) != 0 || data_ranks % ep != 0) {
     throw UsageError(what + " does not divide the " + std::to_string(data_ranks) +

@@ -29,6 +29,7 @@
 #include "support/ranks.h"
 #include "support/subprocess.h"
 #include "support/temp_dir.h"
+#include "support/token_runs.h"
 #include "zoo_models.h"
 
 namespace scaletrain {
@@ -46,96 +47,37 @@ ModelOptions moe_model_options(int64_t experts = 4, int64_t top_k = 2) {
   return o;
 }
 
-// 64 windows of 8 tokens (next-token targets) and one set of starting weights of `name`.
-struct MoeTokens {
-  std::string name;
-  ModelOptions options;
-  Dataset train, test;
-  std::map<std::string, at::Tensor> start;
-  MoeTokens(std::string model, ModelOptions mo) : name(std::move(model)), options(mo) {
-    auto g = at::make_generator<at::CPUGeneratorImpl>(12);
-    auto tokens = at::randint(0, 16, {64, 9}, g, at::kLong);
-    train = Dataset{tokens.narrow(1, 0, 8).contiguous(), tokens.narrow(1, 1, 8).contiguous(), 16};
-    test = Dataset{train.inputs.narrow(0, 0, 16), train.targets.narrow(0, 0, 16), 16};
-    Model m = make_model(name, options);
-    m.module->to(at::kDouble);
-    for (const auto& p : m.module->named_parameters()) start[p.key()] = p.value().detach().clone();
-  }
-  TrainTask task() const {
-    TrainTask t;
-    t.train_data = in_memory(train);
-    t.test_data = in_memory(test);
-    t.model = [this] {
-      Model m = make_model(name, options);
-      m.module->to(at::kDouble);
-      torch::NoGradGuard no_grad;
-      for (auto& p : m.module->named_parameters()) p.value().copy_(start.at(p.key()));
-      return m;
-    };
-    return t;
-  }
-  std::map<std::string, at::Tensor> weights_of(const std::string& path) const {
-    Model m = make_model(name, options);
-    m.module->to(at::kDouble);
-    load_weights(path, *m.module);
-    std::map<std::string, at::Tensor> out;
-    for (const auto& p : m.module->named_parameters()) out[p.key()] = p.value().detach().clone();
-    return out;
-  }
-};
+// The data and the starting weights of `name` with MoE layers (support/token_runs.h).
+testing::ZooTokens moe_tokens(const std::string& name, ModelOptions mo) {
+  return testing::ZooTokens(name, mo, 12);
+}
 
 TrainerOptions ep_options(const fs::path& out, int ep) {
-  TrainerOptions o;
-  o.epochs = 2;
-  o.batch_size = 16;
-  o.progress = false;
-  o.tensorboard = false;
-  o.out_dir = out.string();
-  o.resume = Resume::none();
-  o.device = at::kCPU;
+  TrainerOptions o = testing::token_run_options(out);
   o.expert_parallel.size = ep;
   return o;
 }
 
-TrainResult ep_run(int world, const TrainTask& task, const TrainerOptions& o) {
-  TrainResult r;
-  auto errors = testing::run_ranks(world, [&](Dist& d) {
-    auto mine = train(task, o, d);
-    if (d.rank() == 0) r = mine;
-  });
-  EXPECT_EQ(errors, std::vector<std::string>(static_cast<size_t>(world)));
-  return r;
-}
-
-void expect_same_weights(const MoeTokens& data, const std::string& got, const std::string& want,
-                         const std::string& what) {
-  const auto a = data.weights_of(got), b = data.weights_of(want);
-  ASSERT_TRUE(b.count("transformer.h.0.moe.w1") || b.count("model.layers.0.moe.w1")) << what;
-  for (const auto& [name, w] : b) {
-    const double bound = 1e-9 * w.abs().max().item<double>() + 1e-13;
-    const double err = (a.at(name) - w).abs().max().item<double>();
-    EXPECT_LE(err, bound) << what << ": " << name << " off by " << err;
-  }
-}
-
-void expect_same_run(const MoeTokens& data, const TrainResult& got, const TrainResult& want,
-                     const std::string& what) {
-  EXPECT_EQ(got.global_step, want.global_step) << what;
-  EXPECT_NEAR(got.final_loss, want.final_loss, 1e-9 * want.final_loss) << what;
-  EXPECT_NEAR(got.test_accuracy, want.test_accuracy, 1e-12) << what;
-  expect_same_weights(data, got.weights_path, want.weights_path, what);
+using testing::run_world;
+// The same run, its MoE layers checked to be there.
+void expect_moe_run(const testing::ZooTokens& data, const TrainResult& got, const TrainResult& want,
+                    const std::string& what) {
+  const auto names = data.weights_of(want.weights_path);
+  EXPECT_TRUE(names.count("transformer.h.0.moe.w1") || names.count("model.layers.0.moe.w1"))
+      << what;
+  testing::expect_same_run(data, got, want, what);
 }
 
 TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   for (int world : {2, 4}) {
     TempDir one("ep_one");
-    const auto r1 = ep_run(world, data.task(), ep_options(one.path, 1));
+    const auto r1 = run_world(world, data.task(), ep_options(one.path, 1));
     ASSERT_EQ(r1.global_step, 8);
     for (int ep = 2; ep <= world; ep *= 2) {
       TempDir dir("ep_ddp");
       const std::string what = "world " + std::to_string(world) + ", ep " + std::to_string(ep);
-      expect_same_run(data, ep_run(world, data.task(), ep_options(dir.path, ep)), r1, what);
+      expect_moe_run(data, run_world(world, data.task(), ep_options(dir.path, ep)), r1, what);
     }
   }
 }
@@ -145,7 +87,7 @@ TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
 // sequence parallelism each tp rank routes its slice of the sequence, and the experts'
 // gradients are summed over tp with the other replicated parameters'.
 TEST(TrainExpertParallel, TensorParallelGptFollowsEveryExpertOnEveryRank) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   for (bool sp : {false, true}) {
     auto options = [sp](const fs::path& out, int ep) {
       auto o = ep_options(out, ep);
@@ -154,15 +96,15 @@ TEST(TrainExpertParallel, TensorParallelGptFollowsEveryExpertOnEveryRank) {
       return o;
     };
     TempDir one("eptp_one"), two("eptp_two");
-    const auto r1 = ep_run(4, data.task(), options(one.path, 1));
-    expect_same_run(data, ep_run(4, data.task(), options(two.path, 2)), r1,
-                    std::string("tp 2 x ep 2") + (sp ? ", sequence parallel" : ""));
+    const auto r1 = run_world(4, data.task(), options(one.path, 1));
+    expect_moe_run(data, run_world(4, data.task(), options(two.path, 2)), r1,
+                   std::string("tp 2 x ep 2") + (sp ? ", sequence parallel" : ""));
   }
 }
 
 // ep borrows from dp x cp: the ranks of a sequence's cp group may hold different experts.
 TEST(TrainExpertParallel, ContextParallelGptFollowsEveryExpertOnEveryRank) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   for (int world : {2, 4}) {
     auto options = [](const fs::path& out, int ep) {
       auto o = ep_options(out, ep);
@@ -170,14 +112,14 @@ TEST(TrainExpertParallel, ContextParallelGptFollowsEveryExpertOnEveryRank) {
       return o;
     };
     TempDir one("epcp_one"), two("epcp_two");
-    const auto r1 = ep_run(world, data.task(), options(one.path, 1));
-    expect_same_run(data, ep_run(world, data.task(), options(two.path, 2)), r1,
-                    "cp 2 x ep 2 at world " + std::to_string(world));
+    const auto r1 = run_world(world, data.task(), options(one.path, 1));
+    expect_moe_run(data, run_world(world, data.task(), options(two.path, 2)), r1,
+                   "cp 2 x ep 2 at world " + std::to_string(world));
   }
 }
 
 TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 1));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 1));
   auto options = [](const fs::path& out, int ep) {
     auto o = ep_options(out, ep);
     o.accumulate = 2;
@@ -186,21 +128,21 @@ TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
     return o;
   };
   TempDir one("epc_one"), two("epc_two");
-  const auto r1 = ep_run(2, data.task(), options(one.path, 1));
-  expect_same_run(data, ep_run(2, data.task(), options(two.path, 2)), r1, "ep 2, accumulate 2");
+  const auto r1 = run_world(2, data.task(), options(one.path, 1));
+  expect_moe_run(data, run_world(2, data.task(), options(two.path, 2)), r1, "ep 2, accumulate 2");
 }
 
 TEST(TrainExpertParallel, LlamaFollowsEveryExpertOnEveryRank) {
-  const MoeTokens data("llama-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("llama-tiny", moe_model_options(4, 2));
   TempDir one("epl_one"), two("epl_two");
-  const auto r1 = ep_run(2, data.task(), ep_options(one.path, 1));
-  expect_same_run(data, ep_run(2, data.task(), ep_options(two.path, 2)), r1, "llama ep 2");
+  const auto r1 = run_world(2, data.task(), ep_options(one.path, 1));
+  expect_moe_run(data, run_world(2, data.task(), ep_options(two.path, 2)), r1, "llama ep 2");
 }
 
 TEST(TrainExpertParallel, ResumesMidEpochAtAnotherDegree) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   TempDir whole("epr_whole");
-  const auto straight = ep_run(2, data.task(), ep_options(whole.path, 1));
+  const auto straight = run_world(2, data.task(), ep_options(whole.path, 1));
   struct Case {
     int from, to;
     CheckpointFormat format;
@@ -213,37 +155,19 @@ TEST(TrainExpertParallel, ResumesMidEpochAtAnotherDegree) {
     auto o = ep_options(dir.path, c.from);
     o.checkpoint_every = 1;
     o.checkpoint_format = c.format;
-    const std::string stop = "stopped at step 5";
-    auto stopped = testing::run_ranks(2, [&](Dist& d) {
-      TrainTask t = data.task();
-      t.on_step = [&](const StepReport& r) {
-        if (r.global_step == 5) throw std::runtime_error(stop);
-      };
-      train(t, o, d);
-    });
-    for (const auto& e : stopped) ASSERT_EQ(e, stop) << what;
+    testing::stop_at_step(2, data.task(), o, 5);
     o.expert_parallel.size = c.to;
     o.resume = Resume::automatic();
-    const auto resumed = ep_run(2, data.task(), o);
+    const auto resumed = run_world(2, data.task(), o);
     EXPECT_EQ(resumed.global_step, 8) << what;
-    expect_same_weights(data, resumed.weights_path, straight.weights_path, what);
+    testing::expect_same_weights(data, resumed.weights_path, straight.weights_path, what);
   }
 }
 
-std::string train_error(int world, const TrainTask& task, const TrainerOptions& o) {
-  auto errors = testing::run_ranks(world, [&](Dist& d) { train(task, o, d); });
-  return errors.at(0);
-}
-
 TEST(TrainExpertParallel, BadCombinationsAreNamed) {
-  const MoeTokens data("gpt-tiny", moe_model_options(4, 2));
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   TempDir dir("ep_bad");
-  auto expect_error = [&](int world, TrainerOptions o, const std::string& part,
-                          const TrainTask& task) {
-    o.overwrite = true;  // a run refused in its ranks leaves its folder's first files
-    const std::string e = train_error(world, task, o);
-    EXPECT_NE(e.find(part), std::string::npos) << "wanted '" << part << "' in: " << e;
-  };
+  const auto expect_error = testing::expect_train_error;
   auto o = ep_options(dir.path, 2);
   o.strategy = Strategy::kFsdp;
   expect_error(2, o, "goes with TrainerOptions::strategy ddp (fsdp", data.task());
@@ -253,9 +177,9 @@ TEST(TrainExpertParallel, BadCombinationsAreNamed) {
   o = ep_options(dir.path, 4);
   o.tensor_parallel.size = 2;
   expect_error(4, o, "does not divide the 2 data-parallel ranks", data.task());
-  const MoeTokens dense("gpt-tiny", moe_model_options(0));
+  const auto dense = moe_tokens("gpt-tiny", moe_model_options(0));
   expect_error(2, ep_options(dir.path, 2), "has no MoE layer", dense.task());
-  const MoeTokens six("gpt-tiny", moe_model_options(6, 2));
+  const auto six = moe_tokens("gpt-tiny", moe_model_options(6, 2));
   expect_error(4, ep_options(dir.path, 4), "6 experts cannot be spread over --ep 4", six.task());
 }
 

@@ -82,6 +82,20 @@ TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
   }
 }
 
+// At ep 1 the experts are parameters like any other: a MoE model under zero1, zero2 and fsdp
+// follows ddp (the load-balancing loss's gradient in each rank's step, as ddp's).
+TEST(TrainExpertParallel, ShardedStrategiesTrainTheMoeModelAsDdp) {
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
+  TempDir ddp("epz_ddp");
+  const auto r1 = run_world(2, data.task(), ep_options(ddp.path, 1));
+  for (Strategy s : {Strategy::kZero1, Strategy::kZero2, Strategy::kFsdp}) {
+    TempDir dir("epz");
+    auto o = ep_options(dir.path, 1);
+    o.strategy = s;
+    expect_moe_run(data, run_world(2, data.task(), o), r1, to_string(s));
+  }
+}
+
 // The experts are not in the tensor-parallel plan: whole on every rank of a tp group, which
 // dispatches the same tokens (each tp rank in an ep group of its own tp coordinate); with
 // sequence parallelism each tp rank routes its slice of the sequence, and the experts'

@@ -142,6 +142,7 @@ class GridStrategy : public TrainStrategy, StrategyState {
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
     std::optional<DistributedDataParallel::NoSync> local;
     if (!sync && ddp_) local.emplace(*ddp_);
+    tp_.set_aux_loss_scale(weight);
     LossFn loss = tp_.loss();
     if (bf16_) {  // the loss in float32, as ddp's under autocast
       loss = [base = loss](const at::Tensor& out, const at::Tensor& t) {

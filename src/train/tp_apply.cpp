@@ -137,6 +137,7 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
       device_(device),
       loss_(task.loss) {
   if (split()) build_split(task, o);
+  moes_ = moe_layers(*trained().module);
 }
 
 void TpApplied::build_split(const TrainTask& task, const TrainerOptions& o) {

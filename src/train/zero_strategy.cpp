@@ -71,6 +71,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
   StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
+    tp_.set_aux_loss_scale(weight);
     at::Tensor loss = tp_.loss()(forward(tp_.context_slice(x)), tp_.context_slice(y));
     (weight != 1 ? loss * weight : loss).backward();
     // Once per step, after its last backward: in the gradient shards, where the gradients are.

@@ -3,12 +3,12 @@
 # a CMake project of its own configured against it (find_package(scaletrain)), built and run,
 # and its result checked. CTest runs it (tests/CMakeLists.txt: Examples.*).
 #   scripts/check-examples.sh BUILD install          install into BUILD/examples/prefix
-#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer|tensor_parallel|python_model
+#   scripts/check-examples.sh BUILD ddp|pipeline|data_parallel|trainer|tensor_parallel|python_model|experts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 build=$(realpath "${1:-build}")
-what=${2:?install, ddp, pipeline, data_parallel, trainer or tensor_parallel}
+what=${2:?install, ddp, pipeline, data_parallel, trainer, tensor_parallel, python_model or experts}
 prefix=$build/examples/prefix
 say() { printf '[examples] %s\n' "$*"; }
 
@@ -104,6 +104,13 @@ case $what in
     "$bin" "$work/tp1" 1
     misuse "$bin" "$work/misused" 2
     misuse "$bin" "$work/misused" two
+    ;;
+  experts)
+    # The experts over 2 ranks, and the same program with every expert on one; a degree the
+    # world cannot take.
+    "$prefix/bin/scaletrain" run --nproc-per-node 2 --master-port 0 -- "$bin" "$work/ep2" 2
+    "$bin" "$work/ep1" 1
+    misuse "$bin" "$work/misused" 2
     ;;
   python_model)
     # A model Python defines and saves; trained here under fsdp; Python takes its weights back.

@@ -132,7 +132,11 @@ TEST(TrainExpertParallel, ContextParallelGptFollowsEveryExpertOnEveryRank) {
   }
 }
 
-TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
+// Where features cross: two batches per step, the gradients clipped by their global norm (the
+// experts' squares summed over the ep group), and each block recomputed in backward (its
+// all-to-alls again, inside backward, in the same order on every rank), at ep 2 against every
+// expert on every rank without recomputation.
+TEST(TrainExpertParallel, AccumulationClippingAndRecomputationFollowEveryExpertOnEveryRank) {
   const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 1));
   auto options = [](const fs::path& out, int ep) {
     auto o = ep_options(out, ep);
@@ -143,7 +147,10 @@ TEST(TrainExpertParallel, AccumulationAndClippingFollowEveryExpertOnEveryRank) {
   };
   TempDir one("epc_one"), two("epc_two");
   const auto r1 = run_world(2, data.task(), options(one.path, 1));
-  expect_moe_run(data, run_world(2, data.task(), options(two.path, 2)), r1, "ep 2, accumulate 2");
+  ModelOptions recomputed = data.options;
+  recomputed.checkpoint_activations = true;
+  expect_moe_run(data, run_world(2, data.task(recomputed), options(two.path, 2)), r1,
+                 "ep 2, accumulate 2, clipped, recomputed blocks");
 }
 
 TEST(TrainExpertParallel, LlamaFollowsEveryExpertOnEveryRank) {

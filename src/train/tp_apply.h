@@ -125,8 +125,10 @@ class TpApplied {
   /// Where a collective's tensors go: the device with NCCL, the CPU with Gloo.
   at::Device collective() const;
   /// "dp 2 x tp 2", for the state of an optimizer saved as bytes per rank.
+  /// With " ep N" after it where the experts are spread (their optimizer state's shapes differ).
   std::string describe() const {
-    return split() ? mesh_->describe() : "dp " + std::to_string(world_.size());
+    return (split() ? mesh_->describe() : "dp " + std::to_string(world_.size())) +
+           (ep_degree_ > 1 ? " ep " + std::to_string(ep_degree_) : "");
   }
 
   /// Evaluation outputs, whole (gathered over tp where the model's outputs are split).

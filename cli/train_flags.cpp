@@ -133,7 +133,8 @@ void add_strategy_flags(CLI::App* cmd, Args& a) {
                 "With --cp: rank r takes chunk r of the sequence, instead of a head and a tail "
                 "chunk each (causal load balancing)");
   cmd->add_option("--ep", a.o.expert_parallel.size,
-                  "ddp: ranks each MoE layer's experts are spread over (expert parallelism: "
+                  "ddp, zero1, zero2, fsdp: ranks each MoE layer's experts are spread over (expert "
+                  "parallelism: "
                   "blocks of this many data-parallel ranks, --experts / --ep experts each; "
                   "tokens travel to their experts by all-to-all)")
       ->capture_default_str();

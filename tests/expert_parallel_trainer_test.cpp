@@ -52,6 +52,14 @@ testing::ZooTokens moe_tokens(const std::string& name, ModelOptions mo) {
   return testing::ZooTokens(name, mo, 12);
 }
 
+// Adam, whose moments a resume must carry (SGD without momentum, the default, has none).
+TrainTask with_adam(TrainTask t) {
+  t.optimizer = [](const std::vector<at::Tensor>& p) {
+    return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2));
+  };
+  return t;
+}
+
 TrainerOptions ep_options(const fs::path& out, int ep) {
   TrainerOptions o = testing::token_run_options(out);
   o.expert_parallel.size = ep;
@@ -93,6 +101,63 @@ TEST(TrainExpertParallel, ShardedStrategiesTrainTheMoeModelAsDdp) {
     auto o = ep_options(dir.path, 1);
     o.strategy = s;
     expect_moe_run(data, run_world(2, data.task(), o), r1, to_string(s));
+  }
+}
+
+// Under ZeRO the units leave the experts out (ShardOptions::ignored_parameters): the other
+// weights sharded over dp, the experts whole on their ep ranks and stepped beside the shards.
+// zero1, zero2 and fsdp at ep 2 follow the same strategy at ep 1; fsdp x tp 2 x ep 2 too; and
+// an fsdp run at ep 2 stopped mid-epoch resumes under ddp at ep 1 (the experts' Adam moments
+// gathered by their global index), and the other way round.
+TEST(TrainExpertParallel, ShardedStrategiesSpreadTheExperts) {
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
+  struct Case {
+    Strategy s;
+    int world, tp;
+  };
+  for (const Case& c : {Case{Strategy::kZero1, 2, 1}, Case{Strategy::kZero2, 2, 1},
+                        Case{Strategy::kFsdp, 2, 1}, Case{Strategy::kFsdp, 4, 2}}) {
+    const std::string what =
+        to_string(c.s) + " x ep 2" + (c.tp > 1 ? " x tp " + std::to_string(c.tp) : "");
+    auto options = [&](const fs::path& out, int ep) {
+      auto o = ep_options(out, ep);
+      o.strategy = c.s;
+      o.tensor_parallel.size = c.tp;
+      return o;
+    };
+    TempDir one("epzs_one"), two("epzs_two");
+    const auto r1 = run_world(c.world, with_adam(data.task()), options(one.path, 1));
+    expect_moe_run(data, run_world(c.world, with_adam(data.task()), options(two.path, 2)), r1,
+                   what);
+  }
+}
+
+TEST(TrainExpertParallel, FsdpAtEpTwoAndDdpAtEpOneResumeEachOther) {
+  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
+  TempDir whole("epzr_whole");
+  const auto straight = run_world(2, with_adam(data.task()), ep_options(whole.path, 1));
+  struct Leg {
+    Strategy from;
+    int from_ep;
+    Strategy to;
+    int to_ep;
+  };
+  for (const Leg& l :
+       {Leg{Strategy::kFsdp, 2, Strategy::kDDP, 1}, Leg{Strategy::kDDP, 1, Strategy::kFsdp, 2}}) {
+    const std::string what = to_string(l.from) + " at ep " + std::to_string(l.from_ep) +
+                             " resumed under " + to_string(l.to) + " at ep " +
+                             std::to_string(l.to_ep);
+    TempDir dir("epzr");
+    auto o = ep_options(dir.path, l.from_ep);
+    o.strategy = l.from;
+    o.checkpoint_every = 1;
+    testing::stop_at_step(2, with_adam(data.task()), o, 5);
+    o.strategy = l.to;
+    o.expert_parallel.size = l.to_ep;
+    o.resume = Resume::automatic();
+    const auto resumed = run_world(2, with_adam(data.task()), o);
+    EXPECT_EQ(resumed.global_step, 8) << what;
+    testing::expect_same_weights(data, resumed.weights_path, straight.weights_path, what);
   }
 }
 
@@ -190,8 +255,14 @@ TEST(TrainExpertParallel, BadCombinationsAreNamed) {
   TempDir dir("ep_bad");
   const auto expect_error = testing::expect_train_error;
   auto o = ep_options(dir.path, 2);
-  o.strategy = Strategy::kFsdp;
-  expect_error(2, o, "goes with TrainerOptions::strategy ddp (fsdp", data.task());
+  o.strategy = Strategy::kGrid;
+  o.pipeline.stages = 2;
+  expect_error(4, o, "goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (grid",
+               data.task());
+  o = ep_options(dir.path, 2);
+  o.strategy = Strategy::kZero2;
+  o.amp = Amp::kBf16;
+  expect_error(2, o, "and TrainerOptions::amp bf16 is not supported yet", data.task());
   expect_error(4, ep_options(dir.path, 3), "does not divide the 4 data-parallel ranks",
                data.task());
   expect_error(2, ep_options(dir.path, 0), "is at least 1", data.task());
@@ -223,8 +294,8 @@ TEST(TrainExpertParallel, CommandLineTrainsAndRefusesWithExitTwo) {
                 "--top-k 5 must be between 1 and --experts 4"},
         Refusal{"--experts 6 --ep 4 --nproc-per-node 4",
                 "--experts 6 does not spread evenly over --ep 4 ranks"},
-        Refusal{"--nproc-per-node 2 --experts 4 --ep 2 --strategy zero1",
-                "--ep 2 goes with --strategy ddp"},
+        Refusal{"--experts 4 --ep 2 --strategy pipeline",
+                "--ep 2 goes with --strategy ddp, zero1, zero2 or fsdp"},
         Refusal{"--nproc-per-node 2 --experts -1", "--experts -1"}}) {
     auto got = testing::run_command(gpt + " " + r.flags + " 2>&1", 60);
     EXPECT_EQ(got.exit_code, 2) << r.flags << ": " << got.output;

@@ -368,6 +368,42 @@ TEST(Zero, StageThreeHoldsOnlyItsShardsBetweenSteps) {
   EXPECT_EQ(errors[1], "");
 }
 
+// ShardOptions::ignored_parameters: the second layer's weight is left out of the units (whole
+// and this rank's own: not broadcast, its gradient local), at every stage; with param_dtype it
+// is refused.
+TEST(Zero, IgnoredParametersStayWholeAndLocal) {
+  for (int stage : {1, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto errors = run_ranks(2, [stage](Dist& d) {
+      auto chain = make_chain(d.rank());  // rank 1's weights differ from rank 0's
+      const at::Tensor own = chain->parameters()[2];
+      const at::Tensor before = own.detach().clone();
+      ShardOptions o;
+      o.stage = stage;
+      o.ignored_parameters = {own};
+      ShardedDataParallel z(chain, d, o);
+      for (const auto& [name, t] : z.named_parameters()) {
+        EXPECT_NE(t.unsafeGetTensorImpl(), own.unsafeGetTensorImpl()) << name << " is sharded";
+      }
+      EXPECT_TRUE(at::equal(own, before)) << "the ignored weight was broadcast";
+      auto x = at::randn({4, kIn});
+      z(x).sum().backward();
+      ASSERT_TRUE(own.grad().defined());
+      EXPECT_EQ(own.grad().sizes(), own.sizes()) << "its gradient is whole, here";
+    });
+    EXPECT_EQ(errors[0], "");
+    EXPECT_EQ(errors[1], "");
+  }
+  auto errors = run_ranks(1, [](Dist& d) {
+    auto chain = make_chain(0);
+    ShardOptions o;
+    o.param_dtype = at::kBFloat16;
+    o.ignored_parameters = {chain->parameters()[2]};
+    ShardedDataParallel z(chain, d, o);
+  });
+  EXPECT_NE(errors[0].find("ignored_parameters with param_dtype"), std::string::npos) << errors[0];
+}
+
 // ---- Memory: the ZeRO paper's formulas -----------------------------------------------------
 
 torch::nn::Sequential make_wide() {

@@ -147,12 +147,13 @@ struct ContextParallelTrainOptions {
   bool load_balanced = true;  // causal balance: each rank a head and a tail chunk (ContextSplit)
 };
 
-/// Expert parallelism (expert_parallel.h), under ddp: every MoE layer of the model (moe_layers())
-/// spreads its experts over blocks of `size` consecutive data-parallel ranks (dp x cp flattened;
-/// ParallelDims::ep), each rank E / size of them; tokens travel to their experts by all-to-all.
-/// The other weights are averaged over every data-parallel rank as before, an expert's over the
-/// ranks that hold it. Checkpoints hold every expert by its global index (the weights gathered
-/// over the group), so a run resumes at any other degree.
+/// Expert parallelism (expert_parallel.h), under ddp, zero1, zero2 and fsdp: every MoE layer of the
+/// model (moe_layers()) spreads its experts over blocks of `size` consecutive data-parallel ranks
+/// (dp x cp flattened; ParallelDims::ep), each rank E / size of them; tokens travel to their
+/// experts by all-to-all. The other weights are averaged (or sharded) over every data-parallel rank
+/// as before, an expert's averaged over the ranks that hold it, whole on each. Checkpoints hold
+/// every expert by its global index (the weights gathered over the group), so a run resumes at any
+/// other degree.
 struct ExpertParallelTrainOptions {
   int size = 1;  // ranks the experts are spread over; 1: every rank holds every expert
 };
@@ -224,7 +225,7 @@ struct TrainerOptions {
   PipelineTrainOptions pipeline;                 // pipeline and grid
   TensorParallelTrainOptions tensor_parallel;    // ddp, zero1, zero2, fsdp and grid
   ContextParallelTrainOptions context_parallel;  // ddp, zero1, zero2, fsdp and grid
-  ExpertParallelTrainOptions expert_parallel;    // ddp
+  ExpertParallelTrainOptions expert_parallel;    // ddp, zero1, zero2 and fsdp
 };
 
 /// The parallel degrees `options` stand for (parallel_dims.h), data parallelism the rest of the

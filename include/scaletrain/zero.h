@@ -96,6 +96,11 @@ struct ShardOptions {
   /// construction with an error naming it (split its block, or lower unit_cap_mb). A gather
   /// through shared memory with param_dtype also holds the unit in the master dtype meanwhile.
   double unit_memory_budget_mb = 0;
+  /// Parameters the units leave out (FSDP's ignored_params): not sharded, broadcast, gathered or
+  /// reduced, whole on this rank as the module holds them. The program reduces their gradients
+  /// and gives them to its optimizer beside parameters() (expert parallelism's experts, which
+  /// differ by rank). Not with param_dtype (UsageError): they would not compute in it.
+  std::vector<at::Tensor> ignored_parameters;
 };
 
 /// A unit of the plan: `count` consecutive groups (parameters or blocks) from `first`, with

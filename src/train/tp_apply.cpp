@@ -2,6 +2,8 @@
 
 #include "train/tp_apply.h"
 
+#include "checkpoint/optimizer_state.h"
+
 #include <algorithm>
 
 #include "scaletrain/context_parallel.h"
@@ -52,10 +54,34 @@ void TpApplied::apply_expert_parallel(const ParallelDims& dims) {
     if (moe == nullptr) continue;
     for (const auto& p : moe->named_parameters(false)) {
       if (p.key() == "router") continue;
-      expert_names_.insert(m.key().empty() ? p.key() : m.key() + "." + p.key());
+      expert_param_names_.push_back(m.key().empty() ? p.key() : m.key() + "." + p.key());
+      expert_names_.insert(expert_param_names_.back());
       experts_.insert(p.value().unsafeGetTensorImpl());
       expert_params_.push_back(p.value());
     }
+  }
+  // Sequence parallelism: the experts' partial sums over tp are this step's (reduce below), not
+  // the replicated parameters' deferred sum's, which a ZeRO strategy takes from its shards.
+  const auto before = deferred_.size();
+  deferred_.erase(std::remove_if(deferred_.begin(), deferred_.end(),
+                                 [&](const at::Tensor& p) { return is_expert(p); }),
+                  deferred_.end());
+  experts_summed_over_tp_ = deferred_.size() != before;
+}
+
+void TpApplied::add_expert_states(const torch::optim::Optimizer& opt, NamedStates& states) const {
+  for (size_t i = 0; i < expert_params_.size(); ++i) {
+    if (auto st = param_state(opt, expert_params_[i])) states[expert_param_names_[i]] = *st;
+  }
+}
+
+void TpApplied::set_expert_states(torch::optim::Optimizer& opt, const NamedStates& sliced) const {
+  for (size_t i = 0; i < expert_params_.size(); ++i) {
+    auto it = sliced.find(expert_param_names_[i]);
+    if (it == sliced.end()) continue;  // never stepped
+    ParamState st = it->second;
+    for (auto& [kind, t] : st.tensors) t = t.to(expert_params_[i].device());
+    set_param_state(opt, expert_params_[i], st);
   }
 }
 
@@ -78,6 +104,7 @@ void TpApplied::reduce_expert_gradients() {
   }
   at::Tensor flat = flat_copy(grads, collective());
   if (edp_->size() > 1) edp_->all_reduce(flat, ReduceOp::SUM, "the experts' gradients");
+  if (experts_summed_over_tp_) tp().all_reduce(flat, ReduceOp::SUM, "the experts' partial sums");
   flat.div_(dp().size());  // DDP's average over dp x cp
   torch::NoGradGuard no_grad;
   copy_from_flat(flat, grads);
@@ -176,6 +203,7 @@ void TpApplied::after_last_backward() {
 // shards line up part for part.
 void TpApplied::after_last_backward(const ShardedDataParallel& zero,
                                     const std::vector<at::Tensor>& zero_params) {
+  reduce_expert_gradients();
   if (!split() || deferred_.empty()) return;
   const auto parts = shard_parts(zero, zero_params);
   std::vector<at::Tensor> replicated;
@@ -322,9 +350,16 @@ void validate_expert_parallel(const TrainerOptions& o, int world) {
   const std::string what = "TrainerOptions::expert_parallel.size " + std::to_string(ep);
   if (ep < 1) throw UsageError(what + ": the expert-parallel degree is at least 1 (1: none)");
   if (ep == 1) return;
-  if (o.strategy != Strategy::kDDP) {
-    throw UsageError(what + " goes with TrainerOptions::strategy ddp (" + to_string(o.strategy) +
-                     " does not spread experts yet)");
+  const Strategy s = o.strategy;
+  if (s != Strategy::kDDP && s != Strategy::kZero1 && s != Strategy::kZero2 &&
+      s != Strategy::kFsdp) {
+    throw UsageError(what + " goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (" +
+                     to_string(s) + " does not spread experts yet)");
+  }
+  if (s != Strategy::kDDP && o.amp == Amp::kBf16 && o.tensor_parallel.size <= 1) {
+    throw UsageError(what + " with TrainerOptions::strategy " + to_string(s) +
+                     " and TrainerOptions::amp bf16 is not supported yet (ZeRO's mixed precision "
+                     "casts the shards, and the experts are not among them); use ddp, or amp none");
   }
   const int data_ranks = world / std::max(o.tensor_parallel.size, 1);
   if (world % std::max(o.tensor_parallel.size, 1) != 0 || data_ranks % ep != 0) {

@@ -31,13 +31,16 @@
 // weights are whole on each cp rank, so a run resumes at any other cp degree.
 //
 // Note [Expert parallelism applied after context parallelism]
-// With TrainerOptions::expert_parallel.size e > 1 (ddp) the trained model is a second build as
-// under tp (the whole one keeps every expert for checkpoints), and each of its MoE layers
-// (expert_parallel.h) keeps E / e experts: the ranks of "dp" (dp x cp flattened) in blocks of e
-// consecutive ones are the ep groups, and the ranks at the same place of every block, the edp
+// With TrainerOptions::expert_parallel.size e > 1 (ddp, zero1, zero2, fsdp) the trained model is a
+// second build as under tp (the whole one keeps every expert for checkpoints), and each of its MoE
+// layers (expert_parallel.h) keeps E / e experts: the ranks of "dp" (dp x cp flattened) in blocks
+// of e consecutive ones are the ep groups, and the ranks at the same place of every block, the edp
 // groups, hold the same experts. DDP leaves the experts alone (DDPOptions::ignored_parameters);
 // after the step's last backward an expert's gradient, the sum over its ep group's tokens, is
-// summed over its edp group and divided by dp x cp: DDP's average over every token. The
+// summed over its edp group and divided by dp x cp: DDP's average over every token (with
+// sequence parallelism, where each tp rank routes its slice of the sequence, summed over tp
+// too). Under zero1, zero2 and fsdp the units leave them out the same way
+// (ShardOptions::ignored_parameters) and the optimizer steps them whole beside the shards. The
 // gradient norm adds the experts' square sums over the ep group. gather_weights(), join() and
 // slice() gather and cut the experts along their first dimension over the ep group (the layer's
 // own group, tensor_parallel.h's gather_full_state), so checkpoints hold experts by their
@@ -148,6 +151,12 @@ class TpApplied {
   /// gradients averaged after the step's last backward (in after_last_backward()), zeroed, and
   /// their square sum over the ep group (collective). Empty, false and 0 at ep 1.
   const std::set<std::string>& expert_names() const { return expert_names_; }
+  const std::vector<at::Tensor>& expert_params() const { return expert_params_; }
+  /// The experts' optimizer state added to `states` (by the trained build's names), and set
+  /// into `opt` from `sliced` (this rank's experts' state, slice()'s), for a strategy whose
+  /// other parameters' state is kept elsewhere (ZeRO's shards).
+  void add_expert_states(const torch::optim::Optimizer& opt, NamedStates& states) const;
+  void set_expert_states(torch::optim::Optimizer& opt, const NamedStates& sliced) const;
   bool is_expert(const at::Tensor& p) const { return experts_.count(p.unsafeGetTensorImpl()) > 0; }
   void zero_expert_gradients();
   double expert_square_sum() const;
@@ -199,6 +208,8 @@ class TpApplied {
   std::optional<Dist> ep_, edp_;      // e > 1: this rank's ep and edp groups
   std::vector<MoEImpl*> moes_;        // the trained model's MoE layers
   std::set<std::string> expert_names_;
+  std::vector<std::string> expert_param_names_;  // expert_params_' names, in their order
+  bool experts_summed_over_tp_ = false;          // sequence parallelism: each tp rank's tokens
   std::set<const void*> experts_;
   std::vector<at::Tensor> expert_params_;
   ContextParallelism context_;  // what the trained model was given

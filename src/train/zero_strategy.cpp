@@ -49,6 +49,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
         layout_(tp_.describe() + " " + to_string(o.strategy)) {
     ShardOptions so;
     so.stage = stage;
+    so.ignored_parameters = tp_.expert_params();  // expert parallelism's: whole on each rank
     if (tp_.split()) {
       so.shared_memory = false;  // a dp group is not every rank of its machine
       if (o.amp == Amp::kBf16) autocast_ = at::kBFloat16;
@@ -67,7 +68,12 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
     place(tp_.placement(dev_));
   }
 
-  std::vector<at::Tensor> parameters() override { return zero_->parameters(); }
+  // The shards, and the experts this rank holds whole (expert parallelism).
+  std::vector<at::Tensor> parameters() override {
+    auto out = zero_->parameters();
+    out.insert(out.end(), tp_.expert_params().begin(), tp_.expert_params().end());
+    return out;
+  }
   StrategyState& state() override { return *this; }
 
   at::Tensor step(const at::Tensor& x, const at::Tensor& y, bool sync, double weight) override {
@@ -100,7 +106,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
     if (!tp_.split()) return sum_over(dist_, TrainStrategy::gradient_square_sum(), dev_);
     const auto params = zero_parameters();
     const double mine = tp_.square_sum(params, TpApplied::shard_parts(*zero_, params));
-    return sum_over(dist_, mine, tp_.collective());
+    return sum_over(dist_, mine, tp_.collective()) + tp_.expert_square_sum();
   }
   void optimizer_step(torch::optim::Optimizer& opt) override { zero_->step(opt); }
   void weights_loaded() override {
@@ -119,8 +125,9 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
     auto& whole = *tp_.whole().module;
     whole_opt_ = standard_optimizer(opt, whole);
     if (!whole_opt_) return save_other_optimizer(opt, state);
-    set_named_states(*whole_opt_, whole,
-                     tp_.join(zero_named_states(*zero_, opt, *tp_.trained().module)));
+    NamedStates mine = zero_named_states(*zero_, opt, *tp_.trained().module);
+    tp_.add_expert_states(opt, mine);
+    set_named_states(*whole_opt_, whole, tp_.join(mine));
     return whole_opt_.get();
   }
   torch::optim::Optimizer* optimizer_to_load(torch::optim::Optimizer& opt) override {
@@ -131,7 +138,9 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
     if (state.optimizer_restored && whole_opt_) {  // through optimizer_to_load()'s optimizer
       const auto whole = named_states(*whole_opt_, *tp_.whole().module);
       whole_opt_.reset();
-      return load_zero_named_states(*zero_, opt, *tp_.trained().module, tp_.slice(whole));
+      const auto mine = tp_.slice(whole);
+      tp_.set_expert_states(opt, mine);
+      return load_zero_named_states(*zero_, opt, *tp_.trained().module, mine);
     }
     return restore_other_optimizer(opt, state);
   }
@@ -169,6 +178,11 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
         }
       }
     }
+    const auto& experts = tp_.expert_params();  // whole here: one box each
+    for (const auto& p : experts) {
+      boxes.add(names.at(p.unsafeGetTensorImpl()), whole(p.sizes().vec()), p,
+                param_state(opt, p).value_or(ParamState{}));
+    }
     boxes.add_buffers(module);
     DcpState out = boxes.take();
     auto& whole = *tp_.whole().module;
@@ -199,9 +213,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
     return whole.state;
   }
   // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
-  bool weights_finite() override {
-    return on_every_rank(dist_, all_finite(zero_->parameters()), dev_);
-  }
+  bool weights_finite() override { return on_every_rank(dist_, all_finite(parameters()), dev_); }
   std::vector<DeviceReport> devices() const override {  // the shards the rank holds
     int64_t n = 0;
     for (const auto& s : zero_->parameters()) n += s.numel();
@@ -226,8 +238,13 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
   }
 
   // The parameters of what ZeRO wraps (the chain, for fsdp), which unit_parameters() indexes.
+  // The parameters the units hold, in their order (the experts are not among them).
   std::vector<at::Tensor> zero_parameters() const {
-    return chain_ ? chain_->parameters() : tp_.trained().module->parameters();
+    std::vector<at::Tensor> out;
+    for (auto& p : chain_ ? chain_->parameters() : tp_.trained().module->parameters()) {
+      if (!tp_.is_expert(p)) out.push_back(p);
+    }
+    return out;
   }
 
   // An optimizer other than SGD, Adam, AdamW: its state flat (degree 1), or each rank's bytes.

@@ -3,6 +3,7 @@
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
 
 #include <memory>
 #include <optional>
@@ -20,6 +21,19 @@ namespace scaletrain {
 at::Tensor zero_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes);
 /// "12.5 MB".
 std::string zero_mb(int64_t bytes);
+
+/// The parameters the units take (units.cpp): every one that requires grad and is not in
+/// `ignored`, by name, in the module's order or, for a chain, block by block (with each block's
+/// indices among them).
+struct ZeroCollected {
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<torch::nn::AnyModule> blocks;
+  std::vector<std::vector<size_t>> block_params;
+};
+ZeroCollected collect_module(torch::nn::Module& m, const std::vector<at::Tensor>& ignored);
+ZeroCollected collect_chain(torch::nn::SequentialImpl& chain,
+                            const std::vector<at::Tensor>& ignored);
 
 struct ShardedDataParallel::Impl {
   struct Unit {

@@ -25,55 +25,7 @@ std::string zero_mb(int64_t bytes) {
   return c10::str(static_cast<double>(bytes) / (1 << 20), " MB");
 }
 
-namespace {
-
-struct Collected {
-  std::vector<at::Tensor> params;
-  std::vector<std::string> names;
-  std::vector<torch::nn::AnyModule> blocks;
-  std::vector<std::vector<size_t>> block_params;
-};
-
-Collected collect_module(torch::nn::Module& m) {
-  Collected c;
-  for (auto& item : m.named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
-    c.names.push_back(item.key());
-    c.params.push_back(item.value());
-  }
-  return c;
-}
-
-// Parameters in block order; a parameter two blocks share cannot live in two units.
-Collected collect_chain(torch::nn::SequentialImpl& chain) {
-  Collected c;
-  std::map<const void*, std::string> seen;
-  auto children = chain.named_children();
-  size_t b = 0;
-  for (auto& any : chain) {
-    c.blocks.push_back(any);
-    const std::string& block = children[b].key();
-    std::vector<size_t> mine;
-    for (auto& item : children[b].value()->named_parameters(/*recurse=*/true)) {
-      if (!item.value().requires_grad()) continue;
-      const auto name = block + "." + item.key();
-      auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), name);
-      if (!fresh) {
-        throw UsageError("ShardedDataParallel: parameter '" + name + "' is also '" + it->second +
-                         "' of another block; a parameter shared by blocks (tied weights) must "
-                         "live in one block");
-      }
-      mine.push_back(c.params.size());
-      c.names.push_back(name);
-      c.params.push_back(item.value());
-    }
-    c.block_params.push_back(std::move(mine));
-    ++b;
-  }
-  return c;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 ShardedDataParallel::Impl::Impl(ShardedDataParallel& o, std::vector<at::Tensor> ps,
                                 std::vector<std::string> ns, std::vector<torch::nn::AnyModule> bs,
@@ -133,6 +85,10 @@ void ShardedDataParallel::Impl::check_and_synchronise() {
     }
     compute_dtype = *opts.param_dtype;
     mixed = compute_dtype != master_dtype;
+  }
+  if (mixed && !opts.ignored_parameters.empty()) {
+    throw UsageError(who() + "ignored_parameters with param_dtype " + c10::toString(compute_dtype) +
+                     ": they would not compute in it; leave param_dtype unset, or ignore none");
   }
   if (opts.buffer_dtype && !mixed) {
     throw UsageError(who() + "buffer_dtype goes with a param_dtype other than the parameters' " +
@@ -342,7 +298,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
   if (!module_) throw UsageError("ShardedDataParallel: the module is null");
   require_joined(dist_, "ShardedDataParallel");
   if (auto chain = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_)) {
-    auto c = collect_chain(*chain);
+    auto c = collect_chain(*chain, options_.ignored_parameters);
     impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),
                                    std::move(c.blocks), c.block_params);
     return;
@@ -353,7 +309,7 @@ ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> modu
         "needs the model as a chain: a torch::nn::Sequential (of scaletrain::Block, blocks.h); "
         "or use stage 1 or 2 for any module");
   }
-  auto c = collect_module(*module_);
+  auto c = collect_module(*module_, options_.ignored_parameters);
   impl_ = std::make_unique<Impl>(*this, std::move(c.params), std::move(c.names),
                                  std::vector<torch::nn::AnyModule>{},
                                  std::vector<std::vector<size_t>>{});

@@ -13,8 +13,12 @@
 //   units:   [ 6  3 ] [  10  0 ] [ 2 ]
 //   padded:     12       12        4             shards 3, 3 and 1 element
 
+#include <map>
+#include <string>
+
 #include "scaletrain/error.h"
 #include "scaletrain/zero.h"
+#include "zero/impl.h"
 
 namespace scaletrain {
 
@@ -36,6 +40,57 @@ std::vector<UnitRange> plan_units(const std::vector<int64_t>& group_numels, int6
   }
   for (auto& u : units) u.padded = (u.numel + world - 1) / world * world;
   return units;
+}
+
+namespace {
+// Whether `p` is one that the units leave out: frozen, or ignored (ShardOptions).
+bool left_out(const at::Tensor& p, const std::vector<at::Tensor>& ignored) {
+  if (!p.requires_grad()) return true;
+  for (const auto& q : ignored) {
+    if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return true;
+  }
+  return false;
+}
+}  // namespace
+
+ZeroCollected collect_module(torch::nn::Module& m, const std::vector<at::Tensor>& ignored) {
+  ZeroCollected c;
+  for (auto& item : m.named_parameters(/*recurse=*/true)) {
+    if (left_out(item.value(), ignored)) continue;
+    c.names.push_back(item.key());
+    c.params.push_back(item.value());
+  }
+  return c;
+}
+
+// Parameters in block order; a parameter two blocks share cannot live in two units.
+ZeroCollected collect_chain(torch::nn::SequentialImpl& chain,
+                            const std::vector<at::Tensor>& ignored) {
+  ZeroCollected c;
+  std::map<const void*, std::string> seen;
+  auto children = chain.named_children();
+  size_t b = 0;
+  for (auto& any : chain) {
+    c.blocks.push_back(any);
+    const std::string& block = children[b].key();
+    std::vector<size_t> mine;
+    for (auto& item : children[b].value()->named_parameters(/*recurse=*/true)) {
+      if (left_out(item.value(), ignored)) continue;
+      const auto name = block + "." + item.key();
+      auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), name);
+      if (!fresh) {
+        throw UsageError("ShardedDataParallel: parameter '" + name + "' is also '" + it->second +
+                         "' of another block; a parameter shared by blocks (tied weights) must "
+                         "live in one block");
+      }
+      mine.push_back(c.params.size());
+      c.names.push_back(name);
+      c.params.push_back(item.value());
+    }
+    c.block_params.push_back(std::move(mine));
+    ++b;
+  }
+  return c;
 }
 
 }  // namespace scaletrain

@@ -90,46 +90,32 @@ TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
   }
 }
 
-// At ep 1 the experts are parameters like any other: a MoE model under zero1, zero2 and fsdp
-// follows ddp (the load-balancing loss's gradient in each rank's step, as ddp's).
-TEST(TrainExpertParallel, ShardedStrategiesTrainTheMoeModelAsDdp) {
-  const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
-  TempDir ddp("epz_ddp");
-  const auto r1 = run_world(2, data.task(), ep_options(ddp.path, 1));
-  for (Strategy s : {Strategy::kZero1, Strategy::kZero2, Strategy::kFsdp}) {
-    TempDir dir("epz");
-    auto o = ep_options(dir.path, 1);
-    o.strategy = s;
-    expect_moe_run(data, run_world(2, data.task(), o), r1, to_string(s));
-  }
-}
-
 // Under ZeRO the units leave the experts out (ShardOptions::ignored_parameters): the other
 // weights sharded over dp, the experts whole on their ep ranks and stepped beside the shards.
-// zero1, zero2 and fsdp at ep 2 follow the same strategy at ep 1; fsdp x tp 2 x ep 2 too; and
-// an fsdp run at ep 2 stopped mid-epoch resumes under ddp at ep 1 (the experts' Adam moments
-// gathered by their global index), and the other way round.
+// zero1, zero2 and fsdp at ep 2 follow ddp with every expert on every rank (nothing sharded,
+// the experts ordinary parameters); fsdp x tp 2 x ep 2 follows fsdp x tp 2 at ep 1. Adam, whose
+// moments of the experts are stepped beside the shards'.
 TEST(TrainExpertParallel, ShardedStrategiesSpreadTheExperts) {
   const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
-  struct Case {
-    Strategy s;
-    int world, tp;
-  };
-  for (const Case& c : {Case{Strategy::kZero1, 2, 1}, Case{Strategy::kZero2, 2, 1},
-                        Case{Strategy::kFsdp, 2, 1}, Case{Strategy::kFsdp, 4, 2}}) {
-    const std::string what =
-        to_string(c.s) + " x ep 2" + (c.tp > 1 ? " x tp " + std::to_string(c.tp) : "");
-    auto options = [&](const fs::path& out, int ep) {
-      auto o = ep_options(out, ep);
-      o.strategy = c.s;
-      o.tensor_parallel.size = c.tp;
-      return o;
-    };
-    TempDir one("epzs_one"), two("epzs_two");
-    const auto r1 = run_world(c.world, with_adam(data.task()), options(one.path, 1));
-    expect_moe_run(data, run_world(c.world, with_adam(data.task()), options(two.path, 2)), r1,
-                   what);
+  TempDir ddp("epzs_ddp");
+  const auto r1 = run_world(2, with_adam(data.task()), ep_options(ddp.path, 1));
+  for (Strategy s : {Strategy::kZero1, Strategy::kZero2, Strategy::kFsdp}) {
+    TempDir dir("epzs");
+    auto o = ep_options(dir.path, 2);
+    o.strategy = s;
+    expect_moe_run(data, run_world(2, with_adam(data.task()), o), r1,
+                   to_string(s) + " x ep 2 against ddp at ep 1");
   }
+  auto fsdp_tp = [](const fs::path& out, int ep) {
+    auto o = ep_options(out, ep);
+    o.strategy = Strategy::kFsdp;
+    o.tensor_parallel.size = 2;
+    return o;
+  };
+  TempDir one("epzs_one"), two("epzs_two");
+  const auto r4 = run_world(4, with_adam(data.task()), fsdp_tp(one.path, 1));
+  expect_moe_run(data, run_world(4, with_adam(data.task()), fsdp_tp(two.path, 2)), r4,
+                 "fsdp x tp 2 x ep 2");
 }
 
 TEST(TrainExpertParallel, FsdpAtEpTwoAndDdpAtEpOneResumeEachOther) {

@@ -66,7 +66,7 @@ int run(int argc, char** argv) {
   task.optimizer = [](const std::vector<torch::Tensor>& p) {
     return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(0.01));
   };
-  o.epochs = 15;
+  o.epochs = 8;
   o.batch_size = 128;
   o.out_dir = out;
   o.progress = false;

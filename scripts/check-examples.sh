@@ -42,12 +42,14 @@ if [ "$what" = install ]; then
   exit 0
 fi
 
-# Configure and build the example against the installed package only.
+# Configure and build the example against the installed package only, with the commands its
+# CMakeLists.txt gives a user (no build type: the program's own code is glue around the library's
+# calls, and compiles in 14 s instead of 20 at -O3).
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 dir=$build/examples/$what
 start=$(date +%s)
-cmake -S "$root/examples/$what" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+cmake -S "$root/examples/$what" -B "$dir" -G Ninja \
   -DCMAKE_PREFIX_PATH="$prefix" "${launcher[@]}" > "$dir.configure.log" 2>&1 ||
   { cat "$dir.configure.log"; exit 1; }
 # --clean-first: an install keeps the headers' own times, so an example built before against

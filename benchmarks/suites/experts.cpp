@@ -14,8 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 

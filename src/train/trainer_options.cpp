@@ -73,7 +73,8 @@ ParallelDims parallel_dims(const TrainerOptions& o) {
       break;
     case Strategy::kDataParallel:
     case Strategy::kPipeline:
-      d.tp = d.cp = d.ep = 1;  // one process: its devices are threads (validation refuses tp, cp here)
+      // One process: its devices are threads (validation refuses tp, cp and ep here).
+      d.tp = d.cp = d.ep = 1;
       break;
   }
   return d;

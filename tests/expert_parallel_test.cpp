@@ -20,6 +20,7 @@
 
 #include "scaletrain/error.h"
 #include "scaletrain/expert_parallel.h"
+#include "scaletrain/mesh.h"
 #include "support/ranks.h"
 
 namespace scaletrain {
@@ -108,10 +109,14 @@ TEST(TokenDispatch, RanksSeeTheirExpertsRowsInGlobalOrder) {
   EXPECT_TRUE(at::equal(rows[1], at::tensor({2., 6., 3., 7.}, at::kDouble)));
 }
 
+// ep ranks hold the experts E / ep each; with edp > 1 each of them is edp ranks that share the
+// E / ep experts (MoEImpl::shard_experts), E / (ep · edp) held each: ep · edp ranks in all, on
+// the mesh {edp, ep}.
 struct MoECase {
   int ep;
   int64_t experts, top_k;
   bool swiglu;
+  int edp = 1;
 };
 
 class MoECases : public ::testing::TestWithParam<MoECase> {};
@@ -125,48 +130,56 @@ TEST_P(MoECases, FollowsOneRankOverAllTheTokens) {
   at::manual_seed(11);
   MoE whole(o);
   whole->to(at::kDouble);
-  const at::Tensor x = at::randn({4 * c.ep, 3, 8}, at::kDouble);  // [batch, sequence, dim]
+  const int world = c.ep * c.edp;
+  const at::Tensor x = at::randn({4 * world, 3, 8}, at::kDouble);  // [batch, sequence, dim]
   const at::Tensor g = at::randn(x.sizes(), at::kDouble);
   const at::Tensor want = whole->forward(x);
   (want * g).sum().backward();
-  std::vector<std::string> bad(static_cast<size_t>(c.ep));
+  std::vector<std::string> bad(static_cast<size_t>(world));
   ExpertTraffic traffic;
-  auto errors = testing::run_ranks(c.ep, [&](Dist& d) {
+  auto errors = testing::run_ranks(world, [&](Dist& d) {
     auto moe = std::dynamic_pointer_cast<MoEImpl>(whole->clone());
     moe->zero_grad();
     moe->traffic = &traffic;
-    moe->expert_parallel(&d);
-    const int64_t first = moe->first_expert(), local = moe->local_experts();
+    auto groups = mesh_groups(d, DeviceMesh({{"edp", c.edp}, {"ep", c.ep}}, world));
+    moe->expert_parallel(&groups.at("ep"));
+    moe->shard_experts(&groups.at("edp"));
+    const int64_t held = moe->held_experts();
+    const int64_t first = moe->first_expert() + groups.at("edp").rank() * held;
     // The input needs its gradient, as a layer's inside a model does (the rows' way back).
-    const at::Tensor out = moe->forward(rows_of(x, d.rank(), c.ep).clone().requires_grad_());
-    (out * rows_of(g, d.rank(), c.ep)).sum().backward();
+    const at::Tensor out = moe->forward(rows_of(x, d.rank(), world).clone().requires_grad_());
+    (out * rows_of(g, d.rank(), world)).sum().backward();
     std::string& b = bad[size_t(d.rank())];
-    b += differs(out.detach(), rows_of(want, d.rank(), c.ep).detach(), "output");
+    b += differs(out.detach(), rows_of(want, d.rank(), world).detach(), "output");
     // The router's gradient here is this rank's tokens' share; summed, the whole one.
     at::Tensor router = moe->router.grad().clone();
     d.all_reduce(router);
     b += differs(router, whole->router.grad(), "router gradient (summed over ranks)");
+    // Each held expert's gradient is over every rank's tokens (sharded: summed over edp).
     for (const auto& [name, mine, all] :
          {std::tuple{"w1", moe->w1, whole->w1}, std::tuple{"w2", moe->w2, whole->w2}}) {
-      b +=
-          differs(mine.grad(), all.grad().narrow(0, first, local), std::string(name) + " gradient");
+      b += differs(mine.grad(), all.grad().narrow(0, first, held), std::string(name) + " gradient");
     }
-    if (c.swiglu) b += differs(moe->w3.grad(), whole->w3.grad().narrow(0, first, local), "w3");
+    if (c.swiglu) b += differs(moe->w3.grad(), whole->w3.grad().narrow(0, first, held), "w3");
   });
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r] + bad[r], "") << "rank " << r;
   // Per layer and rank: counts, rows out, rows back forward; the two row exchanges backward.
-  EXPECT_EQ(traffic.exchanges.load(), c.ep == 1 ? 0 : 5 * c.ep);
+  EXPECT_EQ(traffic.exchanges.load(), c.ep == 1 ? 0 : 5 * world);
+  // Sharded: one gather of the experts forward, one reduce-scatter of their gradients backward.
+  EXPECT_EQ(traffic.shard_exchanges.load(), c.edp == 1 ? 0 : 2 * world);
 }
 
 INSTANTIATE_TEST_SUITE_P(ExpertParallel, MoECases,
                          ::testing::Values(MoECase{1, 4, 2, false}, MoECase{2, 4, 2, false},
                                            MoECase{2, 8, 1, true}, MoECase{4, 4, 2, true},
-                                           MoECase{4, 8, 3, false}, MoECase{2, 2, 2, false}),
+                                           MoECase{4, 8, 3, false}, MoECase{2, 2, 2, false},
+                                           MoECase{2, 4, 2, true, 2}, MoECase{1, 4, 1, false, 2}),
                          [](const ::testing::TestParamInfo<MoECase>& p) {
                            const MoECase& c = p.param;
                            return "ep" + std::to_string(c.ep) + "_experts" +
                                   std::to_string(c.experts) + "_top" + std::to_string(c.top_k) +
-                                  (c.swiglu ? "_swiglu" : "_gelu");
+                                  (c.swiglu ? "_swiglu" : "_gelu") +
+                                  (c.edp > 1 ? "_edp" + std::to_string(c.edp) : "");
                          });
 
 TEST(MoE, ASingleExpertIsItsMlp) {
@@ -219,6 +232,15 @@ TEST(MoE, BadInputNamesTheValueAndTheFix) {
   });
   for (const auto& e : errors)
     EXPECT_NE(e.find("6 experts cannot be spread over --ep 4"), std::string::npos) << e;
+  // 6 experts, which 4 edp ranks cannot share.
+  auto sharded = testing::run_ranks(4, [&](Dist& d) {
+    MoE moe(six);
+    moe->shard_experts(&d);
+  });
+  for (const auto& e : sharded)
+    EXPECT_NE(e.find("the 6 experts this rank computes cannot be sharded over 4 ranks"),
+              std::string::npos)
+        << e;
   EXPECT_THROW(dispatch(at::zeros({2, 3}), at::full({2, 1}, 4, at::kLong), 4, nullptr), UsageError);
   EXPECT_THROW(dispatch(at::zeros({2, 3}), at::zeros({3, 1}, at::kLong), 4, nullptr), UsageError);
 }

@@ -91,10 +91,12 @@ TEST(TrainExpertParallel, GptFollowsEveryExpertOnEveryRank) {
 }
 
 // Under ZeRO the units leave the experts out (ShardOptions::ignored_parameters): the other
-// weights sharded over dp, the experts whole on their ep ranks and stepped beside the shards.
-// zero1, zero2 and fsdp at ep 2 follow ddp with every expert on every rank (nothing sharded,
-// the experts ordinary parameters); fsdp x tp 2 x ep 2 follows fsdp x tp 2 at ep 1. Adam, whose
-// moments of the experts are stepped beside the shards'.
+// weights sharded over dp, the experts stepped beside the shards. zero1, zero2 and fsdp at ep 2
+// of 2 ranks follow ddp with every expert on every rank (nothing sharded, the experts ordinary
+// parameters); fsdp x tp 2 x ep 2 follows fsdp x tp 2 at ep 1. At 4 ranks fsdp at ep 2 shards
+// each ep rank's 2 experts over its 2 edp ranks (MoEImpl::shard_experts: gathered forward,
+// reduce-scattered backward), and follows ddp at ep 1. Adam, whose moments of the experts are
+// stepped beside the shards'.
 TEST(TrainExpertParallel, ShardedStrategiesSpreadTheExperts) {
   const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
   TempDir ddp("epzs_ddp");
@@ -106,44 +108,65 @@ TEST(TrainExpertParallel, ShardedStrategiesSpreadTheExperts) {
     expect_moe_run(data, run_world(2, with_adam(data.task()), o), r1,
                    to_string(s) + " x ep 2 against ddp at ep 1");
   }
-  auto fsdp_tp = [](const fs::path& out, int ep) {
+  auto fsdp = [](const fs::path& out, int ep, int tp) {
     auto o = ep_options(out, ep);
     o.strategy = Strategy::kFsdp;
-    o.tensor_parallel.size = 2;
+    o.tensor_parallel.size = tp;
     return o;
   };
-  TempDir one("epzs_one"), two("epzs_two");
-  const auto r4 = run_world(4, with_adam(data.task()), fsdp_tp(one.path, 1));
-  expect_moe_run(data, run_world(4, with_adam(data.task()), fsdp_tp(two.path, 2)), r4,
+  TempDir one("epzs_one"), two("epzs_two"), whole("epzs_whole"), efsdp("epzs_efsdp");
+  const auto r4 = run_world(4, with_adam(data.task()), fsdp(one.path, 1, 2));
+  expect_moe_run(data, run_world(4, with_adam(data.task()), fsdp(two.path, 2, 2)), r4,
                  "fsdp x tp 2 x ep 2");
+  const auto d4 = run_world(4, with_adam(data.task()), ep_options(whole.path, 1));
+  const auto sharded = run_world(4, with_adam(data.task()), fsdp(efsdp.path, 2, 1));
+  expect_moe_run(data, sharded, d4, "fsdp x ep 2 x efsdp 2 against ddp at ep 1");
+  // A rank holds a quarter of the experts (whole on their ep ranks: a half), and a quarter of
+  // the rest, give or take the units' padding (under 4 elements a unit).
+  int64_t experts = 0, rest = 0;
+  for (const auto& [name, w] : data.weights_of(d4.weights_path)) {
+    const bool expert = name.find(".moe.w") != std::string::npos;
+    (expert ? experts : rest) += w.numel();
+  }
+  ASSERT_FALSE(sharded.devices.empty());
+  EXPECT_NEAR(double(sharded.devices[0].parameters), double(experts + rest) / 4, 100)
+      << experts << " expert parameters, " << rest << " others";
+  EXPECT_GT(experts / 4, 400);
 }
 
+// At 2 ranks fsdp at ep 2 holds its experts whole; at 4 ranks it shards them over edp 2, and a
+// checkpoint's boxes place each rank's quarter of them by global index (PyTorch's DCP layout).
 TEST(TrainExpertParallel, FsdpAtEpTwoAndDdpAtEpOneResumeEachOther) {
   const auto data = moe_tokens("gpt-tiny", moe_model_options(4, 2));
-  TempDir whole("epzr_whole");
-  const auto straight = run_world(2, with_adam(data.task()), ep_options(whole.path, 1));
   struct Leg {
+    int world;
     Strategy from;
     int from_ep;
     Strategy to;
     int to_ep;
   };
-  for (const Leg& l :
-       {Leg{Strategy::kFsdp, 2, Strategy::kDDP, 1}, Leg{Strategy::kDDP, 1, Strategy::kFsdp, 2}}) {
+  TempDir two("epzr_two"), four("epzr_four");
+  std::map<int, TrainResult> straight{
+      {2, run_world(2, with_adam(data.task()), ep_options(two.path, 1))},
+      {4, run_world(4, with_adam(data.task()), ep_options(four.path, 1))}};
+  for (const Leg& l : {Leg{2, Strategy::kFsdp, 2, Strategy::kDDP, 1},
+                       Leg{2, Strategy::kDDP, 1, Strategy::kFsdp, 2},
+                       Leg{4, Strategy::kFsdp, 2, Strategy::kDDP, 4},
+                       Leg{4, Strategy::kDDP, 1, Strategy::kFsdp, 2}}) {
     const std::string what = to_string(l.from) + " at ep " + std::to_string(l.from_ep) +
                              " resumed under " + to_string(l.to) + " at ep " +
-                             std::to_string(l.to_ep);
+                             std::to_string(l.to_ep) + " on " + std::to_string(l.world) + " ranks";
     TempDir dir("epzr");
     auto o = ep_options(dir.path, l.from_ep);
     o.strategy = l.from;
     o.checkpoint_every = 1;
-    testing::stop_at_step(2, with_adam(data.task()), o, 5);
+    testing::stop_at_step(l.world, with_adam(data.task()), o, 5);
     o.strategy = l.to;
     o.expert_parallel.size = l.to_ep;
     o.resume = Resume::automatic();
-    const auto resumed = run_world(2, with_adam(data.task()), o);
+    const auto resumed = run_world(l.world, with_adam(data.task()), o);
     EXPECT_EQ(resumed.global_step, 8) << what;
-    testing::expect_same_weights(data, resumed.weights_path, straight.weights_path, what);
+    testing::expect_same_weights(data, resumed.weights_path, straight[l.world].weights_path, what);
   }
 }
 

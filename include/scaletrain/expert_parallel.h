@@ -20,6 +20,8 @@
 // The wire, per layer and rank, forward: one all-to-all of E counts (int64), then one of the
 // token rows (k · tokens · dim elements leave, as many as the experts here receive arrive),
 // and the same rows back; backward, the two row exchanges again in reverse. At ep 1 none.
+// With the experts sharded over edp (MoEImpl::shard_experts), one all-gather of the layer's
+// E' experts forward (each rank sends its E'/M) and one reduce-scatter of their gradients back.
 
 #include <ATen/Tensor.h>
 #include <torch/nn/cloneable.h>
@@ -49,8 +51,9 @@ struct MoEOptions {
 
 /// What the dispatches sent, for a program that wants to see it (a test, a benchmark).
 struct ExpertTraffic {
-  std::atomic<int64_t> exchanges{0};  // all-to-alls, counts and rows, forward and backward
-  std::atomic<int64_t> rows_sent{0};  // token rows this rank sent to other ranks
+  std::atomic<int64_t> exchanges{0};        // all-to-alls, counts and rows, forward and backward
+  std::atomic<int64_t> rows_sent{0};        // token rows this rank sent to other ranks
+  std::atomic<int64_t> shard_exchanges{0};  // sharded experts' gathers and reduce-scatters
 };
 
 /// Tokens on their way to the experts of this rank: dispatch()'s result, combine()'s input.
@@ -91,7 +94,7 @@ Routing route(const at::Tensor& x, const at::Tensor& router, const MoEOptions& o
 /// A mixture-of-experts feed-forward layer. Parameters (the experts grouped in one tensor each,
 /// TorchTitan's names): router [E, dim]; w1 [E', dim, hidden], w2 [E', hidden, dim] and, with
 /// swiglu, w3 [E', dim, hidden], where E' = E / N are this rank's experts (E' = E at ep 1), in
-/// global order from first_expert().
+/// global order from first_expert() (E'/M of them after shard_experts()).
 class MoEImpl : public torch::nn::Cloneable<MoEImpl> {
  public:
   explicit MoEImpl(const MoEOptions& options);
@@ -102,10 +105,23 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl> {
   /// experts [r · E/N, (r + 1) · E/N) of the E it holds now. Throws UsageError when N does not
   /// divide E, naming both and the fix, or when the layer already holds a part.
   void expert_parallel(const Dist* ep);
-  /// The first global expert index this rank holds, and how many.
+  /// FSDP over the experts (TorchTitan's "efsdp"): `edp` is the group of ranks that hold the
+  /// same experts (the ep group's replicas: M ranks). This rank then keeps E'/M of its E':
+  /// experts [m · E'/M, (m + 1) · E'/M) of them, m its rank in `edp`, as w1, w2, w3. Each forward
+  /// gathers the E' over `edp` (one all-gather per layer) and its backward sums their gradients
+  /// over `edp` into each rank's part (one reduce-scatter): after backward, a part's .grad is the
+  /// sum over the M ranks' tokens. The gathered experts live until the backward (FSDP's
+  /// reshard_after_forward false). Collective over `edp` in every forward and backward. Null or
+  /// one rank: nothing. Throws UsageError when M does not divide E' (naming both and the fix) or
+  /// the layer is sharded already. Note [Experts sharded over edp] in src/ep/moe.cpp.
+  void shard_experts(const Dist* edp);
+  /// The first global expert index this rank computes, and how many (E'); the experts it holds
+  /// (E'/M sharded, else E').
   int64_t first_expert() const { return first_; }
-  int64_t local_experts() const { return w1.size(0); }
+  int64_t local_experts() const { return w1.size(0) * (edp_ ? edp_->size() : 1); }
+  int64_t held_experts() const { return w1.size(0); }
   const Dist* ep() const { return ep_.get(); }
+  const Dist* edp() const { return edp_.get(); }
 
   MoEOptions options;
   at::Tensor router, w1, w2, w3;
@@ -117,8 +133,9 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl> {
   ExpertTraffic* traffic = nullptr;
 
  private:
-  at::Tensor experts_forward(const Dispatched& d);
-  std::shared_ptr<const Dist> ep_;
+  at::Tensor experts_forward(const Dispatched& d, const at::Tensor& w1, const at::Tensor& w2,
+                             const at::Tensor& w3) const;
+  std::shared_ptr<const Dist> ep_, edp_;
   int64_t first_ = 0;
 };
 TORCH_MODULE(MoE);

@@ -39,6 +39,65 @@ struct AuxLossGradient : torch::autograd::Function<AuxLossGradient> {
   }
 };
 
+struct ShardGroup : torch::CustomClassHolder {
+  std::shared_ptr<const Dist> edp;
+  ExpertTraffic* traffic = nullptr;
+};
+
+// Note [Experts sharded over edp]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// After shard_experts(), each of the M ranks of the edp group (the ranks that hold the same E'
+// experts of the ep split) keeps E'/M of them: rank m experts [m · E'/M, (m + 1) · E'/M) of the
+// E'. A forward puts the E' back together with one all-gather of the layer's shards, flat (w1,
+// w2, w3 of this rank one after the other): what arrives is rank by rank, so each weight's part
+// of every rank, in rank order, is the weight's experts in order. The backward is the mirror:
+// each weight's gradient cut the same way, every rank's part laid out as its flat shard, and one
+// reduce-scatter sums the M ranks' gradients (each from its own tokens) into each rank's part.
+struct GatherExperts : torch::autograd::Function<GatherExperts> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& w1, const at::Tensor& w2,
+                               const at::Tensor& w3, c10::IValue held) {
+    const ShardGroup& g = *static_cast<ShardGroup*>(held.toCapsule().get());
+    ctx->saved_data["group"] = held;
+    std::vector<at::Tensor> flat{w1.reshape({-1}), w2.reshape({-1})};
+    if (w3.numel() > 0) flat.push_back(w3.reshape({-1}));
+    if (g.traffic != nullptr) g.traffic->shard_exchanges += 1;
+    const int64_t m = g.edp->size();
+    const at::Tensor all =
+        g.edp->all_gather_into_tensor(at::cat(flat), "the experts' shards").view({m, -1});
+    variable_list out;
+    int64_t at = 0;
+    for (const at::Tensor& w : {w1, w2, w3}) {
+      if (w.numel() == 0) continue;  // no w3 (GELU experts)
+      auto shape = w.sizes().vec();
+      shape[0] *= m;
+      out.push_back(all.narrow(1, at, w.numel()).reshape(shape));
+      at += w.numel();
+    }
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const ShardGroup& g = *static_cast<ShardGroup*>(ctx->saved_data.at("group").toCapsule().get());
+    const int64_t m = g.edp->size();
+    std::vector<at::Tensor> parts;
+    for (const at::Tensor& gw : grad) parts.push_back(gw.reshape({m, -1}));
+    if (g.traffic != nullptr) g.traffic->shard_exchanges += 1;
+    const at::Tensor mine = g.edp->reduce_scatter_tensor(at::cat(parts, 1).reshape({-1}),
+                                                         ReduceOp::SUM, "the experts' gradients");
+    variable_list out;
+    int64_t at = 0;
+    for (const at::Tensor& gw : grad) {
+      const int64_t n = gw.numel() / m;
+      auto shape = gw.sizes().vec();
+      shape[0] /= m;
+      out.push_back(mine.narrow(0, at, n).reshape(shape));
+      at += n;
+    }
+    if (out.size() == 2) out.emplace_back();
+    out.emplace_back();
+    return out;
+  }
+};
+
 // One expert's MLP on its rows.
 at::Tensor expert_mlp(const at::Tensor& rows, const at::Tensor& w1, const at::Tensor& w2,
                       const at::Tensor& w3, bool swiglu) {
@@ -113,6 +172,11 @@ void MoEImpl::expert_parallel(const Dist* ep) {
     return;
   }
   if (ep_) throw UsageError("MoE: the experts are already spread over an ep group");
+  if (edp_) {
+    throw UsageError(
+        "MoE: the experts are sharded over an edp group already; call "
+        "expert_parallel() before shard_experts()");
+  }
   const int n = ep->size();
   if (options.experts % n != 0) {
     throw UsageError("MoE: " + str(options.experts) + " experts cannot be spread over --ep " +
@@ -128,7 +192,28 @@ void MoEImpl::expert_parallel(const Dist* ep) {
   ep_ = std::make_shared<const Dist>(*ep);
 }
 
-at::Tensor MoEImpl::experts_forward(const Dispatched& d) {
+// Note [Experts sharded over edp].
+void MoEImpl::shard_experts(const Dist* edp) {
+  if (edp == nullptr || edp->size() == 1) return;
+  if (edp_) throw UsageError("MoE: the experts are already sharded over an edp group");
+  const int m = edp->size();
+  const int64_t local = local_experts();
+  if (local % m != 0) {
+    throw UsageError("MoE: the " + str(local) +
+                     " experts this rank computes cannot be sharded over " + str(m) +
+                     " ranks; use an expert count or ep degree that leaves a multiple of " +
+                     str(m) + " experts per ep rank, or keep the experts whole");
+  }
+  const int64_t held = local / m;
+  at::NoGradGuard no_grad;
+  for (at::Tensor* w : {&w1, &w2, &w3}) {
+    if (w->defined()) w->set_data(w->narrow(0, edp->rank() * held, held).clone());
+  }
+  edp_ = std::make_shared<const Dist>(*edp);
+}
+
+at::Tensor MoEImpl::experts_forward(const Dispatched& d, const at::Tensor& w1, const at::Tensor& w2,
+                                    const at::Tensor& w3) const {
 #ifdef SCALETRAIN_HAS_GROUPED_MM
   // One grouped matmul per weight where the device has it (CUDA, bfloat16, rows of 16 bytes).
   if (d.rows.is_cuda() && d.rows.scalar_type() == at::kBFloat16 && options.dim % 8 == 0 &&
@@ -159,8 +244,20 @@ at::Tensor MoEImpl::forward(const at::Tensor& input) {
   }
   const at::Tensor x = input.reshape({-1, options.dim});
   Routing r = route(x, router, options);
+  at::Tensor a = w1, b = w2, c = w3;
+  if (edp_) {  // Note [Experts sharded over edp]
+    auto held = c10::make_intrusive<ShardGroup>();
+    held->edp = edp_;
+    held->traffic = traffic;
+    // Autograd wants a defined tensor for each input: an empty one stands for GELU's missing w3.
+    auto full = GatherExperts::apply(w1, w2, w3.defined() ? w3 : at::empty({0}, w1.options()),
+                                     c10::IValue::make_capsule(std::move(held)));
+    a = full[0];
+    b = full[1];
+    if (full.size() > 2) c = full[2];
+  }
   const Dispatched d = dispatch(x, r.expert_ids, options.experts, ep_.get(), traffic);
-  at::Tensor out = combine(experts_forward(d), d, r.weights);
+  at::Tensor out = combine(experts_forward(d, a, b, c), d, r.weights);
   if (options.aux_loss_coef > 0 && is_training() && at::GradMode::is_enabled()) {
     out = AuxLossGradient::apply(out, r.aux_loss, options.aux_loss_coef * aux_loss_scale);
   }

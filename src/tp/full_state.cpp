@@ -22,11 +22,20 @@ namespace {
 
 // Where a split parameter's slices go back together, and over which group: the caller's tp,
 // or a group of the parameter's own (a MoE layer's experts over its ep group: expert_parallel.h).
+// Experts sharded over edp as well are cut twice along dimension 0, over ep and then within
+// each part over edp: one cut over ep x edp ranks, edp-rank m of ep-rank j the (j M + m)-th.
 struct Split {
   int64_t dim = 0;
   int64_t chunks = 1;
   const Dist* group = nullptr;  // null: the tp group the caller gives
+  const Dist* inner = nullptr;  // experts sharded over edp (chunks 1)
   const Dist& over(const Dist& tp) const { return group != nullptr ? *group : tp; }
+  int rank(const Dist& tp) const {
+    return inner == nullptr ? over(tp).rank() : over(tp).rank() * inner->size() + inner->rank();
+  }
+  int size(const Dist& tp) const {
+    return over(tp).size() * (inner == nullptr ? 1 : inner->size());
+  }
 };
 
 // Every split parameter of `module`, by its name there.
@@ -45,9 +54,12 @@ std::map<std::string, Split> split_parameters(torch::nn::Module& module) {
     } else if (auto* e = dynamic_cast<ParallelEmbeddingImpl*>(item.value().get())) {
       if (e->style().kind == ParallelStyle::Kind::kVocab) out[prefix + "weight"] = {0, 1};
     } else if (auto* moe = dynamic_cast<MoEImpl*>(item.value().get())) {
-      if (moe->ep() == nullptr) continue;  // every expert here
+      if (moe->ep() == nullptr && moe->edp() == nullptr) continue;  // every expert here
       for (const char* w : {"w1", "w2", "w3"}) {
-        if (moe->named_parameters(false).contains(w)) out[prefix + w] = {0, 1, moe->ep()};
+        if (moe->named_parameters(false).contains(w)) {
+          out[prefix + w] = {0, 1, moe->ep(), moe->edp()};
+          if (moe->ep() == nullptr) std::swap(out[prefix + w].group, out[prefix + w].inner);
+        }
       }
     }
   }
@@ -63,6 +75,14 @@ at::Tensor joined(const std::vector<at::Tensor>& slices, const Split& split) {
     }
   }
   return at::cat(parts, split.dim);
+}
+
+// Every rank's slice of `v` under `s`, joined (the edp shards first, within each ep part).
+at::Tensor gathered(const at::Tensor& v, const Split& s, const Dist& tp) {
+  at::Tensor mine = v.contiguous();
+  if (s.inner != nullptr && s.inner->size() > 1) mine = at::cat(s.inner->all_gather(mine), s.dim);
+  if (s.over(tp).size() == 1) return mine;
+  return joined(s.over(tp).all_gather(mine.contiguous()), s);
 }
 
 }  // namespace
@@ -85,11 +105,11 @@ std::map<std::string, at::Tensor> gather_full_state(torch::nn::Module& module, c
     at::Tensor v = p.value().detach();
     if (gradients) v = p.value().grad().defined() ? p.value().grad() : at::zeros_like(v);
     auto it = split.find(p.key());
-    if (it == split.end() || it->second.over(tp).size() == 1) {
+    if (it == split.end() || it->second.size(tp) == 1) {
       out[p.key()] = v.cpu().clone();
       continue;
     }
-    out[p.key()] = joined(it->second.over(tp).all_gather(v.contiguous()), it->second).cpu();
+    out[p.key()] = gathered(v, it->second, tp).cpu();
   }
   if (gradients) return out;
   for (const auto& b : module.named_buffers()) out[b.key()] = b.value().detach().cpu().clone();
@@ -123,12 +143,12 @@ std::map<std::string, at::Tensor> slice_full_state(torch::nn::Module& module, co
     auto it = whole.find(p.key());
     if (it == whole.end()) continue;
     auto s = split.find(p.key());
-    if (s == split.end() || s->second.over(tp).size() == 1) {
+    if (s == split.end() || s->second.size(tp) == 1) {
       out[p.key()] = it->second;
       continue;
     }
-    const Dist& g = s->second.over(tp);
-    out[p.key()] = split_of(it->second, s->second.dim, s->second.chunks, g.rank(), g.size());
+    out[p.key()] = split_of(it->second, s->second.dim, s->second.chunks, s->second.rank(tp),
+                            s->second.size(tp));
   }
   return out;
 }
@@ -141,11 +161,9 @@ std::map<std::string, at::Tensor> gather_full_tensors(
     auto it = slices.find(p.key());
     if (it == slices.end()) continue;
     auto s = split.find(p.key());
-    out[p.key()] =
-        s == split.end() || s->second.over(tp).size() == 1
-            ? it->second.detach().cpu().clone()
-            : joined(s->second.over(tp).all_gather(it->second.detach().contiguous()), s->second)
-                  .cpu();
+    out[p.key()] = s == split.end() || s->second.size(tp) == 1
+                       ? it->second.detach().cpu().clone()
+                       : gathered(it->second.detach(), s->second, tp).cpu();
   }
   return out;
 }
@@ -158,24 +176,24 @@ std::map<std::string, SlicePlacement> slice_placements(torch::nn::Module& module
     SlicePlacement& place = out[p.key()];
     place.whole_shape = shape;
     auto s = split.find(p.key());
-    if (s == split.end() || s->second.over(tp).size() == 1) {
+    if (s == split.end() || s->second.size(tp) == 1) {
       place.pieces.push_back({whole(shape), std::vector<int64_t>(shape.size(), 0)});
       continue;
     }
-    const Dist& g = s->second.over(tp);
+    const int rank = s->second.rank(tp), ranks = s->second.size(tp);
     // Chunk c of every rank lies before chunk c + 1 (joined() above): rank r's chunk c at
     // (the chunks before it, of every rank) + r · (its size).
     // Sizes only: a sharded strategy's module may hold no storage. Tensor::chunk's sizes:
     // ceil(L / chunks) each, the last the rest.
     const auto d = static_cast<size_t>(s->second.dim);
-    place.whole_shape[d] = shape[d] * g.size();
+    place.whole_shape[d] = shape[d] * ranks;
     const int64_t step = (shape[d] + s->second.chunks - 1) / s->second.chunks;
     for (int64_t local = 0; local < shape[d]; local += step) {
       const int64_t size = std::min(step, shape[d] - local);
       SlicePlacement::Piece piece{whole(shape), std::vector<int64_t>(shape.size(), 0)};
       piece.local.offsets[d] = local;
       piece.local.sizes[d] = size;
-      piece.global_offsets[d] = local * g.size() + g.rank() * size;
+      piece.global_offsets[d] = local * ranks + rank * size;
       place.pieces.push_back(std::move(piece));
     }
   }

@@ -8,6 +8,7 @@
 
 #include "scaletrain/context_parallel.h"
 #include "scaletrain/error.h"
+#include "scaletrain/log.h"
 #include "scaletrain/tensor_parallel.h"
 #include "scaletrain/zero.h"
 #include "tp/partial_sums.h"
@@ -32,11 +33,11 @@ TpApplied::TpApplied(const TrainTask& task, const TrainerOptions& o, const Dist&
   trained().module->to(device_);
   if (dims.cp > 1) apply_context_parallel(o, dims);
   moes_ = moe_layers(*trained().module);
-  if (ep_degree_ > 1) apply_expert_parallel(dims);
+  if (ep_degree_ > 1) apply_expert_parallel(dims, o.strategy);
 }
 
 // Note [Expert parallelism applied after context parallelism] in tp_apply.h.
-void TpApplied::apply_expert_parallel(const ParallelDims& dims) {
+void TpApplied::apply_expert_parallel(const ParallelDims& dims, Strategy strategy) {
   if (moes_.empty()) {
     throw UsageError("TrainerOptions::expert_parallel.size " + std::to_string(ep_degree_) +
                      ": the model '" + split_.name +
@@ -49,6 +50,22 @@ void TpApplied::apply_expert_parallel(const ParallelDims& dims) {
   ep_ = groups.at("ep");
   edp_ = groups.at("edp");
   for (MoEImpl* moe : moes_) moe->expert_parallel(&*ep_);
+  if (strategy == Strategy::kFsdp && edp_->size() > 1) {
+    const bool even = std::all_of(moes_.begin(), moes_.end(), [&](const MoEImpl* m) {
+      return m->local_experts() % edp_->size() == 0;
+    });
+    if (even) {
+      for (MoEImpl* moe : moes_) moe->shard_experts(&*edp_);
+      experts_sharded_ = true;
+    } else if (world_.rank() == 0) {
+      log_line(LogLevel::kInfo,
+               "fsdp keeps the experts whole on each of the " + std::to_string(edp_->size()) +
+                   " ranks that share them: " + std::to_string(moes_.front()->local_experts()) +
+                   " experts per ep rank do not shard evenly over " + std::to_string(edp_->size()) +
+                   " (an expert count or ep degree that leaves a "
+                   "multiple of them would)");
+    }
+  }
   for (const auto& m : split_.module->named_modules()) {
     auto* moe = dynamic_cast<MoEImpl*>(m.value().get());
     if (moe == nullptr) continue;
@@ -103,7 +120,10 @@ void TpApplied::reduce_expert_gradients() {
     grads.push_back(p.grad());
   }
   at::Tensor flat = flat_copy(grads, collective());
-  if (edp_->size() > 1) edp_->all_reduce(flat, ReduceOp::SUM, "the experts' gradients");
+  // Sharded, their backward summed them over edp already (Note [Experts sharded over edp]).
+  if (edp_->size() > 1 && !experts_sharded_) {
+    edp_->all_reduce(flat, ReduceOp::SUM, "the experts' gradients");
+  }
   if (experts_summed_over_tp_) tp().all_reduce(flat, ReduceOp::SUM, "the experts' partial sums");
   flat.div_(dp().size());  // DDP's average over dp x cp
   torch::NoGradGuard no_grad;
@@ -116,7 +136,7 @@ double TpApplied::expert_square_sum() const {
   for (const auto& p : expert_params_) {
     if (p.grad().defined()) mine += p.grad().detach().to(at::kDouble).pow(2).sum().item<double>();
   }
-  return sum_over(*ep_, mine, collective());
+  return sum_over(experts_sharded_ ? dp() : *ep_, mine, collective());
 }
 
 // Note [Context parallelism applied after tensor parallelism] in tp_apply.h.

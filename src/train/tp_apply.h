@@ -40,11 +40,16 @@
 // summed over its edp group and divided by dp x cp: DDP's average over every token (with
 // sequence parallelism, where each tp rank routes its slice of the sequence, summed over tp
 // too). Under zero1, zero2 and fsdp the units leave them out the same way
-// (ShardOptions::ignored_parameters) and the optimizer steps them whole beside the shards. The
-// gradient norm adds the experts' square sums over the ep group. gather_weights(), join() and
-// slice() gather and cut the experts along their first dimension over the ep group (the layer's
-// own group, tensor_parallel.h's gather_full_state), so checkpoints hold experts by their
-// global index and a run resumes at another e.
+// (ShardOptions::ignored_parameters) and the optimizer steps them beside the shards: whole under
+// zero1 and zero2; under fsdp sharded over their edp group of M ranks (TorchTitan's efsdp:
+// dp x cp = efsdp x ep), each rank holding E / (e M) experts, gathered for each forward and their
+// gradients reduce-scattered, summed over edp, in backward (MoEImpl::shard_experts), so that only
+// the division by dp x cp is left after the last backward. Where M does not divide E / e the
+// experts stay whole, and the log says so. The gradient norm adds the experts' square sums over
+// the ep group (sharded: over dp x cp, which holds each part once). gather_weights(), join() and
+// slice() gather and cut the experts along their first dimension over the ep group, and first
+// over edp where sharded (the layer's own groups, tensor_parallel.h's gather_full_state), so
+// checkpoints hold experts by their global index and a run resumes at another e and M.
 //
 // The grid applies it the same way on its mesh {dp, pp, tp} (grid.cpp), then cuts the trained
 // model into pipeline stages, then puts DDP over each stage's replicas: tp, then pp, then dp.
@@ -129,9 +134,11 @@ class TpApplied {
   at::Device collective() const;
   /// "dp 2 x tp 2", for the state of an optimizer saved as bytes per rank.
   /// With " ep N" after it where the experts are spread (their optimizer state's shapes differ).
+  /// And " efsdp M" where the experts are sharded over their edp group.
   std::string describe() const {
     return (split() ? mesh_->describe() : "dp " + std::to_string(world_.size())) +
-           (ep_degree_ > 1 ? " ep " + std::to_string(ep_degree_) : "");
+           (ep_degree_ > 1 ? " ep " + std::to_string(ep_degree_) : "") +
+           (experts_sharded_ ? " efsdp " + std::to_string(edp_->size()) : "");
   }
 
   /// Evaluation outputs, whole (gathered over tp where the model's outputs are split).
@@ -210,6 +217,7 @@ class TpApplied {
   std::set<std::string> expert_names_;
   std::vector<std::string> expert_param_names_;  // expert_params_' names, in their order
   bool experts_summed_over_tp_ = false;          // sequence parallelism: each tp rank's tokens
+  bool experts_sharded_ = false;                 // fsdp: over edp (MoEImpl::shard_experts)
   std::set<const void*> experts_;
   std::vector<at::Tensor> expert_params_;
   ContextParallelism context_;  // what the trained model was given
@@ -217,7 +225,7 @@ class TpApplied {
 
   void build_split(const TrainTask& task, const TrainerOptions& o);
   void apply_context_parallel(const TrainerOptions& o, const ParallelDims& dims);
-  void apply_expert_parallel(const ParallelDims& dims);
+  void apply_expert_parallel(const ParallelDims& dims, Strategy strategy);
   void reduce_expert_gradients();
 };
 

@@ -49,7 +49,8 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
         layout_(tp_.describe() + " " + to_string(o.strategy)) {
     ShardOptions so;
     so.stage = stage;
-    so.ignored_parameters = tp_.expert_params();  // expert parallelism's: whole on each rank
+    // Expert parallelism's experts: whole on each rank, or (fsdp) sharded over edp by their layers.
+    so.ignored_parameters = tp_.expert_params();
     if (tp_.split()) {
       so.shared_memory = false;  // a dp group is not every rank of its machine
       if (o.amp == Amp::kBf16) autocast_ = at::kBFloat16;
@@ -178,7 +179,7 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
         }
       }
     }
-    const auto& experts = tp_.expert_params();  // whole here: one box each
+    const auto& experts = tp_.expert_params();  // one box each (placed by slice_placements)
     for (const auto& p : experts) {
       boxes.add(names.at(p.unsafeGetTensorImpl()), whole(p.sizes().vec()), p,
                 param_state(opt, p).value_or(ParamState{}));
@@ -214,9 +215,10 @@ class ZeroStrategy : public TrainStrategy, StrategyState {
   }
   // Each rank checks its own shards; the ranks agree on one verdict (nothing is gathered).
   bool weights_finite() override { return on_every_rank(dist_, all_finite(parameters()), dev_); }
-  std::vector<DeviceReport> devices() const override {  // the shards the rank holds
+  std::vector<DeviceReport> devices() const override {  // the shards and experts it holds
     int64_t n = 0;
     for (const auto& s : zero_->parameters()) n += s.numel();
+    for (const auto& e : tp_.expert_params()) n += e.numel();
     return {{dev_.str(), n, peak_memory(dev_)}};
   }
 

@@ -376,11 +376,6 @@ void validate_expert_parallel(const TrainerOptions& o, int world) {
     throw UsageError(what + " goes with TrainerOptions::strategy ddp, zero1, zero2 or fsdp (" +
                      to_string(s) + " does not spread experts yet)");
   }
-  if (s != Strategy::kDDP && o.amp == Amp::kBf16 && o.tensor_parallel.size <= 1) {
-    throw UsageError(what + " with TrainerOptions::strategy " + to_string(s) +
-                     " and TrainerOptions::amp bf16 is not supported yet (ZeRO's mixed precision "
-                     "casts the shards, and the experts are not among them); use ddp, or amp none");
-  }
   const int data_ranks = world / std::max(o.tensor_parallel.size, 1);
   if (world % std::max(o.tensor_parallel.size, 1) != 0 || data_ranks % ep != 0) {
     throw UsageError(what + " does not divide the " + std::to_string(data_ranks) +

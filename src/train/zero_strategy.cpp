@@ -9,8 +9,8 @@
 // of the three stages, under any strategy, and in Python. --amp bf16 at degree 1 is the sharded
 // mixed-precision policy (Note [Mixed precision] in src/zero/sharded_step.cpp): parameters and
 // buffers compute in bf16, gradients are reduced in fp32 into fp32 master shards, and
-// checkpoints hold the fp32 master weights; split, the layers compute under bf16 autocast
-// instead. The loss is taken in fp32.
+// checkpoints hold the fp32 master weights; split (tp, or the experts over ep), the layers
+// compute under bf16 autocast instead. The loss is taken in fp32.
 
 #include "checkpoint/checkpoint_dcp.h"
 #include "checkpoint/optimizer_state.h"

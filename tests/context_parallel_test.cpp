@@ -1,6 +1,7 @@
 // Context parallelism's ring attention (context_parallel.h) against attention over the whole
 // sequence on one rank: the outputs and the gradients of q, k and v of every rank's slice, at
-// degrees 2 and 4, causal and not, load-balanced and not, with grouped-query heads; the messages
+// degrees 2 and 4, causal and not, load-balanced and not, with grouped-query heads, with attention
+// dropout (the whole sequence's masks); the messages
 // each call sends; the split's positions against tables written by hand; and bad input.
 //
 // Note [Ring attention tolerance]: float64 on both sides. The ring computes each row's softmax
@@ -11,6 +12,7 @@
 // by the wrong positions is off by 1e-2 of it or more.
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,8 +34,12 @@ struct RingCase {
   bool causal;
   bool balanced;
   int64_t heads = 4, kv_heads = 4;
-  bool fused = true;  // RingAttentionOptions::fused: the CPU's flash attention, or the products
+  bool fused = true;   // RingAttentionOptions::fused: the CPU's flash attention, or the products
+  double dropout = 0;  // attention dropout, its mask from a generator seeded kDropoutSeed
 };
+
+constexpr uint64_t kDropoutSeed = 29;
+at::Generator dropout_generator() { return at::make_generator<at::CPUGeneratorImpl>(kDropoutSeed); }
 
 struct Whole {
   at::Tensor q, k, v, weight;  // inputs, and the weights of the loss sum(out * weight)
@@ -62,7 +68,13 @@ Whole whole_attention(const RingCase& c, int64_t length, bool bf16_inputs = fals
     s = s.masked_fill(at::ones({length, length}, at::kBool).triu(1),
                       -std::numeric_limits<double>::infinity());
   }
-  w.out = at::matmul(at::softmax(s, -1), v);
+  at::Tensor probs = at::softmax(s, -1);
+  if (c.dropout > 0) {  // the whole probabilities' mask, kept ones scaled by 1 / (1 - p)
+    const at::Tensor mask =
+        at::empty(probs.sizes(), f64).bernoulli_(1 - c.dropout, dropout_generator());
+    probs = probs * mask / (1 - c.dropout);
+  }
+  w.out = at::matmul(probs, v);
   (w.out * w.weight).sum().backward();
   w.dq = w.q.grad();
   w.dk = w.k.grad();
@@ -97,6 +109,7 @@ std::vector<std::string> ring_against_whole(const RingCase& c, int64_t length,
     o.causal = c.causal;
     o.traffic = traffic;
     o.fused = c.fused;
+    o.dropout = {c.dropout, {}, dropout_generator()};  // every rank's in the same state
     const at::Tensor out = ring_attention(q, k, v, d, split, o);
     (out * mine(w.weight)).sum().backward();
     std::string& bad = mismatches[static_cast<size_t>(d.rank())];
@@ -139,13 +152,16 @@ INSTANTIATE_TEST_SUITE_P(
                       RingCase{4, true, true}, RingCase{4, true, false}, RingCase{4, false, false},
                       RingCase{2, true, true, 4, 2}, RingCase{4, true, true, 4, 1},
                       RingCase{2, true, true, 4, 4, false}, RingCase{4, true, false, 4, 2, false},
-                      RingCase{2, false, true, 4, 4, false}),
+                      RingCase{2, false, true, 4, 4, false},
+                      RingCase{2, true, true, 4, 2, true, 0.3},
+                      RingCase{4, true, false, 4, 4, true, 0.3},
+                      RingCase{2, false, true, 4, 4, true, 0.3}),
     [](const auto& p) {
       const RingCase& c = p.param;
       return "Cp" + std::to_string(c.degree) + (c.causal ? "Causal" : "Full") +
              (c.balanced ? "Balanced" : "InOrder") +
              (c.kv_heads < c.heads ? "Gqa" + std::to_string(c.kv_heads) : "") +
-             (c.fused ? "" : "Products");
+             (c.fused ? "" : "Products") + (c.dropout > 0 ? "Dropout" : "");
     });
 
 TEST(RingAttention, DegreeOneIsPlainAttentionWithoutAGroup) {
@@ -163,6 +179,28 @@ TEST(RingAttention, DegreeOneIsPlainAttentionWithoutAGroup) {
   EXPECT_TRUE(close_to(k.grad(), w.dk, "dk"));
   EXPECT_TRUE(close_to(v.grad(), w.dv, "dv"));
   EXPECT_EQ(traffic.forward_messages.load() + traffic.backward_messages.load(), 0);
+}
+
+// Off (one rank, no ring), ContextParallelism::attention with dropout is the three products with
+// the probabilities' mask drawn over them; the ring at degree 1 draws the same one.
+TEST(RingAttention, DropoutAtDegreeOneDrawsTheSameMasks) {
+  const RingCase c{1, true, true, 4, 2, true, 0.25};
+  const Whole w = whole_attention(c, 12);
+  const AttentionDropout drop{c.dropout, {}, dropout_generator()};
+  for (bool ring : {false, true}) {
+    SCOPED_TRACE(ring ? "ring at degree 1" : "ContextParallelism off");
+    const at::Tensor q = w.q.detach().requires_grad_(), k = w.k.detach().requires_grad_(),
+                     v = w.v.detach().requires_grad_();
+    RingAttentionOptions o;
+    o.dropout = {c.dropout, {}, dropout_generator()};
+    const at::Tensor out = ring ? ring_attention(q, k, v, Dist{}, ContextSplit{}, o)
+                                : ContextParallelism{}.attention(q, k, v, std::nullopt, drop);
+    (out * w.weight).sum().backward();
+    EXPECT_TRUE(close_to(out.detach(), w.out, "output"));
+    EXPECT_TRUE(close_to(q.grad(), w.dq, "dq"));
+    EXPECT_TRUE(close_to(k.grad(), w.dk, "dk"));
+    EXPECT_TRUE(close_to(v.grad(), w.dv, "dv"));
+  }
 }
 
 // bfloat16 inputs: the scores, statistics and gradients in float32, the result in bf16. Against

@@ -228,8 +228,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Resume>& p) { return p.param.name; });
 
 // Coordinated dropout (Note [Coordinated dropout] in zoo/gpt.cpp): a GPT with dropout split
-// over tp 2 processes, with and without sequence parallelism, draws the single process's masks
-// (a tensor-parallel group's ranks share one random stream), so its loss curve is the single
+// over tp 2 processes, with and without sequence parallelism, or with its sequences over cp 2,
+// draws the single process's masks (a tensor-parallel or context-parallel group's ranks share
+// one random stream), so its loss curve is the single
 // process's to float32's rounding; without dropout the curve is another one. One epoch (6 steps):
 // the runs are a numeric test, repeated at each CPU dispatch level.
 TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
@@ -244,8 +245,10 @@ TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
   };
   const auto one = curve(1, "--dropout 0.2");
   ASSERT_GE(one.size(), 4u);
-  for (const auto& [processes, flags] : std::vector<std::pair<int, std::string>>{
-           {2, "--dropout 0.2 --tp 2"}, {2, "--dropout 0.2 --tp 2 --sequence-parallel"}}) {
+  for (const auto& [processes, flags] :
+       std::vector<std::pair<int, std::string>>{{2, "--dropout 0.2 --tp 2"},
+                                                {2, "--dropout 0.2 --tp 2 --sequence-parallel"},
+                                                {2, "--dropout 0.2 --cp 2"}}) {
     const auto split = curve(processes, flags);
     ASSERT_EQ(split.size(), one.size()) << flags;
     for (size_t i = 0; i < one.size(); ++i) {

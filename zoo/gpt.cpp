@@ -31,9 +31,11 @@ namespace scaletrain {
 // probabilities, its slice of the sequence in the sequence-parallel regions (embeddings and
 // residual branches), all of it where the tensor is replicated. So the masks are the unsplit
 // model's whatever the degree, and a split GPT with dropout trains as the single process does.
-// With dropout the attention runs as its three products (the probabilities' mask drawn here)
-// instead of scaled_dot_product_attention, at every degree, so that degree 1 draws the same
-// masks too.
+// With dropout the attention runs as its three products (the probabilities' mask drawn by
+// ContextParallelism::attention) instead of scaled_dot_product_attention, at every degree, so
+// that degree 1 draws the same masks too. Under context parallelism each rank draws the whole
+// masks too and keeps its positions' part: the ring's rows of the probabilities' mask (Note
+// [Ring attention with dropout] in src/cp/ring_attention.cpp), the residuals' positions.
 
 // What a GPT's layers share: the dropouts' probability, generator (unset: the device's default)
 // and the rank's place in the tensor-parallel group; context parallelism's group and split.
@@ -51,10 +53,21 @@ struct LayerContext {
     return coordinated_dropout(x, {p, {dim, parts, parts > 1 ? rank : 0}, generator});
   }
   // A residual branch's or the embeddings' output [B, T, C]: a slice of the sequence under
-  // sequence parallelism, else whole on every rank.
+  // sequence parallelism, else whole on every rank; under context parallelism, of the rank's
+  // slice of it (its positions).
   at::Tensor residual(const at::Tensor& x, bool training) const {
     if (!active(training)) return x;
-    return apply(x, 1, sequence_parallel ? size : 1);
+    const int64_t parts = sequence_parallel ? size : 1;
+    if (!cp.on()) return apply(x, 1, parts);
+    CoordinatedDropoutOptions o{p, {1, parts, parts > 1 ? rank : 0}, generator};
+    o.length = x.size(1) * parts * cp.split.degree;
+    o.positions = cp.split.positions(o.length);
+    return coordinated_dropout(x, o);
+  }
+  // The attention probabilities' dropout [B, heads, T, T] (this rank's heads).
+  AttentionDropout attention(bool training) const {
+    if (!active(training)) return {};
+    return {p, {1, size, size > 1 ? rank : 0}, generator};
   }
 };
 
@@ -74,15 +87,9 @@ class AttentionImpl : public torch::nn::Module {
     auto parts = qkv.chunk(3, -1);
     auto heads = [&](const at::Tensor& p) { return p.view({b, t, -1, head_dim_}).transpose(1, 2); };
     auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-    at::Tensor y;
-    if (shared_->active(is_training())) {  // Note [Coordinated dropout]: this rank's heads
-      auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-      auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool)).triu(1).to(x.device());
-      att = at::softmax(att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-      y = at::matmul(shared_->apply(att, 1, shared_->size), v);
-    } else {  // over the whole sequence: this rank's slice of it under context parallelism
-      y = shared_->cp.attention(q, k, v);
-    }
+    // Over the whole sequence (this rank's slice of it under context parallelism), with
+    // dropout on this rank's heads' probabilities (Note [Coordinated dropout]).
+    at::Tensor y = shared_->cp.attention(q, k, v, std::nullopt, shared_->attention(is_training()));
     y = y.transpose(1, 2).contiguous().view({b, t, -1});
     return shared_->residual(c_proj(y), is_training());
   }
@@ -303,12 +310,6 @@ void GPTImpl::parallelize(const Dist& tp, bool sp) {
 }
 
 void GPTImpl::context_parallel(const Dist* cp, const ContextSplit& split) {
-  if (cp && cp->size() > 1 && config_.dropout > 0) {
-    throw UsageError(
-        "context parallelism: GPT's attention dropout (" + std::to_string(config_.dropout) +
-        ") draws masks over the whole sequence, which ring attention never holds; train it with "
-        "dropout 0 under context parallelism");
-  }
   shared_->cp.set(cp, split);
 }
 

@@ -343,8 +343,8 @@ std::string train_backend(const TrainOptions& o, const std::string& requested, i
   return requested;
 }
 
-// --cp: a model with attention to split (the GPTs and Llamas: Model::context_parallel), no
-// dropout, and a context the chunks divide (the trainer's ranks would refuse each later).
+// --cp: a model with attention to split (the GPTs and Llamas: Model::context_parallel) and a
+// context the chunks divide (the trainer's ranks would refuse each later).
 void validate_zoo_context_parallel(const TrainOptions& o) {
   const int cp = o.context_parallel.size;
   if (cp <= 1) return;
@@ -352,11 +352,6 @@ void validate_zoo_context_parallel(const TrainOptions& o) {
     throw UsageError("--cp " + std::to_string(cp) + ": --model " + o.model +
                      " has no attention for context parallelism to split; it takes the GPTs "
                      "and Llamas (and Hugging Face folders of them): leave --cp at 1");
-  }
-  if (o.dropout > 0) {
-    throw UsageError("--cp " + std::to_string(cp) + " with --dropout " + std::to_string(o.dropout) +
-                     ": ring attention never holds the whole sequence's attention "
-                     "probabilities to drop; give --dropout 0 with --cp");
   }
   const int64_t chunks = ContextSplit{cp, 0, o.context_parallel.load_balanced}.chunks();
   if (o.context > 0 && o.context % chunks != 0) {

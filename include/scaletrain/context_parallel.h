@@ -28,6 +28,7 @@
 #include <optional>
 #include <vector>
 
+#include "scaletrain/coordinated_dropout.h"
 #include "scaletrain/dist.h"
 
 namespace scaletrain {
@@ -68,6 +69,18 @@ struct RingTraffic {
   std::atomic<int64_t> bytes{0};
 };
 
+/// Dropout on the attention probabilities (training), with the masks the unsplit model draws:
+/// the mask of the whole [batch, heads · heads.parts, S, S] probabilities is drawn from
+/// `generator` (unset: the device's default) as coordinated_dropout() draws it
+/// (coordinated_dropout.h), and each rank keeps its heads (`heads`: tensor parallelism's part of
+/// them) and its rows. So the generator must be in the same state on every rank of the cp group
+/// (and of the tp group), and a rank draws S² numbers per head, as the unsplit model does.
+struct AttentionDropout {
+  double p = 0;  ///< the probability of dropping one, in [0, 1); 0: none
+  TensorPart heads;
+  std::optional<at::Generator> generator;
+};
+
 struct RingAttentionOptions {
   bool causal = true;
   /// The scores' scale; unset: 1 / sqrt(head_dim), as scaled_dot_product_attention's default.
@@ -78,6 +91,10 @@ struct RingAttentionOptions {
   /// log-sum-exp (on the CPU, ATen's flash attention); false: the plain products (the
   /// reference, and the path on devices without such a kernel).
   bool fused = true;
+  /// With p > 0 the pairs run through the plain products (a pair's mask applied to its
+  /// probabilities, after their log-sum-exp) and each rank keeps its rows' mask, S/N × S per
+  /// head, until the backward.
+  AttentionDropout dropout;
 };
 
 /// Attention of this rank's queries over the keys and values of the whole sequence, which the
@@ -111,9 +128,12 @@ struct ContextParallelism {
   /// sequence is n · degree long), as an int64 tensor with `options`' device.
   at::Tensor positions(int64_t n, const at::TensorOptions& options) const;
   /// Causal attention (q: [batch, heads, n, head_dim], k and v with kv heads dividing them) over
-  /// the whole sequence, with the scores scaled by `scale` (unset: head_dim^-½).
+  /// the whole sequence, with the scores scaled by `scale` (unset: head_dim^-½), and `dropout`
+  /// on its probabilities (off: the three products, the softmax's mask by coordinated_dropout()
+  /// with dropout.heads; on: ring_attention's), the same masks on and off.
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       std::optional<double> scale = std::nullopt) const;
+                       std::optional<double> scale = std::nullopt,
+                       const AttentionDropout& dropout = {}) const;
   /// This rank's slice of `x` along `dim` (the sequence), or x when off.
   at::Tensor shard(const at::Tensor& x, int64_t dim) const;
   /// The whole sequence along `dim` from every rank's `slice` (collective over the group; the

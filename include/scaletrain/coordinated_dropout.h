@@ -59,12 +59,19 @@ struct CoordinatedDropoutOptions {
   double p;  // the probability of dropping an element, in [0, 1)
   TensorPart part;
   std::optional<at::Generator> generator;  // unset: the tensor's device's default generator
+  /// Context parallelism (context_parallel.h): defined, the whole tensor is `length` long along
+  /// part.dim and this rank's slice of it holds the places `positions` (int64, in their order:
+  /// ContextSplit::positions()), which part.parts then cut in equal parts (sequence parallelism
+  /// within the slice). UsageError when positions' count is not part.parts times x's size
+  /// there, or a position is outside the length.
+  at::Tensor positions;
+  int64_t length = 0;
 };
 
-/// `x` (this rank's part of the whole tensor, as `options.part` says) with the whole tensor's
-/// mask applied to it: elements dropped with probability p, the others scaled by 1 / (1 − p).
-/// x itself for p = 0. Throws UsageError for p outside [0, 1) or a part that `x` cannot be
-/// (a dimension it lacks, an index outside the parts).
+/// `x` (this rank's part of the whole tensor, as `options.part` and `options.positions` say) with
+/// the whole tensor's mask applied to it: elements dropped with probability p, the others scaled by
+/// 1 / (1 − p). x itself for p = 0. Throws UsageError for p outside [0, 1) or a part that `x`
+/// cannot be (a dimension it lacks, an index outside the parts).
 at::Tensor coordinated_dropout(const at::Tensor& x, const CoordinatedDropoutOptions& options);
 
 }  // namespace scaletrain

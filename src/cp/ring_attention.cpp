@@ -35,6 +35,18 @@
 // Grouped-query attention exchanges the kv heads only; each is repeated for its query heads in
 // the pair, and its gradients summed back over them. Half and bfloat16 inputs are computed in
 // float32 (the merges, the gradients' sums), and the result cast back.
+//
+// Note [Ring attention with dropout]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Dropout acts on the probabilities, after the softmax: out = (P ∘ M / (1 − p)) V with P the
+// softmax over every key and M the mask. A pair's P_i = e^(scores − l_i) is its rows' softmax over
+// its keys; the merge weighs pair i by e^(l_i − L), and e^(l_i − L) · P_i is P over those keys.
+// So each pair applies its block of the mask to its own P_i (its log-sum-exp l_i taken before,
+// over the undropped scores) and the merge stays as it is. Backward, with D = rowsum(dO ∘ O) of
+// the final (dropped) output, dS = P ∘ ((dO Vᵀ) ∘ M / (1 − p) − D) and dV = (P ∘ M / (1 − p))ᵀ dO:
+// D is still Σ_j P_ij dP_ij. The mask is the unsplit model's: each rank draws the whole
+// [B, H, S, S] one as coordinated_dropout() would over the unsplit probabilities, keeps its rows
+// (its tokens' positions) and hands each pair its block; the fused kernel is not used then.
 
 #include <ATen/ATen.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
@@ -94,11 +106,22 @@ at::Tensor to_kv_heads(const at::Tensor& g, int64_t group) {
   return g.reshape({s[0], s[1] / group, group, s[2], s[3]}).sum(2);
 }
 
-// One pair's attention and the log-sum-exp of its rows' scores.
+// A pair's attention dropout: its part of the rank's mask (undefined: none), and 1 − p.
+struct PairDropout {
+  at::Tensor mask;
+  double keep = 1;
+  // The probabilities as the values see them: dropped, the kept ones scaled by 1 / keep.
+  at::Tensor apply(const at::Tensor& p) const {
+    return mask.defined() ? p * mask.to(p.scalar_type()) / keep : p;
+  }
+};
+
+// One pair's attention and the log-sum-exp of its rows' scores (before any dropout: Note [Ring
+// attention with dropout]).
 std::tuple<at::Tensor, at::Tensor> pair_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, bool causal, double scale,
-                                                bool fused) {
-  if (fused && q.is_cpu()) {
+                                                bool fused, const PairDropout& drop) {
+  if (fused && q.is_cpu() && !drop.mask.defined()) {
     return at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, {}, scale);
   }
   at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
@@ -107,14 +130,15 @@ std::tuple<at::Tensor, at::Tensor> pair_forward(const at::Tensor& q, const at::T
     s.masked_fill_(future, -std::numeric_limits<double>::infinity());
   }
   at::Tensor l = at::logsumexp(s, -1);
-  return {at::matmul(s.sub_(l.unsqueeze(-1)).exp_(), v), l};
+  return {at::matmul(drop.apply(s.sub_(l.unsqueeze(-1)).exp_()), v), l};
 }
 
 // One pair's gradients of q, k and v, from the final output `o` and log-sum-exp `l` of its rows.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_backward(
     const at::Tensor& d_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& o, const at::Tensor& l, bool causal, double scale, bool fused) {
-  if (fused && q.is_cpu()) {
+    const at::Tensor& o, const at::Tensor& l, bool causal, double scale, bool fused,
+    const PairDropout& drop) {
+  if (fused && q.is_cpu() && !drop.mask.defined()) {
     return at::_scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, o, l, 0.0,
                                                                     causal, {}, scale);
   }
@@ -125,9 +149,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pair_backward(
   }
   const at::Tensor p = s.sub_(l.unsqueeze(-1)).exp_();
   const at::Tensor delta = (d_out * o).sum(-1, /*keepdim=*/true);
-  const at::Tensor ds = p * (at::matmul(d_out, v.transpose(-2, -1)) - delta);
+  const at::Tensor ds = p * (drop.apply(at::matmul(d_out, v.transpose(-2, -1))) - delta);
   return {at::matmul(ds, k).mul_(scale), at::matmul(ds.transpose(-2, -1), q).mul_(scale),
-          at::matmul(p.transpose(-2, -1), d_out)};
+          at::matmul(drop.apply(p).transpose(-2, -1), d_out)};
 }
 
 // The ring as this rank sees it: its group, its split, its peers, and the traffic counters.
@@ -136,6 +160,12 @@ struct Ring : torch::CustomClassHolder {
   ContextSplit split;
   RingAttentionOptions options;
   int64_t chunk = 0;  // tokens per chunk
+  at::Tensor mask;    // attention dropout: this rank's rows of the whole mask, [B, H, S/N, S]
+  // The dropout of the pair of query chunk `qc` (rows of this rank) and key chunk `kc`.
+  PairDropout dropout(const Chunk& qc, const Chunk& kc) const {
+    if (!mask.defined()) return {};
+    return {mask.narrow(2, qc.at, chunk).narrow(3, kc.id * chunk, chunk), 1 - options.dropout.p};
+  }
   int next() const { return (split.rank + 1) % split.degree; }
   int prev() const { return (split.rank + split.degree - 1) % split.degree; }
   int source(int step) const { return (split.rank - step + split.degree) % split.degree; }
@@ -192,7 +222,7 @@ void merge_step(const Ring& ring, int i, const at::Tensor& q, const at::Tensor& 
     const at::Tensor k = for_heads(kv[0].narrow(2, kc.at, c), group);
     const at::Tensor v = for_heads(kv[1].narrow(2, kc.at, c), group);
     auto [o, l] = pair_forward(q.narrow(2, qc.at, c).contiguous(), k.contiguous(), v.contiguous(),
-                               causal, ring.scale(q), ring.options.fused);
+                               causal, ring.scale(q), ring.options.fused, ring.dropout(qc, kc));
     at::Tensor lo = lse.narrow(2, qc.at, c), oo = out.narrow(2, qc.at, c);
     const at::Tensor ln = at::logaddexp(lo, l);
     oo.copy_(oo * at::exp(lo - ln).unsqueeze(-1) + o * at::exp(l - ln).unsqueeze(-1));
@@ -211,7 +241,7 @@ void backward_step(const Ring& ring, int i, const at::Tensor& q, const at::Tenso
     auto rows = [&](const at::Tensor& t) { return t.narrow(2, qc.at, c).contiguous(); };
     auto [gq, gk, gv] =
         pair_backward(rows(d_out), rows(q), k.contiguous(), v.contiguous(), rows(out), rows(lse),
-                      causal, ring.scale(q), ring.options.fused);
+                      causal, ring.scale(q), ring.options.fused, ring.dropout(qc, kc));
     dq.narrow(2, qc.at, c).add_(gq);
     dkv[0].narrow(2, kc.at, c).add_(to_kv_heads(gk, group));
     dkv[1].narrow(2, kc.at, c).add_(to_kv_heads(gv, group));
@@ -279,6 +309,27 @@ variable_list RingAttention::backward(AutogradContext* ctx, variable_list g) {
   }
   return {dq.to(q.scalar_type()), dkv[0].to(k.scalar_type()), dkv[1].to(v.scalar_type()),
           at::Tensor()};
+}
+
+// The whole [B, H · parts, S, S] mask of the probabilities, drawn as coordinated_dropout()
+// draws it, cut to this rank's heads: [B, H, S, S] (1 kept, 0 dropped).
+at::Tensor dropout_mask(const AttentionDropout& drop, at::IntArrayRef q, int64_t length,
+                        const at::TensorOptions& options) {
+  if (!(drop.p >= 0 && drop.p < 1)) {
+    throw UsageError("ring_attention: the dropout " + std::to_string(drop.p) +
+                     " is not a probability in [0, 1)");
+  }
+  const TensorPart& part = drop.heads;
+  if ((part.parts > 1 && part.dim != 1) || part.parts < 1 || part.index < 0 ||
+      part.index >= part.parts) {
+    throw UsageError(
+        "ring_attention: the dropout's heads must be part i of n along dimension 1 "
+        "(part_of(tp, 1)); got part " +
+        str(part.index) + " of " + str(part.parts) + " along " + str(part.dim));
+  }
+  at::Tensor mask = at::empty({q[0], q[1] * part.parts, length, length}, options)
+                        .bernoulli_(1 - drop.p, drop.generator);
+  return part.parts > 1 ? mask.narrow(1, part.index * q[1], q[1]) : mask;
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Dist& cp,
@@ -361,11 +412,24 @@ at::Tensor ContextParallelism::positions(int64_t n, const at::TensorOptions& opt
 }
 
 at::Tensor ContextParallelism::attention(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, std::optional<double> scale) const {
+                                         const at::Tensor& v, std::optional<double> scale,
+                                         const AttentionDropout& dropout) const {
   if (on()) {
     RingAttentionOptions o;
     o.scale = scale;
+    o.dropout = dropout;
     return ring_attention(q, k, v, *group, split, o);
+  }
+  if (dropout.p > 0) {  // the three products, the probabilities' mask drawn over them
+    const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
+    at::Tensor att = at::matmul(q, for_heads(k, group).transpose(-2, -1));
+    att = scale ? att * *scale : att / std::sqrt(static_cast<double>(q.size(-1)));
+    const int64_t t = q.size(2);
+    const auto future = at::ones({t, t}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    att = at::softmax(
+        att.masked_fill(future.to(q.device()), -std::numeric_limits<double>::infinity()), -1);
+    att = coordinated_dropout(att, {dropout.p, dropout.heads, dropout.generator});
+    return at::matmul(att, for_heads(v, group));
   }
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
                                           /*enable_gqa=*/q.size(1) != k.size(1));
@@ -401,6 +465,11 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t length = q.size(2) * split.degree;
   split.check(length);
   ring->chunk = length / split.chunks();
+  const AttentionDropout& drop = options.dropout;
+  if (drop.p > 0) {  // Note [Ring attention with dropout]
+    at::Tensor mask = dropout_mask(drop, q.sizes(), length, q.options());
+    ring->mask = mask.index_select(2, split.positions(length).to(q.device())).to(at::kBool);
+  }
   return RingAttention::apply(q, k, v, c10::IValue::make_capsule(std::move(ring)));
 }
 

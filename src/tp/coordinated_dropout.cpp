@@ -28,10 +28,22 @@ at::Tensor coordinated_dropout(const at::Tensor& x, const CoordinatedDropoutOpti
                      "; give the dimension the whole tensor is split along and this rank's part "
                      "(part_of(tp, dim))");
   }
+  const bool placed = o.positions.defined();
+  if (placed && (o.positions.numel() != x.size(dim) * part.parts ||
+                 (o.positions.numel() > 0 && (o.positions.min().item<int64_t>() < 0 ||
+                                              o.positions.max().item<int64_t>() >= o.length)))) {
+    throw UsageError("coordinated_dropout: " + std::to_string(o.positions.numel()) +
+                     " positions within a length of " + std::to_string(o.length) +
+                     " cannot place a " + c10::str(x.sizes()) + " tensor, part " +
+                     std::to_string(part.index) + " of " + std::to_string(part.parts) +
+                     " along dimension " + std::to_string(part.dim) +
+                     "; give the positions of this rank's slice before the parts cut it");
+  }
   if (o.p == 0) return x;
   auto shape = x.sizes().vec();
-  shape[static_cast<size_t>(dim)] *= part.parts;
+  shape[static_cast<size_t>(dim)] = placed ? o.length : x.size(dim) * part.parts;
   auto mask = at::empty(shape, x.options()).bernoulli_(1 - o.p, o.generator);
+  if (placed) mask = mask.index_select(dim, o.positions.to(mask.device()));
   if (part.parts > 1) mask = mask.narrow(dim, part.index * x.size(dim), x.size(dim));
   return x * mask / (1 - o.p);
 }

@@ -289,13 +289,17 @@ bool Run::same_batches_everywhere(int64_t e, int64_t batches) {
               "TrainerOptions::ddp.uneven_inputs join under ddp");
 }
 
-// This rank's random stream: its own, but one per tensor-parallel group, whose ranks draw the
-// same dropout masks (Note [Coordinated dropout] in zoo/gpt.cpp; the grid's and the
-// tensor-parallel strategy's groups are consecutive ranks). Under fault tolerance rank k of every
-// replica is rank k of its own world: the replica's id keeps their streams apart.
+// This rank's random stream: its own, but one per tensor-parallel group and context-parallel
+// group, whose ranks draw the same dropout masks (Note [Coordinated dropout] in zoo/gpt.cpp; the
+// meshes are {dp, cp, pp, tp} in that order, so a tp group is consecutive ranks and a cp group's
+// ranks lie pp · tp apart). Under fault tolerance rank k of every replica is rank k of its own
+// world: the replica's id keeps their streams apart.
 int Run::stream() const {
   if (o_.fault_tolerant) return (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank();
-  return d_.rank() / std::max(o_.tensor_parallel.size, 1);
+  const int tp = std::max(o_.tensor_parallel.size, 1);
+  const ParallelDims dims = parallel_dims(o_).resolve(d_.size());
+  const int q = d_.rank() / tp;  // the (dp, cp, pp) coordinates, the cp one left out below
+  return dims.cp > 1 ? q / (dims.cp * dims.pp) * dims.pp + q % dims.pp : q;
 }
 
 void Run::end_epoch(int64_t e, double seconds) {

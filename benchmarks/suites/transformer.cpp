@@ -93,13 +93,9 @@ std::vector<std::string> size_args(const RunSize& s) {
 
 LlamaConfig llama_of(const RunSize& s) {
   LlamaConfig c;
-  c.vocab_size = s.gpt.vocab_size;
-  c.hidden_size = s.gpt.n_embd;
-  c.intermediate_size = s.intermediate;
-  c.n_layers = s.gpt.n_layer;
-  c.n_heads = s.gpt.n_head;
-  c.n_kv_heads = s.kv_heads;
-  c.max_positions = s.gpt.block_size;
+  c.vocab_size = s.gpt.vocab_size, c.hidden_size = s.gpt.n_embd;
+  c.intermediate_size = s.intermediate, c.n_layers = s.gpt.n_layer;
+  c.n_heads = s.gpt.n_head, c.n_kv_heads = s.kv_heads, c.max_positions = s.gpt.block_size;
   return c;
 }
 
@@ -354,6 +350,7 @@ std::string table(const Launches& runs) {
       "Python |\n|---|---|---|---|---|---|---|\n";
   for (const auto& c : kConfigs) {
     const std::string cpp = "cpp/" + c.key(), py = "py/" + c.key();
+    if (!runs.count(cpp)) continue;  // not in a --quick run
     t += "| " + c.label + " | " + fixed(mean(cpp), 0) + " | " + fixed(mean(py), 0) + " | " +
          fixed(mean(cpp) / mean(py), 2) + "x | " + rss_cell(runs.at(cpp)) + " | " +
          rss_cell(runs.at(py)) + " | " + fixed(runs.at(cpp).back().loss, 4) + " / " +
@@ -406,6 +403,7 @@ std::string llama_note(const RunSize& s, int64_t params) {
 void add_transformer_results(SuiteResult& r, const Launches& runs, const RunSize& s,
                              int64_t params) {
   for (size_t i = 0; i < kConfigs.size(); ++i) {
+    if (!runs.count("cpp/" + kConfigs[i].key())) continue;  // not in a --quick run
     for (const std::string side : {"cpp", "py"}) {
       std::vector<double> v;
       for (const auto& l : runs.at(side + "/" + kConfigs[i].key())) v.push_back(l.tokens_per_s);
@@ -471,6 +469,8 @@ SuiteResult run_architecture(const SuiteOptions& o, const std::string& arch) {
   Launches runs;
   for (int round = 0; round < o.repeats; ++round) {
     for (const auto& c : kConfigs) {
+      // --quick: each path once (tp 4 is tp 2's at 4 ranks, FSDP a part of FSDP x TP's).
+      if (o.quick && (c.key() == "tp_4" || c.key() == "fsdp_4")) continue;
       auto launch = [&](const std::string& side, std::vector<std::string> command) {
         const std::string name = side + "_" + c.key() + "_" + std::to_string(round);
         const std::string csv = o.work_dir + "/" + suite + "_" + name + ".csv";

@@ -264,7 +264,8 @@ TEST(Train, GptDropoutUnderTensorParallelDrawsTheSingleProcessMasks) {
 // under ddp on 2 processes, then resumed for a second at tp 2 on the same 2: the tp group took
 // its ranks' two saved streams, and drew different masks on its two ranks. The generators are
 // restored only at the degree they were saved at; otherwise each group starts its stream from the
-// step, so the second epoch is the one a single process resumed from the same file trains.
+// step, so the second epoch is the one a single process resumed from the same file trains. The
+// same for a cp group resumed from ddp's file.
 TEST(Train, ResumeAtAnotherTensorParallelDegreeGivesTheGroupOneStream) {
   TempDir first("tp_streams");
   const std::string text =
@@ -276,19 +277,23 @@ TEST(Train, ResumeAtAnotherTensorParallelDegreeGivesTheGroupOneStream) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
   };
   launch(2, first.path, "--epochs 1");
-  std::map<int, std::vector<std::pair<int64_t, double>>> second;
-  for (int tp : {1, 2}) {
-    TempDir again("tp_streams" + std::to_string(tp));
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> second;
+  for (const auto& [processes, flags] :
+       std::vector<std::pair<int, std::string>>{{1, "--tp 1"}, {2, "--tp 2"}, {2, "--cp 2"}}) {
+    TempDir again("tp_streams" + std::to_string(processes));
     fs::copy(first.path, again.path,
              fs::copy_options::recursive | fs::copy_options::overwrite_existing);
-    launch(tp, again.path, "--epochs 2 --tp " + std::to_string(tp));
-    second[tp] = step_lines(again.path / "metrics.jsonl");
+    launch(processes, again.path, "--epochs 2 " + flags);
+    second[flags] = step_lines(again.path / "metrics.jsonl");
   }
-  ASSERT_EQ(second[1].size(), 12u);
-  ASSERT_EQ(second[2].size(), second[1].size());
-  for (size_t i = 6; i < 12; ++i) {
-    EXPECT_NEAR(second[2][i].second, second[1][i].second, 1e-5 * second[1][i].second)
-        << "step " << second[1][i].first;
+  const auto& one = second["--tp 1"];
+  ASSERT_EQ(one.size(), 12u);
+  for (const std::string flags : {"--tp 2", "--cp 2"}) {  // a cp group shares a stream too
+    ASSERT_EQ(second[flags].size(), one.size()) << flags;
+    for (size_t i = 6; i < 12; ++i) {
+      EXPECT_NEAR(second[flags][i].second, one[i].second, 1e-5 * one[i].second)
+          << flags << ", step " << one[i].first;
+    }
   }
 }
 

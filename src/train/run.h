@@ -50,6 +50,7 @@ class Run {
   void epoch(int64_t e);
   bool same_batches_everywhere(int64_t e, int64_t batches);
   int stream() const;
+  std::string streams_layout() const;
   // The epoch's end on every rank: its loss, the metrics, the scheduler, the checkpoint.
   void end_epoch(int64_t e, double seconds);
   // Fault-tolerant replicas (fault_loop.cpp, Note [Fault-tolerant loop]).

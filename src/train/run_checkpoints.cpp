@@ -163,15 +163,15 @@ void Run::report_differences(const TrainingState& saved) {
 // Each rank's generators and running loss sums, saved by save() (Note [Rank streams]). At the
 // world they were saved at, each rank takes its own generators; at another, every rank starts a
 // stream of its own from the step. So it does at the same world with another tensor-parallel
-// degree, whose groups share other streams.
+// or context-parallel degree, whose groups share other streams (streams_layout()).
 // Regression (ResumeAtAnotherDegreeSplitTheGroupsStreams): ddp on 2 ranks resumed at tp 2 gave
 // the two ranks of the tp group their two old streams, so a GPT's dropout drew different masks
 // on them and their replicated activations drifted apart.
 void Run::restore_rank_state() {
   restore_loss_sums();
   const auto saved = state_.values.find(kStreamsKey);  // absent: tp 1
-  const bool same_streams = (saved == state_.values.end() ? std::string("1") : saved->second) ==
-                            std::to_string(std::max(o_.tensor_parallel.size, 1));
+  const bool same_streams =
+      (saved == state_.values.end() ? std::string("1") : saved->second) == streams_layout();
   if (!same_streams || !restore_rng_states(state_.tensors, d_)) {
     torch::manual_seed(rank_seed(seed_ + static_cast<uint64_t>(state_.global_step), stream()));
   }
@@ -222,7 +222,7 @@ void Run::save_now(int64_t epoch, int64_t step_in_epoch) {
   state_.tensors.clear();
   // Every rank's generators and loss sums, for rank 0's file (Note [Rank streams]).
   state_.tensors = gather_rng_states(d_, collective_device());
-  state_.values[kStreamsKey] = std::to_string(std::max(o_.tensor_parallel.size, 1));
+  state_.values[kStreamsKey] = streams_layout();
   strategy_->state().describe_layout(state_);
   auto sums = at::tensor({loss_sum_.sum, loss_sum_.weight}, at::kDouble);
   state_.tensors[kEpochLossKey] = at::stack(d_.all_gather(sums.to(collective_device()))).cpu();

@@ -302,6 +302,15 @@ int Run::stream() const {
   return dims.cp > 1 ? q / (dims.cp * dims.pp) * dims.pp + q % dims.pp : q;
 }
 
+// What stream() groups by: "T" (the tp degree, as checkpoints before cp wrote it), with
+// " cp C pp P" where a cp group shares a stream.
+std::string Run::streams_layout() const {
+  const ParallelDims dims = parallel_dims(o_).resolve(d_.size());
+  const std::string tp = std::to_string(std::max(o_.tensor_parallel.size, 1));
+  if (o_.fault_tolerant || dims.cp == 1) return tp;
+  return tp + " cp " + std::to_string(dims.cp) + " pp " + std::to_string(dims.pp);
+}
+
 void Run::end_epoch(int64_t e, double seconds) {
   EpochReport report;
   report.seconds = seconds;

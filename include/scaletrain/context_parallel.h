@@ -16,6 +16,9 @@
 // number of (query, key) pairs. Each rank's tokens keep their true positions: positions() says
 // them, for position embeddings, rotary embeddings and the loss.
 //
+// Attention dropout (RingAttentionOptions::dropout) draws the unsplit model's masks: each rank
+// draws the whole mask and keeps its rows (Note [Ring attention with dropout]).
+//
 // The wire, per call on each rank: N − 1 messages forward, each a block of keys and values
 // (2 · batch · kv_heads · S/N · head_dim elements); backward, N − 1 of keys and values and N of
 // their gradients (each block's gradient comes home to its rank on the last hop). Blocks that

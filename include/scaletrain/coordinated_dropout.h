@@ -14,6 +14,10 @@
 //   att = scaletrain::coordinated_dropout(att, {0.1, scaletrain::part_of(tp, 1)});
 //   // on a tensor every rank holds whole:
 //   y = scaletrain::coordinated_dropout(y, {0.1});
+//   // context parallelism: this rank's positions of a sequence of length L (context_parallel.h):
+//   scaletrain::CoordinatedDropoutOptions o{0.1, {1}};  // along the sequence, dim 1 of [B, n, C]
+//   o.positions = split.positions(L), o.length = L;
+//   x = scaletrain::coordinated_dropout(x, o);
 //
 // Contract. Every rank of the group calls it on the same tensors in the same order, and its
 // generator (CoordinatedDropoutOptions::generator, or the device's default) is in the same state

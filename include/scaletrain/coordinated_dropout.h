@@ -31,6 +31,8 @@
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 #include <optional>
@@ -77,5 +79,11 @@ struct CoordinatedDropoutOptions {
 /// 1 / (1 − p). x itself for p = 0. Throws UsageError for p outside [0, 1) or a part that `x`
 /// cannot be (a dimension it lacks, an index outside the parts).
 at::Tensor coordinated_dropout(const at::Tensor& x, const CoordinatedDropoutOptions& options);
+
+/// The mask coordinated_dropout() multiplies a tensor of `sizes` (dtype and device: `tensor`)
+/// by, before its 1 / (1 − p): 1 kept, 0 dropped, drawn the same way, for a kernel that applies
+/// it itself (ring attention). Draws even at p = 0 (all ones then). The same errors.
+at::Tensor coordinated_dropout_mask(at::IntArrayRef sizes, const at::TensorOptions& tensor,
+                                    const CoordinatedDropoutOptions& options);
 
 }  // namespace scaletrain

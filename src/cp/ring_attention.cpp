@@ -311,25 +311,18 @@ variable_list RingAttention::backward(AutogradContext* ctx, variable_list g) {
           at::Tensor()};
 }
 
-// The whole [B, H · parts, S, S] mask of the probabilities, drawn as coordinated_dropout()
-// draws it, cut to this rank's heads: [B, H, S, S] (1 kept, 0 dropped).
+// The probabilities' mask over the whole sequence, [B, H, S, S] (this rank's heads; 1 kept, 0
+// dropped), as coordinated_dropout() draws it over the unsplit probabilities.
 at::Tensor dropout_mask(const AttentionDropout& drop, at::IntArrayRef q, int64_t length,
                         const at::TensorOptions& options) {
-  if (!(drop.p >= 0 && drop.p < 1)) {
-    throw UsageError("ring_attention: the dropout " + std::to_string(drop.p) +
-                     " is not a probability in [0, 1)");
-  }
-  const TensorPart& part = drop.heads;
-  if ((part.parts > 1 && part.dim != 1) || part.parts < 1 || part.index < 0 ||
-      part.index >= part.parts) {
+  if (drop.heads.parts > 1 && drop.heads.dim != 1) {
     throw UsageError(
-        "ring_attention: the dropout's heads must be part i of n along dimension 1 "
-        "(part_of(tp, 1)); got part " +
-        str(part.index) + " of " + str(part.parts) + " along " + str(part.dim));
+        "ring_attention: the dropout's heads are a part along dimension 1 "
+        "(part_of(tp, 1)), not " +
+        str(drop.heads.dim));
   }
-  at::Tensor mask = at::empty({q[0], q[1] * part.parts, length, length}, options)
-                        .bernoulli_(1 - drop.p, drop.generator);
-  return part.parts > 1 ? mask.narrow(1, part.index * q[1], q[1]) : mask;
+  return coordinated_dropout_mask({q[0], q[1], length, length}, options,
+                                  {drop.p, drop.heads, drop.generator});
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Dist& cp,

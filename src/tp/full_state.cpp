@@ -56,10 +56,10 @@ std::map<std::string, Split> split_parameters(torch::nn::Module& module) {
     } else if (auto* moe = dynamic_cast<MoEImpl*>(item.value().get())) {
       if (moe->ep() == nullptr && moe->edp() == nullptr) continue;  // every expert here
       for (const char* w : {"w1", "w2", "w3"}) {
-        if (moe->named_parameters(false).contains(w)) {
-          out[prefix + w] = {0, 1, moe->ep(), moe->edp()};
-          if (moe->ep() == nullptr) std::swap(out[prefix + w].group, out[prefix + w].inner);
-        }
+        if (!moe->named_parameters(false).contains(w)) continue;
+        // Over ep, then within each part over edp; sharded alone, over edp.
+        out[prefix + w] =
+            moe->ep() != nullptr ? Split{0, 1, moe->ep(), moe->edp()} : Split{0, 1, moe->edp()};
       }
     }
   }

@@ -298,8 +298,8 @@ int Run::stream() const {
   if (o_.fault_tolerant) return (o_.fault_tolerant->replica_id + 1) * 100000 + d_.rank();
   const int tp = std::max(o_.tensor_parallel.size, 1);
   const ParallelDims dims = parallel_dims(o_).resolve(d_.size());
-  const int q = d_.rank() / tp;  // the (dp, cp, pp) coordinates, the cp one left out below
-  return dims.cp > 1 ? q / (dims.cp * dims.pp) * dims.pp + q % dims.pp : q;
+  const int q = d_.rank() / tp;  // the (dp, cp, pp) coordinates: the cp one left out
+  return q / (dims.cp * dims.pp) * dims.pp + q % dims.pp;
 }
 
 // What stream() groups by: "T" (the tp degree, as checkpoints before cp wrote it), with
